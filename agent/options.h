@@ -1,0 +1,29 @@
+/*
+ * options.h - dsagent's settings: one struct, one table (common/config.h).
+ * Sources, later winning: defaults, --config FILE, DSAGENT_* environment, flags.
+ */
+#ifndef DS_AGENT_OPTIONS_H
+#define DS_AGENT_OPTIONS_H
+
+#include "common/config.h"
+
+typedef struct agent_opts {
+	char *name;         /* node name; default: hostname */
+	char *bind;         /* address of the control API */
+	int control_port;
+	char *data_dir;
+	char *backend;      /* auto | cpu | cuda */
+	char *log_level;
+	int http_threads;
+	int print_config;
+	int help;
+	int version;
+} agent_opts;
+
+extern const cfg_opt agent_opts_table[];
+
+/* Loads opts from all sources and validates cross-field rules. */
+int agent_opts_load(agent_opts *o, int argc, char **argv, ds_err *err);
+void agent_opts_free(agent_opts *o);
+
+#endif

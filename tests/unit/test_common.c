@@ -1,0 +1,279 @@
+/*
+ * test_common.c - unit tests of common/: status, buf, arena, strutil, jsonx,
+ * config, log level parsing.
+ */
+#include "common/arena.h"
+#include "common/buf.h"
+#include "common/config.h"
+#include "common/jsonx.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/strutil.h"
+#include "tests/unit/unit.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+TEST(status_set_and_wrap)
+{
+	ds_err e = {0};
+	CHECK_EQ(ds_err_set(&e, DS_ENOTFOUND, "tensor %s", "w1"), DS_ENOTFOUND);
+	CHECK_EQ(ds_err_wrap(&e, "loading %s", "model"), DS_ENOTFOUND);
+	CHECK_STR(e.msg, "loading model: tensor w1");
+	CHECK_STR(ds_status_name(DS_EFORMAT), "EFORMAT");
+	CHECK_EQ(ds_err_set(NULL, DS_EINVAL, "x"), DS_EINVAL);
+	ds_err_clear(&e);
+	CHECK_EQ(e.code, DS_OK);
+	CHECK_STR(e.msg, "");
+}
+
+TEST(buf_caps_at_max_and_keeps_content)
+{
+	buf b;
+	buf_init(&b, 8);
+	CHECK_EQ(buf_puts(&b, "abcd"), DS_OK);
+	CHECK_EQ(buf_printf(&b, "%d", 1234), DS_OK);
+	CHECK_EQ(b.len, 8);
+	CHECK_EQ(buf_puts(&b, "x"), DS_ERANGE);
+	CHECK_EQ(buf_printf(&b, "%s", "yz"), DS_ERANGE);
+	CHECK_STR(b.data, "abcd1234");
+	char *s = buf_take(&b);
+	CHECK_STR(s, "abcd1234");
+	CHECK(b.data == NULL && b.len == 0);
+	free(s);
+	buf_free(&b);
+}
+
+TEST(buf_grows_past_first_allocation)
+{
+	buf b;
+	buf_init(&b, 0);
+	for (int i = 0; i < 1000; i++)
+		CHECK_EQ(buf_printf(&b, "%04d", i), DS_OK);
+	CHECK_EQ(b.len, 4000);
+	CHECK(memcmp(b.data + 3996, "0999", 4) == 0);
+	CHECK_EQ(b.data[b.len], '\0');
+	buf_free(&b);
+}
+
+TEST(arena_alignment_zeroing_cap_reset)
+{
+	arena *a = arena_new(128, 1024);
+	CHECK(a != NULL);
+	for (int i = 0; i < 20; i++) {
+		size_t align = (size_t)1 << (i % 7);
+		unsigned char *p = arena_alloc(a, 24, align);
+		CHECK(p != NULL);
+		CHECK_EQ((uintptr_t)p % align, 0);
+		for (int j = 0; j < 24; j++)
+			CHECK_EQ(p[j], 0);
+		memset(p, 0xAB, 24);
+	}
+	CHECK(arena_alloc(a, 4096, 8) == NULL); /* past the cap */
+	CHECK(arena_reserved(a) <= 1024);
+	arena_reset(a);
+	CHECK_EQ(arena_used(a), 0);
+	unsigned char *q = arena_alloc(a, 64, 8); /* reused memory comes back zeroed */
+	CHECK(q != NULL);
+	int nonzero = 0;
+	for (int j = 0; j < 64; j++)
+		nonzero |= q[j];
+	CHECK_EQ(nonzero, 0);
+	CHECK_STR(arena_strdup(a, "hello"), "hello");
+	CHECK(arena_alloc(a, 8, 3) == NULL); /* bad alignment */
+	arena_free(a);
+	arena_free(NULL);
+}
+
+TEST(strutil_parse_is_strict)
+{
+	int v = 7;
+	CHECK_EQ(ds_parse_int("42", 0, 100, &v), DS_OK);
+	CHECK_EQ(v, 42);
+	CHECK_EQ(ds_parse_int("42x", 0, 100, &v), DS_EINVAL);
+	CHECK_EQ(ds_parse_int(" 4", 0, 100, &v), DS_EINVAL);
+	CHECK_EQ(ds_parse_int("", 0, 100, &v), DS_EINVAL);
+	CHECK_EQ(ds_parse_int("101", 0, 100, &v), DS_ERANGE);
+	CHECK_EQ(ds_parse_int("99999999999999999999", 0, 100, &v), DS_ERANGE);
+	CHECK_EQ(v, 42);
+	double d = 0;
+	CHECK_EQ(ds_parse_double("0.25", 0, 1, &d), DS_OK);
+	CHECK_NEAR(d, 0.25, 0);
+	CHECK_EQ(ds_parse_double("nan", -1, 1, &d), DS_EINVAL);
+	CHECK_EQ(ds_parse_double("2", 0, 1, &d), DS_ERANGE);
+	int b = -1;
+	CHECK_EQ(ds_parse_bool("Yes", &b), DS_OK);
+	CHECK_EQ(b, 1);
+	CHECK_EQ(ds_parse_bool("off", &b), DS_OK);
+	CHECK_EQ(b, 0);
+	CHECK_EQ(ds_parse_bool("maybe", &b), DS_EINVAL);
+	int64_t ids[4];
+	size_t n = 0;
+	CHECK_EQ(ds_parse_i64_list("1,2,30", 0, 100, ids, 4, &n), DS_OK);
+	CHECK_EQ(n, 3);
+	CHECK_EQ(ids[2], 30);
+	CHECK_EQ(ds_parse_i64_list("1,,2", 0, 100, ids, 4, &n), DS_EINVAL);
+	CHECK_EQ(ds_parse_i64_list("1,2,3,4,5", 0, 100, ids, 4, &n), DS_ERANGE);
+	char small[4];
+	CHECK_EQ(ds_strlcpy(small, "abcdef", sizeof small), 6);
+	CHECK_STR(small, "abc");
+}
+
+TEST(jsonx_depth_limit_and_getters)
+{
+	ds_err e = {0};
+	const char *nested = "{\"a\":[1,{\"b\":\"[[[\"}]}";
+	CHECK_EQ(jsonx_depth(nested, strlen(nested)), 3);
+	CHECK_EQ(jsonx_depth("[[", 2), -1);
+	char deep[2101];
+	for (int i = 0; i < 1050; i++) {
+		deep[i] = '[';
+		deep[2099 - i] = ']';
+	}
+	deep[2100] = '\0';
+	CHECK(jsonx_parse(deep, 2100, 64, &e) == NULL);
+	CHECK_EQ(e.code, DS_ERANGE);
+	CHECK(strstr(e.msg, "1050") != NULL);
+	CHECK(jsonx_parse("{\"a\":", 5, 64, &e) == NULL);
+	CHECK_EQ(e.code, DS_EFORMAT);
+	CHECK(strstr(e.msg, "column") != NULL);
+
+	const char *txt = "{\"n\":5,\"f\":0.5,\"s\":\"x\",\"b\":true,\"r\":2.0,\"z\":null}";
+	json_t *v = jsonx_parse(txt, strlen(txt), 8, &e);
+	CHECK(v != NULL);
+	int64_t n = -1;
+	CHECK_EQ(jsonx_get_i64(v, "n", 1, 0, 10, &n, &e), DS_OK);
+	CHECK_EQ(n, 5);
+	CHECK_EQ(jsonx_get_i64(v, "r", 1, 0, 10, &n, &e), DS_OK); /* 2.0 is an integer */
+	CHECK_EQ(n, 2);
+	CHECK_EQ(jsonx_get_i64(v, "f", 1, 0, 10, &n, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "'f'") != NULL);
+	CHECK_EQ(jsonx_get_i64(v, "n", 1, 6, 10, &n, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "[6, 10]") != NULL);
+	n = 77;
+	CHECK_EQ(jsonx_get_i64(v, "missing", 0, 0, 10, &n, &e), DS_OK);
+	CHECK_EQ(jsonx_get_i64(v, "z", 0, 0, 10, &n, &e), DS_OK); /* null = absent */
+	CHECK_EQ(n, 77);
+	CHECK_EQ(jsonx_get_i64(v, "missing", 1, 0, 10, &n, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "required") != NULL);
+	const char *s = NULL;
+	CHECK_EQ(jsonx_get_str(v, "s", 1, &s, &e), DS_OK);
+	CHECK_STR(s, "x");
+	CHECK_EQ(jsonx_get_str(v, "n", 1, &s, &e), DS_EINVAL);
+	double d = 0;
+	CHECK_EQ(jsonx_get_double(v, "f", 1, 0, 1, &d, &e), DS_OK);
+	CHECK_NEAR(d, 0.5, 0);
+	int b = 0;
+	CHECK_EQ(jsonx_get_bool(v, "b", 1, &b, &e), DS_OK);
+	CHECK_EQ(b, 1);
+	char *out = jsonx_dumps(v);
+	CHECK(out && !strchr(out, ' ') && !strchr(out, '\n'));
+	free(out);
+	json_decref(v);
+}
+
+struct tcfg {
+	char *name;
+	int port;
+	int64_t big;
+	double ratio;
+	int flag;
+};
+
+static const cfg_opt topts[] = {
+	{"name", CFG_STR, offsetof(struct tcfg, name), "def", 1, 0, "a name"},
+	{"port", CFG_INT, offsetof(struct tcfg, port), "8000", 1, 65535, "a port"},
+	{"big", CFG_I64, offsetof(struct tcfg, big), "5000000000", 1, 0, "unbounded"},
+	{"ratio", CFG_DOUBLE, offsetof(struct tcfg, ratio), "0.5", 0, 1, "a ratio"},
+	{"flag", CFG_BOOL, offsetof(struct tcfg, flag), "false", 1, 0, "a flag"},
+	{0},
+};
+
+TEST(config_precedence_file_env_flags)
+{
+	char path[] = "/tmp/ds-unit-cfg-XXXXXX";
+	int fd = mkstemp(path);
+	CHECK(fd >= 0);
+	FILE *f = fdopen(fd, "w");
+	fprintf(f, "# comment\nname = \"from file\"\nport = 9000\nratio=0.25 # trailing\n");
+	fclose(f);
+	setenv("DSUT_PORT", "9100", 1);
+	char cfgflag[64];
+	snprintf(cfgflag, sizeof cfgflag, "--config=%s", path);
+	char *argv[] = {"prog", cfgflag, "--flag", "--big", "7", "rest", NULL};
+	struct tcfg c;
+	ds_err e = {0};
+	int next = 0;
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 6, argv, 1, &next, &e), DS_OK);
+	CHECK_STR(c.name, "from file");   /* file over default */
+	CHECK_EQ(c.port, 9100);            /* env over file */
+	CHECK_NEAR(c.ratio, 0.25, 0);
+	CHECK_EQ(c.flag, 1);               /* flag */
+	CHECK_EQ(c.big, 7);
+	CHECK_EQ(next, 5);                 /* stopped at the positional */
+	char v[64];
+	CHECK_EQ(cfg_get(topts, &c, "port", v, sizeof v), DS_OK);
+	CHECK_STR(v, "9100");
+	CHECK_EQ(cfg_get(topts, &c, "nope", v, sizeof v), DS_ENOTFOUND);
+	cfg_free(topts, &c);
+	unsetenv("DSUT_PORT");
+	unlink(path);
+}
+
+TEST(config_rejects_bad_values_with_names)
+{
+	struct tcfg c;
+	ds_err e = {0};
+	char *a1[] = {"prog", "--port", "70000", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 3, a1, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "--port=70000") && strstr(e.msg, "range"));
+	cfg_free(topts, &c);
+	char *a2[] = {"prog", "--colour", "red", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 3, a2, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "--colour") != NULL);
+	cfg_free(topts, &c);
+	char *a3[] = {"prog", "--port", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 2, a3, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "needs a value") != NULL);
+	cfg_free(topts, &c);
+	char *a4[] = {"prog", "--flag=perhaps", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 2, a4, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "boolean") != NULL);
+	cfg_free(topts, &c);
+	setenv("DSUT_RATIO", "abc", 1);
+	char *a5[] = {"prog", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 1, a5, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "DSUT_RATIO") != NULL);
+	unsetenv("DSUT_RATIO");
+	cfg_free(topts, &c);
+	char path[] = "/tmp/ds-unit-cfg-XXXXXX";
+	int fd = mkstemp(path);
+	FILE *f = fdopen(fd, "w");
+	fprintf(f, "port = 1\nbogus = 3\n");
+	fclose(f);
+	CHECK_EQ(cfg_defaults(topts, &c, &e), DS_OK);
+	CHECK_EQ(cfg_load_file(topts, &c, path, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, ":2") && strstr(e.msg, "bogus"));
+	cfg_free(topts, &c);
+	unlink(path);
+	CHECK_EQ(cfg_load_file(topts, &c, "/nonexistent/x.conf", &e), DS_ENOTFOUND);
+	CHECK(strstr(e.msg, "/nonexistent/x.conf") != NULL);
+}
+
+TEST(log_level_parse_names)
+{
+	enum log_level lv = LOG_INFO;
+	CHECK_EQ(log_level_parse("warn", &lv), DS_OK);
+	CHECK_EQ(lv, LOG_WARN);
+	CHECK_EQ(log_level_parse("DEBUG", &lv), DS_OK);
+	CHECK_EQ(lv, LOG_DEBUG);
+	CHECK_EQ(log_level_parse("loud", &lv), DS_EINVAL);
+	enum log_level old = log_get_level();
+	log_set_level(LOG_ERROR);
+	CHECK_EQ(log_get_level(), LOG_ERROR);
+	log_set_level(old);
+}

@@ -1,0 +1,82 @@
+/*
+ * unit_main.c - runner for the C unit tier (see unit.h).
+ * Usage: unit [SUBSTRING]  - runs the tests whose name contains SUBSTRING.
+ */
+#include "tests/unit/unit.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_TESTS 4096
+
+static struct {
+	const char *name;
+	ut_fn fn;
+} tests[MAX_TESTS];
+static int n_tests;
+static int cur_failed;
+static uint64_t rng_state;
+
+void ut_register(const char *name, ut_fn fn)
+{
+	if (n_tests == MAX_TESTS) {
+		fprintf(stderr, "unit: more than %d tests; raise MAX_TESTS\n", MAX_TESTS);
+		exit(2);
+	}
+	tests[n_tests].name = name;
+	tests[n_tests].fn = fn;
+	n_tests++;
+}
+
+void ut_fail(const char *file, int line, const char *fmt, ...)
+{
+	va_list ap;
+	cur_failed = 1;
+	fprintf(stderr, "    %s:%d: ", file, line);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+}
+
+uint64_t ut_rand_u64(void)
+{
+	rng_state ^= rng_state >> 12;
+	rng_state ^= rng_state << 25;
+	rng_state ^= rng_state >> 27;
+	return rng_state * 0x2545F4914F6CDD1Dull;
+}
+
+float ut_rand_float(float lo, float hi)
+{
+	return lo + (hi - lo) * (float)((ut_rand_u64() >> 40) * (1.0 / 16777216.0));
+}
+
+static int by_name(const void *a, const void *b)
+{
+	return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+int main(int argc, char **argv)
+{
+	const char *filter = argc > 1 ? argv[1] : NULL;
+	int passed = 0, failed = 0;
+	qsort(tests, (size_t)n_tests, sizeof tests[0], by_name);
+	for (int i = 0; i < n_tests; i++) {
+		if (filter && !strstr(tests[i].name, filter))
+			continue;
+		cur_failed = 0;
+		rng_state = 0x9E3779B97F4A7C15ull ^ (uint64_t)(i + 1) * 0xBF58476D1CE4E5B9ull;
+		tests[i].fn();
+		printf("%s %s\n", cur_failed ? "FAIL" : "ok  ", tests[i].name);
+		fflush(stdout);
+		if (cur_failed)
+			failed++;
+		else
+			passed++;
+	}
+	printf("unit: %d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
