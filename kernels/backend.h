@@ -34,6 +34,95 @@ typedef struct kb_rmsnorm_args {
 	float eps;
 } kb_rmsnorm_args;
 
+/* Element types of weights (activations are always f32 on the CPU backend).
+ * KB_F8_E4M3 weights carry a companion f32 block-scale matrix (see kb_matmul_args). */
+enum kb_dtype {
+	KB_F32 = 0,
+	KB_F16 = 1,
+	KB_BF16 = 2,
+	KB_F8_E4M3 = 3,
+	KB_DTYPE_COUNT
+};
+
+/* Bytes of one element of a dense dtype. */
+static inline size_t kb_dtype_size(enum kb_dtype t)
+{
+	return t == KB_F32 ? 4 : t == KB_F8_E4M3 ? 1 : 2;
+}
+
+/* y[m][n] (+)= sum_k x[m][k] * W[n][k]      m < M, n < N, k < K
+ * W is row-major [N][K] (the PyTorch Linear layout, y = W x), w_stride elements
+ * between rows (>= K, so a column slice of a wider matrix works).
+ * KB_F8_E4M3: W[n][k] = fp8_e4m3_to_f32(w[n][k]) * w_scale[(n / block) * scale_stride + k / block]
+ * (the Hugging Face weight_scale_inv, multiplied); the weight stays FP8 and is
+ * dequantized block by block inside the product, never as a whole matrix.
+ * Partial edge blocks (N or K not a multiple of block) are allowed.
+ * accumulate = 0: y = xW^T; 1: y += xW^T.  x and y never alias. */
+typedef struct kb_matmul_args {
+	float *y;
+	const float *x;
+	const void *w;
+	const float *w_scale; /* FP8 only */
+	enum kb_dtype wtype;
+	int64_t M, N, K;
+	int64_t x_stride, y_stride, w_stride;
+	int64_t scale_stride; /* FP8: scale columns per scale row, ceil(K_full / block) */
+	int64_t block;        /* FP8: block edge, 128 for DeepSeek-V3 */
+	int accumulate;
+} kb_matmul_args;
+
+/* out[i][:] = table[ids[i]][:] converted to f32, i < n; table row-major
+ * [rows][dim] with table_stride elements between rows.  Ids are validated by
+ * the caller. */
+typedef struct kb_embed_args {
+	float *out;
+	const void *table;
+	enum kb_dtype type; /* F32, F16 or BF16 */
+	const int32_t *ids;
+	int64_t n, dim, out_stride, table_stride;
+} kb_embed_args;
+
+/* Rotary embedding, in place, on the first rot_dim elements of n_heads vectors
+ * per token.  Angle of pair i for token t: theta = (float)pos[t] * inv_freq[i]
+ * (f32), then c = cos(theta) * amp, s = sin(theta) * amp.
+ * interleaved = 1 (GPT-J / DeepSeek checkpoints): pairs (2i, 2i+1);
+ * interleaved = 0 (NeoX / llama HF layout): pairs (i, i + rot_dim/2).
+ *   y_a = x_a * c - x_b * s;  y_b = x_a * s + x_b * c */
+typedef struct kb_rope_args {
+	float *x;
+	int64_t n_tok, n_heads;
+	int64_t tok_stride, head_stride; /* elements */
+	int64_t rot_dim;                 /* even */
+	const int32_t *pos;              /* [n_tok] */
+	const float *inv_freq;           /* [rot_dim / 2] */
+	float amp;
+	int interleaved;
+} kb_rope_args;
+
+/* out[r][i] = silu(gate[r][i]) * up[r][i], silu(z) = z / (1 + exp(-z)). */
+typedef struct kb_silu_mul_args {
+	float *out;
+	const float *gate, *up;
+	int64_t rows, dim;
+	int64_t out_stride, gate_stride, up_stride;
+} kb_silu_mul_args;
+
+/* y[i] += alpha * x[i], i < n. */
+typedef struct kb_axpy_args {
+	float *y;
+	const float *x;
+	int64_t n;
+	float alpha;
+} kb_axpy_args;
+
+/* In place, per row: x = softmax(scale * x) over n elements; stride elements
+ * between rows.  Max-subtracted, f32 with double-free reductions allowed. */
+typedef struct kb_softmax_args {
+	float *x;
+	int64_t rows, n, stride;
+	float scale;
+} kb_softmax_args;
+
 typedef struct kb_backend {
 	const char *name;                 /* "cpu", "cuda" */
 	const char *(*describe)(void);    /* e.g. "avx512" or "NVIDIA H100 (sm_90)" */
@@ -43,8 +132,17 @@ typedef struct kb_backend {
 	int (*upload)(void *dst, const void *src, size_t bytes);
 	int (*download)(void *dst, const void *src, size_t bytes);
 	int (*sync)(void);
-	/* Ops; each returns 0 or a negative DS_E* code. */
+	/* Ops; each returns 0 or a negative DS_E* code.  A NULL op is not
+	 * supported by this backend. */
 	int (*rmsnorm)(const kb_rmsnorm_args *a);
+	int (*matmul)(const kb_matmul_args *a);
+	int (*embed)(const kb_embed_args *a);
+	int (*rope)(const kb_rope_args *a);
+	int (*silu_mul)(const kb_silu_mul_args *a);
+	int (*axpy)(const kb_axpy_args *a);
+	int (*softmax)(const kb_softmax_args *a);
+	/* Worker threads the backend may use (CPU); 0 = one per core. */
+	int (*set_threads)(int n);
 } kb_backend;
 
 /* Backends compiled into this binary (available or not). */
