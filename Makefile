@@ -74,6 +74,7 @@ CTL_SRC    := $(filter-out ctl/main.c,$(wildcard ctl/*.c))
 UNIT_SRC   := $(wildcard tests/unit/*.c)
 CONF_SRC   := $(wildcard tests/conformance/*.c)
 BENCH_SRC  := $(wildcard tests/bench/*.c)
+TOOL_SRC   := $(wildcard tests/tools/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 COMMON_OBJ := $(call obj,$(COMMON_SRC))
@@ -97,7 +98,10 @@ ifeq ($(HAVE_CUDA),1)
 endif
 
 BINS := $(BUILD)/dsagent $(BUILD)/dsctl $(BUILD)/dsrun
-TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/conformance
+# tests/tools/NAME.c: one helper program each (build/tests/NAME), used by the
+# integration tests (e.g. batch tokenization, engine invariant checks).
+TOOL_BINS := $(patsubst tests/tools/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
+TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/conformance $(TOOL_BINS)
 BENCH_BINS := $(BUILD)/tests/bench_kernels
 
 .PHONY: all test unit conformance integration asan bench check deps up install clean tests-bin
@@ -145,6 +149,10 @@ $(BUILD)/tests/bench_kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_ENG
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
 
+$(BUILD)/tests/%: $(BUILD)/obj/tests/tools/%.o $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
+	@mkdir -p $(dir $@)
+	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
+
 # ---- tiers ----
 unit: $(BUILD)/tests/unit
 	$(BUILD)/tests/unit
@@ -152,7 +160,7 @@ unit: $(BUILD)/tests/unit
 conformance: $(BUILD)/tests/conformance
 	$(BUILD)/tests/conformance
 
-integration: all
+integration: all tests-bin
 	DS_BUILD=$(BUILD) $(VENV)/bin/python -m pytest -q tests/integration
 
 # `make test` installs what it needs first, so it works on a fresh machine.
