@@ -40,7 +40,7 @@ ifeq ($(HAVE_CUDA),1)
 endif
 
 WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes \
-            -Wno-unused-parameter -Wformat=2 -Wvla -Wno-format-truncation
+            -Wno-unused-parameter -Wformat=2 -Wvla -Wno-format-truncation -Wno-missing-field-initializers
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -pthread -fno-strict-aliasing -I. $(WARN) -MMD -MP
 ifeq ($(DEBUG),1)
   OPT := -O0 -g3

@@ -196,19 +196,34 @@ int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, int sta
 			i++;
 			break;
 		}
+		const char *name, *eq;
+		size_t len;
+		const cfg_opt *o = NULL;
+		if (a[0] == '-' && a[1] && a[1] != '-' && a[2] == '\0') {
+			for (const cfg_opt *s = tab; s->name && !o; s++)
+				if (s->short_flag == a[1])
+					o = s;
+			if (!o)
+				return ds_err_set(err, DS_EINVAL, "unknown flag %s (see --help)", a);
+			name = o->name;
+			eq = NULL;
+			len = strlen(name);
+			goto have_opt;
+		}
 		if (strncmp(a, "--", 2) != 0 || a[2] == '\0')
 			break;
-		const char *name = a + 2;
-		const char *eq = strchr(name, '=');
-		size_t len = eq ? (size_t)(eq - name) : strlen(name);
+		name = a + 2;
+		eq = strchr(name, '=');
+		len = eq ? (size_t)(eq - name) : strlen(name);
 		if (len == 6 && strncmp(name, "config", 6) == 0) {
 			i += eq ? 1 : 2;
 			continue;
 		}
-		const cfg_opt *o = find(tab, name, len);
+		o = find(tab, name, len);
 		if (!o)
 			return ds_err_set(err, DS_EINVAL, "unknown flag --%.*s (see --help)", (int)len,
 					  name);
+	have_opt:;
 		const char *val;
 		if (eq) {
 			val = eq + 1;
@@ -286,7 +301,10 @@ void cfg_print_help(const cfg_opt *tab, const char *env_prefix, FILE *f)
 		env_prefix);
 	for (const cfg_opt *o = tab; o->name; o++) {
 		char flag[64];
-		snprintf(flag, sizeof flag, "--%s%s", o->name,
+		char shortf[8] = "";
+		if (o->short_flag)
+			snprintf(shortf, sizeof shortf, "-%c, ", o->short_flag);
+		snprintf(flag, sizeof flag, "%s--%s%s", shortf, o->name,
 			 o->type == CFG_BOOL ? ""
 			 : o->type == CFG_STR ? " S"
 					      : " N");

@@ -38,6 +38,7 @@ typedef struct cfg_opt {
 	const char *def;    /* default as text; NULL = unset (NULL string / 0) */
 	double min, max;    /* inclusive bounds for numbers (ignored when min > max) */
 	const char *help;
+	char short_flag;    /* optional one-letter alias: 'm' accepts "-m VALUE" */
 } cfg_opt;
 
 /* Sets every field to its default. */
@@ -51,7 +52,8 @@ int cfg_set(const cfg_opt *tab, void *cfg, const char *name, const char *value, 
 int cfg_load_file(const cfg_opt *tab, void *cfg, const char *path, ds_err *err);
 int cfg_load_env(const cfg_opt *tab, void *cfg, const char *prefix, ds_err *err);
 
-/* Parses argv[start..]: `--name value`, `--name=value`, bare `--flag` for bools.
+/* Parses argv[start..]: `--name value`, `--name=value`, bare `--flag` for bools,
+ * `-x value` for options with a short_flag.
  * Stops at "--" or at the first argument that is not a flag; *next gets its
  * index (argc when all were consumed).  `--config` is accepted and skipped. */
 int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, int start, int *next,

@@ -1,39 +1,89 @@
 /*
- * dsrun.c - the single-process engine CLI.
+ * dsrun.c - the single-process engine CLI (generate, tokenize, dump logits,
+ * bench).  Every form the tests and the benchmarks use:
  *
- * Today: --version, --backends (what is compiled in and usable here).  It grows
- * into generate / tokenize / dump-logits / bench over a loaded model (issue 3).
- * Options come from one table in the style of common/config.h.
+ *   dsrun -m DIR -p TEXT [-n N] [--temp T] [--top-p P] [--top-k K] [--seed S] [--threads N]
+ *   dsrun -m DIR --chat TEXT ...              (the model's chat template first)
+ *   dsrun -m DIR --tokens 1,2,3 --dump-logits FILE   (f32 LE [n_tokens][vocab])
+ *   dsrun -m DIR --tokens 1,2,3 -n N --temp 0 --ids  (JSON array of the N ids)
+ *   dsrun -m DIR --tokenize TEXT | --detokenize 1,2,3
+ *   dsrun -m DIR --bench [--prompt-len 512] [-n 128] [--batch B] [--json]
+ *
+ * Options come from one table (common/config.h), so each is also DSRUN_<NAME>
+ * in the environment.  Errors go to stderr with a non-zero exit: 2 for bad
+ * usage, 1 for everything else (missing files, bad checkpoints, bad ids).
  */
+#include "common/buf.h"
 #include "common/config.h"
 #include "common/log.h"
+#include "common/strutil.h"
+#include "engine/chat.h"
 #include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/tok.h"
 #include "kernels/cpu/cpu.h"
 
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+
+#define MAX_PROMPT_TOKENS (1 << 20)
 
 struct run_cfg {
-	int version;
-	int backends;
-	char *backend;
-	int help;
+	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn;
+	char *system, *stop_ids;
+	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos;
+	int version, backends, help, show_prompt;
+	double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;
+	int64_t seed;
 };
 
+#define O(f) offsetof(struct run_cfg, f)
 static const cfg_opt opts[] = {
-	{"version", CFG_BOOL, offsetof(struct run_cfg, version), "false", 1, 0, "print the version"},
-	{"backends", CFG_BOOL, offsetof(struct run_cfg, backends), "false", 1, 0,
-	 "list compute backends and whether each is usable here"},
-	{"backend", CFG_STR, offsetof(struct run_cfg, backend), "auto", 1, 0,
-	 "compute backend: auto, cpu or cuda"},
-	{"help", CFG_BOOL, offsetof(struct run_cfg, help), "false", 1, 0, "this help"},
+	{"model", CFG_STR, O(model), NULL, 1, 0, "checkpoint directory (config.json + safetensors)", 'm'},
+	{"prompt", CFG_STR, O(prompt), NULL, 1, 0, "generate from this raw text", 'p'},
+	{"chat", CFG_STR, O(chat), NULL, 1, 0, "generate from this user message through the chat template"},
+	{"system", CFG_STR, O(system), NULL, 1, 0, "system message for --chat"},
+	{"tokens", CFG_STR, O(tokens), NULL, 1, 0, "prompt as token ids: 1,2,3"},
+	{"n-predict", CFG_INT, O(n_predict), "64", 0, 1 << 20, "tokens to generate", 'n'},
+	{"temp", CFG_DOUBLE, O(temp), "0.8", 0, 100, "sampling temperature (0 = greedy)"},
+	{"top-p", CFG_DOUBLE, O(top_p), "1.0", 0, 1, "nucleus sampling threshold (1 = off)"},
+	{"top-k", CFG_INT, O(top_k), "0", 0, 1 << 30, "keep the k most likely tokens (0 = off)"},
+	{"min-p", CFG_DOUBLE, O(min_p), "0", 0, 1, "drop tokens below min_p * p(max) (0 = off)"},
+	{"repeat-penalty", CFG_DOUBLE, O(repeat_penalty), "1.0", 0.01, 10, "repetition penalty (1 = off)"},
+	{"presence-penalty", CFG_DOUBLE, O(presence_penalty), "0", -2, 2, "presence penalty"},
+	{"frequency-penalty", CFG_DOUBLE, O(frequency_penalty), "0", -2, 2, "frequency penalty"},
+	{"seed", CFG_I64, O(seed), "-1", -1, 9.2e18, "sampling seed (-1 = random)", 's'},
+	{"stop-ids", CFG_STR, O(stop_ids), NULL, 1, 0, "also stop after any of these token ids: 5,6"},
+	{"ignore-eos", CFG_BOOL, O(ignore_eos), "false", 1, 0, "keep generating past end-of-sequence"},
+	{"threads", CFG_INT, O(threads), "0", 0, 1024, "CPU threads (0 = one per core)", 't'},
+	{"ctx", CFG_INT, O(ctx), "0", 0, 1 << 24, "context length (0 = prompt + n-predict)", 'c'},
+	{"dump-logits", CFG_STR, O(dump_logits), NULL, 1, 0,
+	 "write f32 logits of every prompt position to FILE"},
+	{"ids", CFG_BOOL, O(ids), "false", 1, 0, "print generated token ids as a JSON array"},
+	{"tokenize", CFG_STR, O(tokenize), NULL, 1, 0, "print the token ids of TEXT as a JSON array"},
+	{"detokenize", CFG_STR, O(detokenize), NULL, 1, 0, "print the text of ids 1,2,3"},
+	{"show-prompt", CFG_BOOL, O(show_prompt), "false", 1, 0,
+	 "print the prompt's token ids as a JSON array on stderr"},
+	{"bench", CFG_BOOL, O(bench), "false", 1, 0, "measure prefill and decode speed"},
+	{"prompt-len", CFG_INT, O(prompt_len), "512", 1, 1 << 20, "--bench prompt length"},
+	{"batch", CFG_INT, O(batch), "1", 1, 4096, "--bench sequences decoded together"},
+	{"json", CFG_BOOL, O(json), "false", 1, 0, "--bench: one JSON object on stdout"},
+	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
+	{"backend", CFG_STR, O(backend), "auto", 1, 0, "compute backend: auto, cpu or cuda"},
+	{"backends", CFG_BOOL, O(backends), "false", 1, 0, "list compute backends and exit"},
+	{"version", CFG_BOOL, O(version), "false", 1, 0, "print the version"},
+	{"help", CFG_BOOL, O(help), "false", 1, 0, "this help", 'h'},
 	{0},
 };
 
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: dsrun [options]\n");
+	fprintf(f, "usage: dsrun -m DIR [-p TEXT | --chat TEXT | --tokens IDS] [options]\n"
+		   "       dsrun -m DIR --tokenize TEXT | --detokenize IDS | --bench\n\n");
 	cfg_print_help(opts, "DSRUN", f);
 }
 
@@ -51,6 +101,477 @@ static int list_backends(void)
 	printf("cpu isa: detected %s, active %s\n", kc_isa_name(kc_isa_detect()),
 	       kc_isa_name(kc_isa_active()));
 	return 0;
+}
+
+/* ---- tokenizer access (tokenizer.json in the model directory) ---- */
+
+static tok *load_tokenizer(const char *dir, ds_err *err)
+{
+	char path[4096], cfgpath[4096];
+	snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+	snprintf(cfgpath, sizeof cfgpath, "%s/tokenizer_config.json", dir);
+	FILE *f = fopen(cfgpath, "r");
+	if (f)
+		fclose(f);
+	return tok_load_hf(path, f ? cfgpath : NULL, err);
+}
+
+/* ---- one sequence's state: KV pages and a block table row ---- */
+
+typedef struct seqst {
+	kv_seq kv;
+	int32_t len; /* positions filled */
+} seqst;
+
+typedef struct runner {
+	model *m;
+	int32_t max_blocks;
+	int32_t *tables; /* [n_seq][max_blocks] */
+	int32_t *toks, *pos, *seq;
+	uint8_t *want;
+	float *logits;   /* [max_batch_tokens][vocab] */
+} runner;
+
+static int runner_init(runner *r, model *m, int n_seq, ds_err *err)
+{
+	const kv_params *kp = kv_cache_params(model_kv(m));
+	int bt = model_max_batch_tokens(m);
+	r->m = m;
+	r->max_blocks = (model_max_ctx(m) + kp->page_size - 1) / kp->page_size;
+	r->tables = calloc((size_t)n_seq * (size_t)r->max_blocks, sizeof *r->tables);
+	r->toks = calloc((size_t)bt, sizeof *r->toks);
+	r->pos = calloc((size_t)bt, sizeof *r->pos);
+	r->seq = calloc((size_t)bt, sizeof *r->seq);
+	r->want = calloc((size_t)bt, 1);
+	r->logits = malloc((size_t)bt * (size_t)model_vocab_size(m) * sizeof(float));
+	if (!r->tables || !r->toks || !r->pos || !r->seq || !r->want || !r->logits)
+		return ds_err_set(err, DS_ENOMEM, "out of memory for %d tokens of logits", bt);
+	return DS_OK;
+}
+
+static void runner_free(runner *r)
+{
+	free(r->tables);
+	free(r->toks);
+	free(r->pos);
+	free(r->seq);
+	free(r->want);
+	free(r->logits);
+}
+
+static void sync_table(runner *r, int row, const seqst *s)
+{
+	int32_t *t = r->tables + (int64_t)row * r->max_blocks;
+	for (int i = 0; i < s->kv.n_blocks; i++)
+		t[i] = s->kv.blocks[i];
+}
+
+/* Feeds toks[0..n) to sequence `row` in steps of max_batch_tokens.  Logits of
+ * every position go to out_all (n rows) when not NULL, else the last
+ * position's logits to out_last. */
+static int feed(runner *r, seqst *s, int row, const int32_t *toks, int n, float *out_all,
+		float *out_last, ds_err *err)
+{
+	const int V = model_vocab_size(r->m), bt = model_max_batch_tokens(r->m);
+	int rc = kv_seq_reserve(model_kv(r->m), &s->kv, s->len + n, err);
+	if (rc)
+		return rc;
+	sync_table(r, row, s);
+	for (int done = 0; done < n;) {
+		int c = n - done < bt ? n - done : bt;
+		for (int i = 0; i < c; i++) {
+			r->toks[i] = toks[done + i];
+			r->pos[i] = s->len + done + i;
+			r->seq[i] = 0;
+			r->want[i] = out_all || (done + i == n - 1);
+		}
+		eng_batch b = {c, r->toks, r->pos, r->seq, r->want, 1,
+			       r->tables + (int64_t)row * r->max_blocks, r->max_blocks};
+		if ((rc = model_forward(r->m, &b, r->logits, err)))
+			return rc;
+		if (out_all)
+			memcpy(out_all + (int64_t)done * V, r->logits, (size_t)c * V * sizeof(float));
+		else if (done + c == n)
+			memcpy(out_last, r->logits, (size_t)V * sizeof(float));
+		done += c;
+	}
+	s->len += n;
+	return DS_OK;
+}
+
+/* One decode step for n sequences, each fed one token; logits [n][V]. */
+static int decode_step(runner *r, seqst *ss, const int32_t *toks, int n, ds_err *err)
+{
+	int rc;
+	for (int i = 0; i < n; i++) {
+		if ((rc = kv_seq_reserve(model_kv(r->m), &ss[i].kv, ss[i].len + 1, err)))
+			return rc;
+		sync_table(r, i, &ss[i]);
+		r->toks[i] = toks[i];
+		r->pos[i] = ss[i].len;
+		r->seq[i] = i;
+		r->want[i] = 1;
+	}
+	eng_batch b = {n, r->toks, r->pos, r->seq, r->want, n, r->tables, r->max_blocks};
+	if ((rc = model_forward(r->m, &b, r->logits, err)))
+		return rc;
+	for (int i = 0; i < n; i++)
+		ss[i].len++;
+	return DS_OK;
+}
+
+/* ---- commands ---- */
+
+static int parse_ids(const char *text, int64_t **ids, size_t *n, ds_err *err)
+{
+	size_t cap = 1;
+	for (const char *p = text; *p; p++)
+		cap += *p == ',';
+	if (cap > MAX_PROMPT_TOKENS)
+		return ds_err_set(err, DS_ERANGE, "more than %d token ids", MAX_PROMPT_TOKENS);
+	*ids = malloc(cap * sizeof **ids);
+	if (!*ids)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	if (ds_parse_i64_list(text, -((int64_t)1 << 40), (int64_t)1 << 40, *ids, cap, n) != DS_OK)
+		return ds_err_set(err, DS_EINVAL, "token ids must be comma-separated integers, got '%.60s'",
+				  text);
+	return DS_OK;
+}
+
+static int write_logits(const char *path, const float *lg, size_t n, ds_err *err)
+{
+	FILE *f = fopen(path, "wb");
+	if (!f)
+		return ds_err_set(err, DS_EIO, "cannot write %s: %m", path);
+	size_t w = fwrite(lg, sizeof(float), n, f);
+	int bad = fclose(f) != 0 || w != n;
+	return bad ? ds_err_set(err, DS_EIO, "writing %s failed", path) : DS_OK;
+}
+
+static long peak_rss_bytes(void)
+{
+	struct rusage ru;
+	getrusage(RUSAGE_SELF, &ru);
+	return ru.ru_maxrss * 1024L;
+}
+
+static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
+{
+	const int V = model_vocab_size(m), B = c->batch;
+	int rc = DS_OK;
+	seqst *ss = calloc((size_t)B, sizeof *ss);
+	int32_t *prompt = malloc((size_t)c->prompt_len * sizeof *prompt);
+	int32_t *next = malloc((size_t)B * sizeof *next);
+	float *last = malloc((size_t)V * sizeof *last);
+	if (!ss || !prompt || !next || !last) {
+		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+		goto out;
+	}
+	uint64_t x = 0x9E3779B97F4A7C15ull;
+	for (int i = 0; i < c->prompt_len; i++) {
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		prompt[i] = (int32_t)(x % (uint64_t)V);
+	}
+	double t0 = ds_now_s();
+	for (int b = 0; b < B; b++)
+		if ((rc = feed(r, &ss[b], b, prompt, c->prompt_len, NULL, last, err)))
+			goto out;
+	double t_prefill = ds_now_s() - t0;
+	for (int b = 0; b < B; b++)
+		next[b] = (int32_t)((prompt[b % c->prompt_len] + 1) % V);
+	t0 = ds_now_s();
+	for (int step = 0; step < c->n_predict; step++) {
+		if ((rc = decode_step(r, ss, next, B, err)))
+			goto out;
+		for (int b = 0; b < B; b++) { /* argmax keeps the run deterministic */
+			const float *lg = r->logits + (int64_t)b * V;
+			int32_t best = 0;
+			for (int v = 1; v < V; v++)
+				best = lg[v] > lg[best] ? v : best;
+			next[b] = best;
+		}
+	}
+	double t_decode = ds_now_s() - t0;
+	double pf = (double)c->prompt_len * B / t_prefill;
+	double dc = c->n_predict ? (double)c->n_predict * B / t_decode : 0.0;
+	if (c->json)
+		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld}\n", pf, dc,
+		       peak_rss_bytes());
+	else
+		printf("model %s (%s), batch %d, threads %d\n"
+		       "prefill: %d tokens x %d in %.3f s = %.2f tok/s\n"
+		       "decode:  %d steps x %d in %.3f s = %.2f tok/s\n"
+		       "peak RSS: %.1f MiB (weights %.1f MiB, engine buffers %.1f MiB, kv cache %.1f MiB)\n",
+		       c->model, model_arch_name(m), B, kc_isa_active() >= 0 ? c->threads : 0,
+		       c->prompt_len, B, t_prefill, pf, c->n_predict, B, t_decode, dc,
+		       (double)peak_rss_bytes() / (1 << 20), (double)model_weight_bytes(m) / (1 << 20),
+		       (double)model_extra_bytes(m) / (1 << 20),
+		       (double)kv_cache_bytes(model_kv(m)) / (1 << 20));
+out:
+	for (int b = 0; ss && b < B; b++)
+		kv_seq_free(model_kv(m), &ss[b].kv);
+	free(ss);
+	free(prompt);
+	free(next);
+	free(last);
+	return rc;
+}
+
+static int is_stop(const struct run_cfg *c, const int64_t *stop, size_t n_stop, const model *m,
+		   int32_t id)
+{
+	for (size_t i = 0; i < n_stop; i++)
+		if (stop[i] == id)
+			return 1;
+	if (c->ignore_eos)
+		return 0;
+	const int *eos;
+	int n = model_eos_ids(m, &eos);
+	for (int i = 0; i < n; i++)
+		if (eos[i] == id)
+			return 1;
+	return 0;
+}
+
+/* Generates from prompt ids: prints ids (JSON) or streamed text. */
+static int cmd_generate(const struct run_cfg *c, model *m, runner *r, tok *tk,
+			const int32_t *prompt, int n_prompt, ds_err *err)
+{
+	const int V = model_vocab_size(m);
+	smp_params sp = smp_default_params();
+	sp.temperature = (float)c->temp;
+	sp.top_k = c->top_k;
+	sp.top_p = (float)c->top_p;
+	sp.min_p = (float)c->min_p;
+	sp.repetition_penalty = (float)c->repeat_penalty;
+	sp.presence_penalty = (float)c->presence_penalty;
+	sp.frequency_penalty = (float)c->frequency_penalty;
+	sp.has_seed = c->seed >= 0;
+	sp.seed = (uint64_t)c->seed;
+	seqst s = {0};
+	int rc = DS_OK, n_out = 0;
+	buf piece;
+	int64_t *stop = NULL;
+	size_t n_stop = 0;
+	buf_init(&piece, 1 << 16);
+	int32_t *out = malloc((size_t)(c->n_predict + 1) * sizeof *out);
+	float *last = malloc((size_t)V * sizeof *last);
+	smp_state *smp = smp_new(&sp, V, err);
+	tok_stream *ts = tk ? tok_stream_new(tk) : NULL;
+	if (!out || !last || !smp || (tk && !ts)) {
+		rc = err->code ? err->code : ds_err_set(err, DS_ENOMEM, "out of memory");
+		goto out;
+	}
+	if (c->stop_ids && (rc = parse_ids(c->stop_ids, &stop, &n_stop, err)))
+		goto out;
+	smp_add_prompt(smp, prompt, n_prompt);
+	if ((rc = feed(r, &s, 0, prompt, n_prompt, NULL, last, err)))
+		goto out;
+	while (n_out < c->n_predict) {
+		int32_t id = smp_sample(smp, last);
+		out[n_out++] = id;
+		if (!c->ids && ts) {
+			buf_clear(&piece);
+			if ((rc = tok_stream_feed(ts, id, &piece, err)))
+				goto out;
+			fwrite(piece.data ? piece.data : "", 1, piece.len, stdout);
+			fflush(stdout);
+		}
+		if (is_stop(c, stop, n_stop, m, id) || n_out == c->n_predict)
+			break;
+		if ((rc = decode_step(r, &s, &id, 1, err)))
+			goto out;
+		memcpy(last, r->logits, (size_t)V * sizeof(float));
+	}
+	if (c->ids) {
+		printf("[");
+		for (int i = 0; i < n_out; i++)
+			printf("%s%d", i ? "," : "", out[i]);
+		printf("]\n");
+	} else if (ts) {
+		buf_clear(&piece);
+		if ((rc = tok_stream_flush(ts, &piece, err)))
+			goto out;
+		fwrite(piece.data ? piece.data : "", 1, piece.len, stdout);
+		printf("\n");
+	}
+out:
+	kv_seq_free(model_kv(m), &s.kv);
+	free(stop);
+	buf_free(&piece);
+	tok_stream_free(ts);
+	smp_free(smp);
+	free(out);
+	free(last);
+	return rc;
+}
+
+static int run(const struct run_cfg *c, ds_err *err)
+{
+	int rc = DS_OK;
+	tok *tk = NULL;
+	model *m = NULL;
+	runner r = {0};
+	int64_t *ids64 = NULL;
+	int32_t *prompt = NULL;
+	size_t n_prompt = 0;
+
+	if (c->tokenize || c->detokenize || c->prompt || c->chat) {
+		if (!(tk = load_tokenizer(c->model, err)))
+			return err->code;
+	}
+	if (c->tokenize) {
+		if ((rc = tok_encode_alloc(tk, c->tokenize, strlen(c->tokenize), TOK_PARSE_SPECIAL,
+					   &prompt, &n_prompt, err)))
+			goto out;
+		printf("[");
+		for (size_t i = 0; i < n_prompt; i++)
+			printf("%s%d", i ? "," : "", prompt[i]);
+		printf("]\n");
+		goto out;
+	}
+	if (c->detokenize) {
+		size_t n = 0;
+		if ((rc = parse_ids(c->detokenize, &ids64, &n, err)))
+			goto out;
+		prompt = malloc((n ? n : 1) * sizeof *prompt);
+		if (!prompt) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+			goto out;
+		}
+		for (size_t i = 0; i < n; i++) {
+			if (ids64[i] < 0 || ids64[i] >= tok_vocab_size(tk)) {
+				rc = ds_err_set(err, DS_EINVAL, "token id %lld is out of range: the vocabulary has %d ids",
+						(long long)ids64[i], tok_vocab_size(tk));
+				goto out;
+			}
+			prompt[i] = (int32_t)ids64[i];
+		}
+		char *text = NULL;
+		size_t len = 0;
+		if ((rc = tok_decode_alloc(tk, prompt, n, &text, &len, err)))
+			goto out;
+		fwrite(text, 1, len, stdout);
+		printf("\n");
+		free(text);
+		goto out;
+	}
+
+	/* prompt ids */
+	if (c->tokens) {
+		if ((rc = parse_ids(c->tokens, &ids64, &n_prompt, err)))
+			goto out;
+		prompt = malloc(n_prompt * sizeof *prompt);
+		if (!prompt) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+			goto out;
+		}
+		for (size_t i = 0; i < n_prompt; i++) {
+			if (ids64[i] < 0 || ids64[i] > INT32_MAX) {
+				rc = ds_err_set(err, DS_EINVAL, "token id %lld is out of range", (long long)ids64[i]);
+				goto out;
+			}
+			prompt[i] = (int32_t)ids64[i];
+		}
+	} else if (c->chat) {
+		chat_msg msgs[2] = {{0}};
+		size_t nm = 0;
+		chat_params cp;
+		buf text;
+		if (c->system)
+			msgs[nm++] = (chat_msg){.role = CHAT_ROLE_SYSTEM, .content = c->system};
+		msgs[nm++] = (chat_msg){.role = CHAT_ROLE_USER, .content = c->chat};
+		if ((rc = chat_params_for_tok(tk, NULL, &cp, err)))
+			goto out;
+		buf_init(&text, 64 << 20);
+		rc = chat_render(&cp, msgs, nm, &text, err);
+		if (!rc) /* the rendered text carries BOS already: no TOK_ADD_BOS */
+			rc = tok_encode_alloc(tk, text.data, text.len, TOK_PARSE_SPECIAL, &prompt, &n_prompt, err);
+		buf_free(&text);
+		if (rc)
+			goto out;
+	} else if (c->prompt) {
+		unsigned flags = TOK_PARSE_SPECIAL | (tok_bos_id(tk) >= 0 && tok_add_bos_default(tk) ? TOK_ADD_BOS : 0u);
+		if ((rc = tok_encode_alloc(tk, c->prompt, strlen(c->prompt), flags, &prompt, &n_prompt, err)))
+			goto out;
+	} else if (!c->bench) {
+		rc = ds_err_set(err, DS_EINVAL, "nothing to do: give -p, --chat, --tokens, --tokenize, "
+						"--detokenize or --bench (see --help)");
+		goto out;
+	}
+	if (c->show_prompt) {
+		fprintf(stderr, "[");
+		for (size_t i = 0; i < n_prompt; i++)
+			fprintf(stderr, "%s%d", i ? "," : "", prompt[i]);
+		fprintf(stderr, "]\n");
+	}
+	if (!c->bench && n_prompt == 0) {
+		rc = ds_err_set(err, DS_EINVAL, "the prompt is empty");
+		goto out;
+	}
+
+	model_params mp = model_default_params();
+	mp.path = c->model;
+	mp.backend = c->backend;
+	mp.threads = c->threads;
+	mp.attn = strcmp(c->attn, "naive") == 0      ? MODEL_ATTN_NAIVE
+		  : strcmp(c->attn, "absorbed") == 0 ? MODEL_ATTN_ABSORBED
+						     : MODEL_ATTN_AUTO;
+	if (strcmp(c->attn, "auto") && mp.attn == MODEL_ATTN_AUTO) {
+		rc = ds_err_set(err, DS_EINVAL, "--attn must be auto, naive or absorbed, got '%s'", c->attn);
+		goto out;
+	}
+	int64_t need = c->bench ? (int64_t)c->prompt_len + c->n_predict : (int64_t)n_prompt + c->n_predict;
+	mp.max_ctx = c->ctx > 0 ? c->ctx : (int)need;
+	mp.max_seqs = c->bench ? c->batch : 1;
+	/* --dump-logits is one prefill: the step must hold the whole prompt */
+	if (c->dump_logits && (int64_t)n_prompt > mp.max_batch_tokens)
+		mp.max_batch_tokens = (int)n_prompt;
+	if (c->bench && c->batch > mp.max_batch_tokens)
+		mp.max_batch_tokens = c->batch;
+	if (!(m = model_load(&mp, err))) {
+		rc = err->code;
+		goto out;
+	}
+	for (size_t i = 0; i < n_prompt; i++) {
+		if (prompt[i] >= model_vocab_size(m)) {
+			rc = ds_err_set(err, DS_EINVAL, "token id %d is out of range: the vocabulary has %d ids (0..%d)",
+					prompt[i], model_vocab_size(m), model_vocab_size(m) - 1);
+			goto out;
+		}
+	}
+	if ((int64_t)n_prompt + (c->dump_logits ? 0 : c->n_predict) > model_max_ctx(m)) {
+		rc = ds_err_set(err, DS_ERANGE, "prompt (%zu tokens) + %d to generate exceed the context of %d",
+				n_prompt, c->n_predict, model_max_ctx(m));
+		goto out;
+	}
+	if ((rc = runner_init(&r, m, c->bench ? c->batch : 1, err)))
+		goto out;
+	if (c->bench) {
+		rc = cmd_bench(c, m, &r, err);
+	} else if (c->dump_logits) {
+		size_t n = n_prompt * (size_t)model_vocab_size(m);
+		float *all = malloc(n * sizeof *all);
+		seqst s = {0};
+		if (!all) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory for %zu logits", n);
+			goto out;
+		}
+		rc = feed(&r, &s, 0, prompt, (int)n_prompt, all, NULL, err);
+		if (!rc)
+			rc = write_logits(c->dump_logits, all, n, err);
+		kv_seq_free(model_kv(m), &s.kv);
+		free(all);
+	} else {
+		rc = cmd_generate(c, m, &r, c->ids ? NULL : tk, prompt, (int)n_prompt, err);
+	}
+out:
+	runner_free(&r);
+	model_free(m);
+	tok_free(tk);
+	free(ids64);
+	free(prompt);
+	return rc;
 }
 
 int main(int argc, char **argv)
@@ -74,16 +595,12 @@ int main(int argc, char **argv)
 		printf("dsrun %s\n", eng_version());
 	} else if (cfg.backends) {
 		rc = list_backends();
-	} else {
-		const kb_backend *b = eng_backend_choose(cfg.backend, &err);
-		if (!b) {
-			fprintf(stderr, "dsrun: %s\n", err.msg);
-			rc = 1;
-			goto out;
-		}
-		log_info("dsrun", "backend ready", "backend=%s detail=\"%s\"", b->name, b->describe());
-		fprintf(stderr, "dsrun: no model loading yet; try --backends or --help\n");
+	} else if (!cfg.model) {
+		fprintf(stderr, "dsrun: -m DIR is required (see --help)\n");
 		rc = 2;
+	} else if (run(&cfg, &err) != DS_OK) {
+		fprintf(stderr, "dsrun: %s\n", err.msg);
+		rc = 1;
 	}
 out:
 	cfg_free(opts, &cfg);

@@ -123,6 +123,83 @@ typedef struct kb_softmax_args {
 	float scale;
 } kb_softmax_args;
 
+/* out[r][c] = W[r][c] as f32 for r < rows, c < cols: dequantization of a
+ * (slice of a) weight matrix, with the same conventions as kb_matmul_args
+ * (FP8: block scales; scale_row0/scale_col0 give the block-grid position of
+ * element (0, 0) of the slice in units of elements, so slices need not start
+ * on a block edge).  Used at load for small matrices that the engine keeps in
+ * f32 (MLA's absorbed kv_b_proj), never for a whole model. */
+typedef struct kb_dequant_args {
+	float *out;
+	const void *w;
+	const float *w_scale;
+	enum kb_dtype wtype;
+	int64_t rows, cols, out_stride, w_stride;
+	int64_t scale_stride, block, row0, col0;
+} kb_dequant_args;
+
+/* MLA attention, absorbed (latent) form, over a paged cache (spec §3.4).
+ * A cache row is one token of one layer: [kv_lora normalised latent C | rope_dim
+ * roped k_pe P], row_stride floats apart.  Position pos of sequence s lives in
+ * row (block_tables[s * max_blocks + pos / page_size] * page_size + pos % page_size).
+ * Token t (sequence tok_seq[t], position tok_pos[t]) attends to positions
+ * 0..tok_pos[t] of its sequence:
+ *   score[h][j] = scale * (q_lat[t][h] . C[j] + q_pe[t][h] . P[j])
+ *   out[t][h]   = sum_j softmax_j(score[h]) * C[j]          (kv_lora values)
+ * Heads are contiguous inside a token row (q_lat: kv_lora apart, q_pe:
+ * rope_dim apart, out: kv_lora apart). */
+typedef struct kb_mla_attn_args {
+	float *out;
+	const float *q_lat, *q_pe;
+	int64_t n_tok, n_heads, kv_lora, rope_dim;
+	int64_t out_stride, q_lat_stride, q_pe_stride; /* per token, elements */
+	const float *cache;
+	int64_t page_size, row_stride;
+	const int32_t *block_tables;
+	int64_t max_blocks;
+	const int32_t *tok_seq, *tok_pos;
+	float scale;
+} kb_mla_attn_args;
+
+/* Multi-head attention with materialised K/V (naive MLA; GQA when
+ * n_kv_heads < n_heads, head h reading kv head h / (n_heads / n_kv_heads)).
+ * Keys/values are positions 0..n_kv-1; query t (position q_pos[t]) sees keys
+ * j <= q_pos[t].  q: [n_tok][n_heads][dk], k: [n_kv][n_kv_heads][dk],
+ * v: [n_kv][n_kv_heads][dv], out: [n_tok][n_heads][dv]; strides per token row. */
+typedef struct kb_attn_args {
+	float *out;
+	const float *q, *k, *v;
+	int64_t n_tok, n_kv, n_heads, n_kv_heads, dk, dv;
+	int64_t q_stride, k_stride, v_stride, out_stride;
+	const int32_t *q_pos;
+	float scale;
+} kb_attn_args;
+
+enum kb_moe_scoring { KB_SCORE_SOFTMAX = 0, KB_SCORE_SIGMOID = 1 };
+enum kb_moe_topk { KB_TOPK_GREEDY = 0, KB_TOPK_GROUP_LIMITED_GREEDY = 1, KB_TOPK_NOAUX_TC = 2 };
+
+/* MoE routing for n_tok tokens from router logits (spec §4):
+ *   s = sigmoid(logits) or softmax(logits) (f32)
+ *   selection score b = s (+ bias[e] when bias != NULL; bias is for selection only)
+ *   group-limited methods keep the topk_group groups (n_group equal groups of
+ *   consecutive experts) with the highest group score (noaux_tc: sum of the
+ *   two largest b; group_limited_greedy: max b) and mask the others with -inf
+ *   idx = the top_k experts by b; w = s[idx]
+ *   sigmoid: w /= sum(w) + 1e-20 when norm_topk_prob; then w *= scaling
+ *   softmax: w /= sum(w) + 1e-20 when top_k > 1 and norm_topk_prob, else w *= scaling
+ * Ties are broken towards the lower expert id. */
+typedef struct kb_moe_route_args {
+	int32_t *idx;       /* [n_tok][top_k] */
+	float *weight;      /* [n_tok][top_k] */
+	const float *logits;
+	const float *bias;  /* [n_experts] or NULL */
+	int64_t n_tok, n_experts, top_k, n_group, topk_group, logits_stride;
+	enum kb_moe_scoring scoring;
+	enum kb_moe_topk method;
+	int norm_topk_prob;
+	float scaling;
+} kb_moe_route_args;
+
 typedef struct kb_backend {
 	const char *name;                 /* "cpu", "cuda" */
 	const char *(*describe)(void);    /* e.g. "avx512" or "NVIDIA H100 (sm_90)" */
@@ -141,6 +218,10 @@ typedef struct kb_backend {
 	int (*silu_mul)(const kb_silu_mul_args *a);
 	int (*axpy)(const kb_axpy_args *a);
 	int (*softmax)(const kb_softmax_args *a);
+	int (*dequant)(const kb_dequant_args *a);
+	int (*mla_attn)(const kb_mla_attn_args *a);
+	int (*attn)(const kb_attn_args *a);
+	int (*moe_route)(const kb_moe_route_args *a);
 	/* Worker threads the backend may use (CPU); 0 = one per core. */
 	int (*set_threads)(int n);
 } kb_backend;

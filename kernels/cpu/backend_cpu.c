@@ -1,9 +1,15 @@
 /*
  * backend_cpu.c - the CPU backend's struct of ops: host memory, memcpy
  * transfers, and each op dispatched to the best ISA (see cpu.h).
- * Thread rule: stateless apart from the ISA cache in isa.c.
+ * Every op validates its arguments here (negative sizes, strides shorter than
+ * a row, NULL pointers, unknown dtypes -> DS_EINVAL) before any kernel runs;
+ * the kc_<op>_isa functions behind it trust their arguments.
+ * Thread rule: stateless apart from the ISA cache in isa.c and the thread
+ * pool (pool.h: one caller of the ops at a time).
  */
+#include "kernels/cpu/attn.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/pool.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -38,9 +44,92 @@ static int cpu_sync(void)
 
 static int cpu_rmsnorm(const kb_rmsnorm_args *a)
 {
-	if (a->rows < 0 || a->dim <= 0)
+	if (!a || a->rows < 0 || a->dim <= 0)
+		return DS_EINVAL;
+	if (a->rows == 0)
+		return DS_OK;
+	if (!a->out || !a->x || !a->w || a->x_stride < a->dim || a->out_stride < a->dim)
 		return DS_EINVAL;
 	return kc_rmsnorm_isa(kc_isa_active(), a);
+}
+
+static int cpu_matmul(const kb_matmul_args *a)
+{
+	if (!a || a->M < 0 || a->N < 0 || a->K < 0 ||
+	    (unsigned)a->wtype >= (unsigned)KB_DTYPE_COUNT)
+		return DS_EINVAL;
+	if (a->M == 0 || a->N == 0)
+		return DS_OK;
+	if (!a->y || !a->x || !a->w || a->x_stride < a->K || a->y_stride < a->N ||
+	    a->w_stride < a->K)
+		return DS_EINVAL;
+	if (a->wtype == KB_F8_E4M3 &&
+	    (!a->w_scale || a->block < 1 || a->scale_stride < (a->K + a->block - 1) / a->block))
+		return DS_EINVAL;
+	return kc_matmul_isa(kc_isa_active(), a);
+}
+
+static int cpu_embed(const kb_embed_args *a)
+{
+	if (!a || a->n < 0 || a->dim < 0)
+		return DS_EINVAL;
+	if (a->n == 0 || a->dim == 0)
+		return DS_OK;
+	if (!a->out || !a->table || !a->ids || a->out_stride < a->dim || a->table_stride < a->dim ||
+	    (a->type != KB_F32 && a->type != KB_F16 && a->type != KB_BF16))
+		return DS_EINVAL;
+	return kc_embed_isa(kc_isa_active(), a);
+}
+
+static int cpu_rope(const kb_rope_args *a)
+{
+	if (!a || a->n_tok < 0 || a->n_heads < 0 || a->rot_dim < 0 || a->rot_dim % 2)
+		return DS_EINVAL;
+	if (a->n_tok == 0 || a->n_heads == 0 || a->rot_dim == 0)
+		return DS_OK;
+	if (!a->x || !a->pos || !a->inv_freq || a->head_stride < a->rot_dim ||
+	    a->tok_stride < (a->n_heads - 1) * a->head_stride + a->rot_dim)
+		return DS_EINVAL;
+	return kc_rope_isa(kc_isa_active(), a);
+}
+
+static int cpu_silu_mul(const kb_silu_mul_args *a)
+{
+	if (!a || a->rows < 0 || a->dim < 0)
+		return DS_EINVAL;
+	if (a->rows == 0 || a->dim == 0)
+		return DS_OK;
+	if (!a->out || !a->gate || !a->up || a->out_stride < a->dim || a->gate_stride < a->dim ||
+	    a->up_stride < a->dim)
+		return DS_EINVAL;
+	return kc_silu_mul_isa(kc_isa_active(), a);
+}
+
+static int cpu_axpy(const kb_axpy_args *a)
+{
+	if (!a || a->n < 0)
+		return DS_EINVAL;
+	if (a->n == 0)
+		return DS_OK;
+	if (!a->y || !a->x)
+		return DS_EINVAL;
+	return kc_axpy_isa(kc_isa_active(), a);
+}
+
+static int cpu_softmax(const kb_softmax_args *a)
+{
+	if (!a || a->rows < 0 || a->n < 0)
+		return DS_EINVAL;
+	if (a->rows == 0 || a->n == 0)
+		return DS_OK;
+	if (!a->x || a->stride < a->n)
+		return DS_EINVAL;
+	return kc_softmax_isa(kc_isa_active(), a);
+}
+
+static int cpu_set_threads(int n)
+{
+	return kc_pool_set_threads(n);
 }
 
 static const kb_backend cpu_backend = {
@@ -52,6 +141,17 @@ static const kb_backend cpu_backend = {
 	.download = cpu_copy,
 	.sync = cpu_sync,
 	.rmsnorm = cpu_rmsnorm,
+	.matmul = cpu_matmul,
+	.embed = cpu_embed,
+	.rope = cpu_rope,
+	.silu_mul = cpu_silu_mul,
+	.axpy = cpu_axpy,
+	.softmax = cpu_softmax,
+	.dequant = kc_dequant,
+	.mla_attn = kc_mla_attn,
+	.attn = kc_attn,
+	.moe_route = kc_moe_route,
+	.set_threads = cpu_set_threads,
 };
 
 const kb_backend *kc_backend(void)

@@ -40,4 +40,38 @@ void kc_rmsnorm_ref(const kb_rmsnorm_args *a);
 /* DS_EUNSUPPORTED when this CPU lacks isa. */
 int kc_rmsnorm_isa(enum kc_isa isa, const kb_rmsnorm_args *a);
 
+/* --- element conversions (convert.c), exact --- */
+/* The 256 FP8 E4M3FN values (0x7F, 0xFF: NaN), built from the bit fields. */
+const float *kc_fp8_e4m3_lut(void);
+float kc_fp8_e4m3_to_f32(uint8_t b);
+float kc_f16_to_f32(uint16_t h);
+float kc_bf16_to_f32(uint16_t h);
+
+/* The kc_<op>_isa functions below assume arguments the backend has validated
+ * (backend_cpu.c); each returns DS_EUNSUPPORTED when this CPU lacks isa.  The
+ * SIMD versions of matmul and the element-wise ops use the thread pool
+ * (pool.h), so they share its one-caller-at-a-time rule. */
+
+/* --- matmul (matmul.c; kernels in matmul_avx2.c, matmul_avx512.c) ---
+ * f32 activations, f32 accumulation.  FP8 weights are dequantized 16 at a
+ * time in registers (or into a small per-thread panel when M > the tile
+ * height), never as a whole matrix.  The fast FP8 paths decode 0x7F/0xFF as
+ * +-480 instead of NaN: those patterns never occur in real weights. */
+void kc_matmul_ref(const kb_matmul_args *a);
+int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a);
+
+/* --- embed, rope, silu_mul, axpy, softmax --- */
+void kc_embed_ref(const kb_embed_args *a);
+int kc_embed_isa(enum kc_isa isa, const kb_embed_args *a);
+/* rope has one implementation (scalar, cos/sin once per token and pair, in
+ * double); every isa runs it. */
+void kc_rope_ref(const kb_rope_args *a);
+int kc_rope_isa(enum kc_isa isa, const kb_rope_args *a);
+void kc_silu_mul_ref(const kb_silu_mul_args *a);
+int kc_silu_mul_isa(enum kc_isa isa, const kb_silu_mul_args *a);
+void kc_axpy_ref(const kb_axpy_args *a);
+int kc_axpy_isa(enum kc_isa isa, const kb_axpy_args *a);
+void kc_softmax_ref(const kb_softmax_args *a);
+int kc_softmax_isa(enum kc_isa isa, const kb_softmax_args *a);
+
 #endif

@@ -1,0 +1,755 @@
+/*
+ * deepseek.c - the DeepSeek-V3 / R1 / V2 / V2-Lite graph: MLA attention
+ * (naive and absorbed forms), dense MLP and DeepSeekMoE, over a paged KV cache.
+ *
+ * Called through engine/model.h (model_load, model_forward).  Computes only
+ * through the kb_backend chosen at load; plain C here does bookkeeping and
+ * copies (gathers, cache writes).  Follows deepseek_v3_spec.md §3-§5:
+ *
+ *   x = embed[token]
+ *   per layer L < num_hidden_layers (the MTP layer is never loaded):
+ *     h = rmsnorm(x, input_layernorm)
+ *     q = q_b(rmsnorm(q_a h)) | q_proj h            [tok][H][nope | rope]
+ *     kva = kv_a h = [c | k_pe];  c = rmsnorm(c);  rope(q_pe), rope(k_pe)
+ *     cache row (tok) = [c | k_pe]                  (kv_lora + rope floats)
+ *     naive:    K/V = kv_b c (per position), softmax(scale q.K) V
+ *     absorbed: q_lat = W_UK^T q_nope, u = softmax(scale (q_lat.C + q_pe.P)) C,
+ *               o = W_UV u
+ *     x += o_proj o
+ *     h = rmsnorm(x, post_attention_layernorm)
+ *     x += dense MLP(h)  |  sum_k w_k expert_k(h) + shared(h)
+ *   logits = lm_head rmsnorm(x, model.norm)
+ *
+ * Weights stay in their checkpoint dtype in the mmap (FP8 with block scales
+ * included).  The engine keeps f32 copies only of the norm vectors and of
+ * kv_b_proj in two layouts for the absorbed form (W_UK^T per head and the
+ * W_UV rows), which is what lets the latent-space products run at any head
+ * size; those bytes are reported by model_extra_bytes.
+ *
+ * Buffers: allocated once in model_load from max_batch_tokens (bt) and
+ * max_ctx; model_forward never allocates.  Thread rule: one step at a time.
+ */
+#include "engine/engine.h"
+#include "engine/mconfig.h"
+#include "engine/model.h"
+#include "engine/safetensors.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A Linear weight W [n][k] as stored in the checkpoint (borrowed from the mmap). */
+typedef struct wmat {
+	const void *w;
+	const float *scale; /* FP8 block scales [ceil(n/block)][scale_stride] */
+	enum kb_dtype type;
+	int64_t n, k, scale_stride, block;
+} wmat;
+
+typedef struct ds_layer {
+	float *attn_norm, *ffn_norm, *q_a_norm, *kv_a_norm; /* f32 copies */
+	wmat q_a, q_b, q_proj, kv_a, kv_b, o;
+	float *ukt;   /* [H][kv_lora][nope]: W_UK[h]^T, for q_lat = W_UK^T q_nope */
+	float *kvb32; /* [H * (nope + v)][kv_lora]: kv_b_proj in f32 (W_UV rows used) */
+	int moe;
+	wmat gate, up, down;   /* dense MLP */
+	wmat router;           /* [E][D] */
+	float *bias;           /* [E] e_score_correction_bias (f32 copy) or NULL */
+	wmat *eg, *eu, *ed;    /* routed experts [E] */
+	wmat sg, su, sd;       /* shared experts (one MLP of n_shared * moe_inter) */
+} ds_layer;
+
+struct model {
+	mcfg cfg;
+	st_model *st;
+	const kb_backend *be;
+	kv_cache *kv;
+	ds_layer *layers;
+	const st_tensor *embed;
+	wmat lm_head;
+	float *final_norm;
+	float *inv_freq;
+	float attn_scale, rope_amp;
+	enum model_attn attn;
+	int64_t bt, ctx;
+	int64_t H, nope, rope, qk, vd, lora, D;
+	size_t extra_bytes;
+	/* activations, [bt] rows unless noted */
+	float *x, *h, *cq, *q, *kva, *o, *lg;
+	float *qa, *qlat, *qpe, *u, *oa;    /* absorbed subset */
+	int32_t *a_idx, *a_seq, *a_pos;
+	float *nlat, *nkv, *nk, *nv;        /* naive: [ctx] rows */
+	float *nq, *no;                     /* naive: [bt] rows */
+	int32_t *n_idx, *n_pos;
+	float *g, *up, *act;                /* [bt][max inter] */
+	float *rlog, *rw;                   /* [bt][E], [bt][K] */
+	int32_t *ridx, *ecount, *eoff, *etok;
+	float *ew, *xe, *ye;
+	int32_t *lrows;
+	int32_t *seq_ntok;                 /* [bt]: tokens of each sequence in the step */
+};
+
+/* ---- small helpers ---- */
+
+static void *xalloc(model *m, size_t n, size_t size)
+{
+	void *p = calloc(n ? n : 1, size);
+	if (p)
+		m->extra_bytes += n * size;
+	return p;
+}
+
+static int bad_alloc(ds_err *err)
+{
+	return ds_err_set(err, DS_ENOMEM, "out of memory while loading the model");
+}
+
+static int linear(model *m, const wmat *w, const float *x, int64_t x_stride, float *y,
+		  int64_t y_stride, int64_t M, int accumulate)
+{
+	kb_matmul_args a = {y, x, w->w, w->scale, w->type, M, w->n, w->k, x_stride, y_stride,
+			    w->k, w->scale_stride, w->block, accumulate};
+	return M ? m->be->matmul(&a) : DS_OK;
+}
+
+static int rmsnorm(model *m, float *out, const float *x, const float *w, int64_t rows,
+		   int64_t dim, int64_t x_stride, int64_t out_stride)
+{
+	kb_rmsnorm_args a = {out, x, w, rows, dim, x_stride, out_stride, (float)m->cfg.rms_norm_eps};
+	return rows ? m->be->rmsnorm(&a) : DS_OK;
+}
+
+/* ---- loading ---- */
+
+static int load_linear(model *m, const char *name, int64_t n, int64_t k, wmat *out, ds_err *err)
+{
+	const st_tensor *t = st_find(m->st, name);
+	memset(out, 0, sizeof *out);
+	out->n = n;
+	out->k = k;
+	if (t && t->dtype == KB_F8_E4M3) {
+		if (!m->cfg.fp8)
+			return ds_err_set(err, DS_EFORMAT,
+					  "tensor %s is F8_E4M3 but config.json has no fp8 quantization_config",
+					  name);
+		const st_tensor *s = NULL;
+		t = st_get_fp8(m->st, name, n, k, m->cfg.fp8_block_n, &s, err);
+		if (!t)
+			return err->code;
+		out->w = t->data;
+		out->scale = s->data;
+		out->type = KB_F8_E4M3;
+		out->block = m->cfg.fp8_block_n;
+		out->scale_stride = s->shape[1];
+		return DS_OK;
+	}
+	int64_t shape[2] = {n, k};
+	t = st_get(m->st, name, ST_DTYPE_ANY, 2, shape, err);
+	if (!t)
+		return err->code;
+	if (t->dtype == KB_F8_E4M3)
+		return ds_err_set(err, DS_EINTERNAL, "tensor %s: unexpected FP8", name);
+	out->w = t->data;
+	out->type = t->dtype;
+	return DS_OK;
+}
+
+/* f32 copy of a vector (norm weights, router bias) of any supported dtype. */
+static int load_vec(model *m, const char *name, int64_t n, float **out, ds_err *err)
+{
+	int64_t shape[1] = {n};
+	const st_tensor *t = st_get(m->st, name, ST_DTYPE_ANY, 1, shape, err);
+	if (!t)
+		return err->code;
+	if (t->dtype == KB_F8_E4M3)
+		return ds_err_set(err, DS_EUNSUPPORTED, "tensor %s: FP8 vectors are not supported", name);
+	*out = xalloc(m, (size_t)n, sizeof(float));
+	if (!*out)
+		return bad_alloc(err);
+	kb_dequant_args a = {*out, t->data, NULL, t->dtype, 1, n, n, n, 0, 1, 0, 0};
+	return m->be->dequant(&a);
+}
+
+/* f32 copies of kv_b_proj for the absorbed form. */
+static int load_kvb32(model *m, ds_layer *ly, ds_err *err)
+{
+	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
+	ly->kvb32 = xalloc(m, (size_t)(H * per * lora), sizeof(float));
+	ly->ukt = xalloc(m, (size_t)(H * lora * nope), sizeof(float));
+	if (!ly->kvb32 || !ly->ukt)
+		return bad_alloc(err);
+	const wmat *w = &ly->kv_b;
+	kb_dequant_args a = {ly->kvb32, w->w, w->scale, w->type, H * per, lora, lora, lora,
+			     w->scale_stride, w->block ? w->block : 1, 0, 0};
+	int rc = m->be->dequant(&a);
+	if (rc)
+		return ds_err_set(err, rc, "dequantizing kv_b_proj failed");
+	for (int64_t h = 0; h < H; h++)
+		for (int64_t d = 0; d < nope; d++)
+			for (int64_t c = 0; c < lora; c++)
+				ly->ukt[(h * lora + c) * nope + d] = ly->kvb32[(h * per + d) * lora + c];
+	return DS_OK;
+}
+
+static int load_layer(model *m, int L, ds_err *err)
+{
+	const mcfg *c = &m->cfg;
+	ds_layer *ly = &m->layers[L];
+	char name[256];
+	const int64_t D = m->D;
+	int rc;
+#define NAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", L, suffix), name)
+#define TRY(expr)                                                                       \
+	do {                                                                            \
+		if ((rc = (expr)) != DS_OK)                                             \
+			return rc;                                                      \
+	} while (0)
+	TRY(load_vec(m, NAME("input_layernorm.weight"), D, &ly->attn_norm, err));
+	TRY(load_vec(m, NAME("post_attention_layernorm.weight"), D, &ly->ffn_norm, err));
+	if (c->q_lora_rank > 0) {
+		TRY(load_linear(m, NAME("self_attn.q_a_proj.weight"), c->q_lora_rank, D, &ly->q_a, err));
+		TRY(load_vec(m, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, &ly->q_a_norm, err));
+		TRY(load_linear(m, NAME("self_attn.q_b_proj.weight"), m->H * m->qk, c->q_lora_rank,
+				&ly->q_b, err));
+	} else {
+		TRY(load_linear(m, NAME("self_attn.q_proj.weight"), m->H * m->qk, D, &ly->q_proj, err));
+	}
+	TRY(load_linear(m, NAME("self_attn.kv_a_proj_with_mqa.weight"), m->lora + m->rope, D,
+			&ly->kv_a, err));
+	TRY(load_vec(m, NAME("self_attn.kv_a_layernorm.weight"), m->lora, &ly->kv_a_norm, err));
+	TRY(load_linear(m, NAME("self_attn.kv_b_proj.weight"), m->H * (m->nope + m->vd), m->lora,
+			&ly->kv_b, err));
+	TRY(load_linear(m, NAME("self_attn.o_proj.weight"), D, m->H * m->vd, &ly->o, err));
+	TRY(load_kvb32(m, ly, err));
+
+	ly->moe = mcfg_is_moe_layer(c, L);
+	if (!ly->moe) {
+		TRY(load_linear(m, NAME("mlp.gate_proj.weight"), c->intermediate_size, D, &ly->gate, err));
+		TRY(load_linear(m, NAME("mlp.up_proj.weight"), c->intermediate_size, D, &ly->up, err));
+		TRY(load_linear(m, NAME("mlp.down_proj.weight"), D, c->intermediate_size, &ly->down, err));
+		return DS_OK;
+	}
+	const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size;
+	TRY(load_linear(m, NAME("mlp.gate.weight"), E, D, &ly->router, err));
+	if (c->topk_method == MCFG_TOPK_NOAUX_TC)
+		TRY(load_vec(m, NAME("mlp.gate.e_score_correction_bias"), E, &ly->bias, err));
+	ly->eg = xalloc(m, (size_t)E, sizeof(wmat));
+	ly->eu = xalloc(m, (size_t)E, sizeof(wmat));
+	ly->ed = xalloc(m, (size_t)E, sizeof(wmat));
+	if (!ly->eg || !ly->eu || !ly->ed)
+		return bad_alloc(err);
+	for (int64_t e = 0; e < E; e++) {
+		char sub[128];
+		snprintf(sub, sizeof sub, "mlp.experts.%lld.gate_proj.weight", (long long)e);
+		TRY(load_linear(m, NAME(sub), I, D, &ly->eg[e], err));
+		snprintf(sub, sizeof sub, "mlp.experts.%lld.up_proj.weight", (long long)e);
+		TRY(load_linear(m, NAME(sub), I, D, &ly->eu[e], err));
+		snprintf(sub, sizeof sub, "mlp.experts.%lld.down_proj.weight", (long long)e);
+		TRY(load_linear(m, NAME(sub), D, I, &ly->ed[e], err));
+	}
+	if (c->n_shared_experts > 0) {
+		const int64_t S = I * c->n_shared_experts;
+		TRY(load_linear(m, NAME("mlp.shared_experts.gate_proj.weight"), S, D, &ly->sg, err));
+		TRY(load_linear(m, NAME("mlp.shared_experts.up_proj.weight"), S, D, &ly->su, err));
+		TRY(load_linear(m, NAME("mlp.shared_experts.down_proj.weight"), D, S, &ly->sd, err));
+	}
+	return DS_OK;
+#undef NAME
+#undef TRY
+}
+
+static int alloc_buffers(model *m, ds_err *err)
+{
+	const mcfg *c = &m->cfg;
+	const size_t bt = (size_t)m->bt, ctx = (size_t)m->ctx, H = (size_t)m->H;
+	const size_t D = (size_t)m->D, lora = (size_t)m->lora, rope = (size_t)m->rope;
+	const size_t qk = (size_t)m->qk, vd = (size_t)m->vd, E = (size_t)c->n_routed_experts;
+	const size_t K = (size_t)(c->num_experts_per_tok > 0 ? c->num_experts_per_tok : 1);
+	size_t inter = (size_t)c->intermediate_size;
+	size_t moe_i = (size_t)c->moe_intermediate_size * (size_t)(c->n_shared_experts > 1 ? c->n_shared_experts : 1);
+	if (moe_i > inter)
+		inter = moe_i;
+	m->x = xalloc(m, bt * D, 4);
+	m->h = xalloc(m, bt * D, 4);
+	m->cq = xalloc(m, bt * (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 1), 4);
+	m->q = xalloc(m, bt * H * qk, 4);
+	m->kva = xalloc(m, bt * (lora + rope), 4);
+	m->o = xalloc(m, bt * H * vd, 4);
+	m->lg = xalloc(m, bt * D, 4);
+	m->qa = xalloc(m, bt * H * qk, 4);
+	m->qlat = xalloc(m, bt * H * lora, 4);
+	m->qpe = xalloc(m, bt * H * rope, 4);
+	m->u = xalloc(m, bt * H * lora, 4);
+	m->oa = xalloc(m, bt * H * vd, 4);
+	m->a_idx = xalloc(m, bt, 4);
+	m->a_seq = xalloc(m, bt, 4);
+	m->a_pos = xalloc(m, bt, 4);
+	m->nlat = xalloc(m, ctx * lora, 4);
+	m->nkv = xalloc(m, ctx * H * (size_t)(m->nope + m->vd), 4);
+	m->nk = xalloc(m, ctx * H * qk, 4);
+	m->nv = xalloc(m, ctx * H * vd, 4);
+	m->nq = xalloc(m, bt * H * qk, 4);
+	m->no = xalloc(m, bt * H * vd, 4);
+	m->n_idx = xalloc(m, bt, 4);
+	m->n_pos = xalloc(m, bt, 4);
+	m->g = xalloc(m, bt * inter, 4);
+	m->up = xalloc(m, bt * inter, 4);
+	m->act = xalloc(m, bt * inter, 4);
+	m->rlog = xalloc(m, bt * (E ? E : 1), 4);
+	m->rw = xalloc(m, bt * K, 4);
+	m->ridx = xalloc(m, bt * K, 4);
+	m->ecount = xalloc(m, E + 1, 4);
+	m->eoff = xalloc(m, E + 1, 4);
+	m->etok = xalloc(m, bt * K, 4);
+	m->ew = xalloc(m, bt * K, 4);
+	m->xe = xalloc(m, bt * D, 4);
+	m->ye = xalloc(m, bt * D, 4);
+	m->lrows = xalloc(m, bt, 4);
+	m->seq_ntok = xalloc(m, bt, 4);
+	if (!m->x || !m->h || !m->cq || !m->q || !m->kva || !m->o || !m->lg || !m->qa ||
+	    !m->qlat || !m->qpe || !m->u || !m->oa || !m->a_idx || !m->a_seq || !m->a_pos ||
+	    !m->nlat || !m->nkv || !m->nk || !m->nv || !m->nq || !m->no || !m->n_idx ||
+	    !m->n_pos || !m->g || !m->up || !m->act || !m->rlog || !m->rw || !m->ridx ||
+	    !m->ecount || !m->eoff || !m->etok || !m->ew || !m->xe || !m->ye || !m->lrows ||
+	    !m->seq_ntok)
+		return bad_alloc(err);
+	return DS_OK;
+}
+
+model_params model_default_params(void)
+{
+	model_params p = {0};
+	p.backend = "auto";
+	p.max_batch_tokens = 512;
+	p.max_seqs = 16;
+	p.page_size = 64;
+	return p;
+}
+
+model *model_load(const model_params *p, ds_err *err)
+{
+	model *m = calloc(1, sizeof *m);
+	if (!m) {
+		bad_alloc(err);
+		return NULL;
+	}
+	int rc = mcfg_load(p->path, &m->cfg, err);
+	if (rc)
+		goto fail;
+	const mcfg *c = &m->cfg;
+	if (!(m->be = eng_backend_choose(p->backend, err)))
+		goto fail;
+	if (m->be->set_threads)
+		m->be->set_threads(p->threads);
+	if (!(m->st = st_open(p->path, err)))
+		goto fail;
+	m->H = c->num_attention_heads;
+	m->nope = c->qk_nope_head_dim;
+	m->rope = c->qk_rope_head_dim;
+	m->qk = m->nope + m->rope;
+	m->vd = c->v_head_dim;
+	m->lora = c->kv_lora_rank;
+	m->D = c->hidden_size;
+	m->attn = p->attn;
+	m->bt = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
+	m->ctx = p->max_ctx > 0 ? p->max_ctx : (c->max_position_embeddings < 4096 ? c->max_position_embeddings : 4096);
+	if (m->ctx > c->max_position_embeddings) {
+		rc = ds_err_set(err, DS_EINVAL, "context %lld is longer than the model's max_position_embeddings %d",
+				(long long)m->ctx, c->max_position_embeddings);
+		goto fail;
+	}
+	m->attn_scale = (float)c->softmax_scale;
+	m->rope_amp = (float)c->rope_amp;
+	m->inv_freq = xalloc(m, (size_t)m->rope / 2 + 1, sizeof(float));
+	m->layers = xalloc(m, (size_t)c->num_hidden_layers, sizeof(ds_layer));
+	if (!m->inv_freq || !m->layers) {
+		rc = bad_alloc(err);
+		goto fail;
+	}
+	mcfg_rope_inv_freq(c, m->inv_freq);
+
+	int64_t eshape[2] = {c->vocab_size, m->D};
+	if (!(m->embed = st_get(m->st, "model.embed_tokens.weight", ST_DTYPE_ANY, 2, eshape, err)))
+		goto fail;
+	if (m->embed->dtype == KB_F8_E4M3) {
+		rc = ds_err_set(err, DS_EUNSUPPORTED, "model.embed_tokens.weight: FP8 embeddings are not supported");
+		goto fail;
+	}
+	if ((rc = load_vec(m, "model.norm.weight", m->D, &m->final_norm, err)))
+		goto fail;
+	/* mcfg rejects tie_word_embeddings = true: DeepSeek always has its own lm_head */
+	if ((rc = load_linear(m, "lm_head.weight", c->vocab_size, m->D, &m->lm_head, err)))
+		goto fail;
+	for (int L = 0; L < c->num_hidden_layers; L++)
+		if ((rc = load_layer(m, L, err)))
+			goto fail;
+	if ((rc = alloc_buffers(m, err)))
+		goto fail;
+
+	kv_params kp = {c->num_hidden_layers, m->lora + m->rope, p->page_size > 0 ? p->page_size : 64, p->n_pages};
+	if (kp.n_pages <= 0) {
+		int seqs = p->max_seqs > 0 ? p->max_seqs : 1;
+		kp.n_pages = (int)(((m->ctx + kp.page_size - 1) / kp.page_size) * seqs);
+	}
+	if (!(m->kv = kv_cache_new(&kp, err)))
+		goto fail;
+	return m;
+fail:
+	if (err && err->code == DS_OK)
+		ds_err_set(err, rc ? rc : DS_EINTERNAL, "model load failed");
+	model_free(m);
+	return NULL;
+}
+
+void model_free(model *m)
+{
+	if (!m)
+		return;
+	kv_cache_free(m->kv);
+	for (int L = 0; m->layers && L < m->cfg.num_hidden_layers; L++) {
+		ds_layer *ly = &m->layers[L];
+		free(ly->attn_norm);
+		free(ly->ffn_norm);
+		free(ly->q_a_norm);
+		free(ly->kv_a_norm);
+		free(ly->ukt);
+		free(ly->kvb32);
+		free(ly->bias);
+		free(ly->eg);
+		free(ly->eu);
+		free(ly->ed);
+	}
+	free(m->layers);
+	void *bufs[] = {m->final_norm, m->inv_freq, m->x, m->h, m->cq, m->q, m->kva, m->o, m->lg,
+			m->qa, m->qlat, m->qpe, m->u, m->oa, m->a_idx, m->a_seq, m->a_pos, m->nlat,
+			m->nkv, m->nk, m->nv, m->nq, m->no, m->n_idx, m->n_pos, m->g, m->up, m->act,
+			m->rlog, m->rw, m->ridx, m->ecount, m->eoff, m->etok, m->ew, m->xe, m->ye,
+			m->lrows, m->seq_ntok};
+	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+		free(bufs[i]);
+	st_close(m->st);
+	free(m);
+}
+
+/* ---- forward ---- */
+
+static int check_batch(const model *m, const eng_batch *b, ds_err *err)
+{
+	const kv_params *kp = kv_cache_params(m->kv);
+	if (b->n_tok <= 0 || b->n_tok > m->bt)
+		return ds_err_set(err, DS_EINVAL, "a step holds 1..%lld tokens, got %d", (long long)m->bt,
+				  b->n_tok);
+	if (b->n_seq <= 0 || b->n_seq > m->bt || b->max_blocks <= 0)
+		return ds_err_set(err, DS_EINVAL, "a step needs 1..%lld sequences and block tables",
+				  (long long)m->bt);
+	for (int i = 0; i < b->n_tok; i++) {
+		int32_t t = b->tokens[i], pos = b->pos[i], s = b->seq[i];
+		if (t < 0 || t >= m->cfg.vocab_size)
+			return ds_err_set(err, DS_EINVAL, "token id %d is out of range: the vocabulary has %d ids (0..%d)",
+					  t, m->cfg.vocab_size, m->cfg.vocab_size - 1);
+		if (pos < 0 || pos >= m->ctx)
+			return ds_err_set(err, DS_ERANGE, "position %d is outside the context of %lld tokens",
+					  pos, (long long)m->ctx);
+		if (s < 0 || s >= b->n_seq)
+			return ds_err_set(err, DS_EINVAL, "token %d names sequence %d of %d", i, s, b->n_seq);
+		int64_t blk = pos / kp->page_size;
+		if (blk >= b->max_blocks)
+			return ds_err_set(err, DS_EINVAL, "position %d needs block %lld; the table has %d",
+					  pos, (long long)blk, b->max_blocks);
+		for (int64_t j = 0; j <= blk; j++) {
+			int32_t page = b->block_tables[(int64_t)s * b->max_blocks + j];
+			if (page < 0 || page >= kp->n_pages)
+				return ds_err_set(err, DS_EINVAL, "sequence %d: block %lld holds page %d (pages 0..%d)",
+						  s, (long long)j, page, kp->n_pages - 1);
+		}
+	}
+	return DS_OK;
+}
+
+static float *cache_row(model *m, const eng_batch *b, int L, int32_t seq, int32_t pos)
+{
+	const kv_params *kp = kv_cache_params(m->kv);
+	int32_t page = b->block_tables[(int64_t)seq * b->max_blocks + pos / kp->page_size];
+	int64_t slot = (int64_t)page * kp->page_size + pos % kp->page_size;
+	return kv_cache_layer(m->kv, L) + slot * kp->row_floats;
+}
+
+/* Absorbed form for the tokens listed in a_idx[0..n). Writes o rows. */
+static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
+{
+	ds_layer *ly = &m->layers[L];
+	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
+	const int64_t per = nope + vd;
+	int rc;
+	for (int i = 0; i < n; i++) {
+		int t = m->a_idx[i];
+		memcpy(m->qa + i * H * qk, m->q + t * H * qk, (size_t)(H * qk) * 4);
+		for (int64_t h = 0; h < H; h++)
+			memcpy(m->qpe + (i * H + h) * rope, m->q + t * H * qk + h * qk + nope, (size_t)rope * 4);
+		m->a_seq[i] = b->seq[t];
+		m->a_pos[i] = b->pos[t];
+	}
+	for (int64_t h = 0; h < H; h++) { /* q_lat[h] = W_UK[h]^T q_nope[h] */
+		wmat ukt = {ly->ukt + h * lora * nope, NULL, KB_F32, lora, nope, 0, 0};
+		if ((rc = linear(m, &ukt, m->qa + h * qk, H * qk, m->qlat + h * lora, H * lora, n, 0)))
+			return rc;
+	}
+	const kv_params *kp = kv_cache_params(m->kv);
+	kb_mla_attn_args a = {m->u, m->qlat, m->qpe, n, H, lora, rope, H * lora, H * lora, H * rope,
+			      kv_cache_layer(m->kv, L), kp->page_size, kp->row_floats, b->block_tables,
+			      b->max_blocks, m->a_seq, m->a_pos, m->attn_scale};
+	if ((rc = m->be->mla_attn(&a)))
+		return rc;
+	for (int64_t h = 0; h < H; h++) { /* o[h] = W_UV[h] u[h] */
+		wmat uv = {ly->kvb32 + (h * per + nope) * lora, NULL, KB_F32, vd, lora, 0, 0};
+		if ((rc = linear(m, &uv, m->u + h * lora, H * lora, m->oa + h * vd, H * vd, n, 0)))
+			return rc;
+	}
+	for (int i = 0; i < n; i++)
+		memcpy(m->o + m->a_idx[i] * H * vd, m->oa + i * H * vd, (size_t)(H * vd) * 4);
+	return DS_OK;
+}
+
+/* Naive form for the tokens of sequence s listed in n_idx[0..n). */
+static int attn_naive(model *m, const eng_batch *b, int L, int32_t s, int n)
+{
+	ds_layer *ly = &m->layers[L];
+	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
+	const int64_t per = nope + vd;
+	int32_t len = 0;
+	int rc;
+	for (int i = 0; i < n; i++) {
+		int t = m->n_idx[i];
+		m->n_pos[i] = b->pos[t];
+		if (b->pos[t] + 1 > len)
+			len = b->pos[t] + 1;
+		memcpy(m->nq + i * H * qk, m->q + t * H * qk, (size_t)(H * qk) * 4);
+	}
+	for (int32_t j = 0; j < len; j++) {
+		const float *row = cache_row(m, b, L, s, j);
+		memcpy(m->nlat + j * lora, row, (size_t)lora * 4);
+		for (int64_t h = 0; h < H; h++)
+			memcpy(m->nk + (j * H + h) * qk + nope, row + lora, (size_t)rope * 4);
+	}
+	if ((rc = linear(m, &ly->kv_b, m->nlat, lora, m->nkv, H * per, len, 0)))
+		return rc;
+	for (int32_t j = 0; j < len; j++) {
+		for (int64_t h = 0; h < H; h++) {
+			const float *kv = m->nkv + (j * H + h) * per;
+			memcpy(m->nk + (j * H + h) * qk, kv, (size_t)nope * 4);
+			memcpy(m->nv + (j * H + h) * vd, kv + nope, (size_t)vd * 4);
+		}
+	}
+	kb_attn_args a = {m->no, m->nq, m->nk, m->nv, n, len, H, H, qk, vd, H * qk, H * qk, H * vd,
+			  H * vd, m->n_pos, m->attn_scale};
+	if ((rc = m->be->attn(&a)))
+		return rc;
+	for (int i = 0; i < n; i++)
+		memcpy(m->o + m->n_idx[i] * H * vd, m->no + i * H * vd, (size_t)(H * vd) * 4);
+	return DS_OK;
+}
+
+static int attention(model *m, const eng_batch *b, int L)
+{
+	ds_layer *ly = &m->layers[L];
+	const mcfg *c = &m->cfg;
+	const int64_t n = b->n_tok, H = m->H, qk = m->qk, lora = m->lora, rope = m->rope;
+	const int64_t kvw = lora + rope;
+	int rc;
+	if (c->q_lora_rank > 0) {
+		if ((rc = linear(m, &ly->q_a, m->h, m->D, m->cq, c->q_lora_rank, n, 0)) ||
+		    (rc = rmsnorm(m, m->cq, m->cq, ly->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
+				  c->q_lora_rank)) ||
+		    (rc = linear(m, &ly->q_b, m->cq, c->q_lora_rank, m->q, H * qk, n, 0)))
+			return rc;
+	} else if ((rc = linear(m, &ly->q_proj, m->h, m->D, m->q, H * qk, n, 0))) {
+		return rc;
+	}
+	if ((rc = linear(m, &ly->kv_a, m->h, m->D, m->kva, kvw, n, 0)) ||
+	    (rc = rmsnorm(m, m->kva, m->kva, ly->kv_a_norm, n, lora, kvw, kvw)))
+		return rc;
+	kb_rope_args rq = {m->q + m->nope, n, H, H * qk, qk, rope, b->pos, m->inv_freq, m->rope_amp, 1};
+	kb_rope_args rk = {m->kva + lora, n, 1, kvw, kvw, rope, b->pos, m->inv_freq, m->rope_amp, 1};
+	if ((rc = m->be->rope(&rq)) || (rc = m->be->rope(&rk)))
+		return rc;
+	for (int64_t t = 0; t < n; t++)
+		memcpy(cache_row(m, b, L, b->seq[t], b->pos[t]), m->kva + t * kvw, (size_t)kvw * 4);
+
+	/* which tokens take which form */
+	memset(m->seq_ntok, 0, (size_t)b->n_seq * sizeof *m->seq_ntok);
+	for (int64_t t = 0; t < n; t++)
+		m->seq_ntok[b->seq[t]]++;
+	int na = 0;
+	for (int64_t t = 0; t < n; t++) {
+		int naive = m->attn == MODEL_ATTN_NAIVE ||
+			    (m->attn == MODEL_ATTN_AUTO && m->seq_ntok[b->seq[t]] > 1);
+		if (!naive)
+			m->a_idx[na++] = (int32_t)t;
+	}
+	if (na && (rc = attn_absorbed(m, b, L, na)))
+		return rc;
+	if (na < n) {
+		for (int32_t s = 0; s < b->n_seq; s++) {
+			int nn = 0;
+			for (int64_t t = 0; t < n; t++) {
+				int naive = m->attn == MODEL_ATTN_NAIVE ||
+					    (m->attn == MODEL_ATTN_AUTO && m->seq_ntok[s] > 1);
+				if (b->seq[t] == s && naive)
+					m->n_idx[nn++] = (int32_t)t;
+			}
+			if (nn && (rc = attn_naive(m, b, L, s, nn)))
+				return rc;
+		}
+	}
+	return linear(m, &ly->o, m->o, H * m->vd, m->x, m->D, n, 1);
+}
+
+static int mlp(model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
+	       int64_t rows, int accumulate)
+{
+	int rc;
+	const int64_t I = g->n;
+	if ((rc = linear(m, g, x, m->D, m->g, I, rows, 0)) ||
+	    (rc = linear(m, u, x, m->D, m->up, I, rows, 0)))
+		return rc;
+	kb_silu_mul_args s = {m->act, m->g, m->up, rows, I, I, I, I};
+	if ((rc = m->be->silu_mul(&s)))
+		return rc;
+	return linear(m, d, m->act, I, y, m->D, rows, accumulate);
+}
+
+static int moe(model *m, const eng_batch *b, int L)
+{
+	ds_layer *ly = &m->layers[L];
+	const mcfg *c = &m->cfg;
+	const int64_t n = b->n_tok, E = c->n_routed_experts, K = c->num_experts_per_tok, D = m->D;
+	int rc;
+	if ((rc = linear(m, &ly->router, m->h, D, m->rlog, E, n, 0)))
+		return rc;
+	kb_moe_route_args r = {m->ridx, m->rw, m->rlog, ly->bias, n, E, K, c->n_group, c->topk_group, E,
+			       c->scoring == MCFG_SCORING_SIGMOID ? KB_SCORE_SIGMOID : KB_SCORE_SOFTMAX,
+			       c->topk_method == MCFG_TOPK_NOAUX_TC ? KB_TOPK_NOAUX_TC
+			       : c->topk_method == MCFG_TOPK_GROUP_LIMITED_GREEDY ? KB_TOPK_GROUP_LIMITED_GREEDY
+										: KB_TOPK_GREEDY,
+			       c->norm_topk_prob, (float)c->routed_scaling_factor};
+	if ((rc = m->be->moe_route(&r)))
+		return rc;
+	/* counting sort of (token, weight) pairs by expert */
+	memset(m->ecount, 0, (size_t)(E + 1) * 4);
+	for (int64_t i = 0; i < n * K; i++)
+		m->ecount[m->ridx[i]]++;
+	m->eoff[0] = 0;
+	for (int64_t e = 0; e < E; e++)
+		m->eoff[e + 1] = m->eoff[e] + m->ecount[e];
+	memset(m->ecount, 0, (size_t)(E + 1) * 4);
+	for (int64_t i = 0; i < n * K; i++) {
+		int32_t e = m->ridx[i];
+		int32_t at = m->eoff[e] + m->ecount[e]++;
+		m->etok[at] = (int32_t)(i / K);
+		m->ew[at] = m->rw[i];
+	}
+	if (c->n_shared_experts > 0 && (rc = mlp(m, &ly->sg, &ly->su, &ly->sd, m->h, m->x, n, 1)))
+		return rc;
+	for (int64_t e = 0; e < E; e++) {
+		int32_t cnt = m->eoff[e + 1] - m->eoff[e];
+		if (!cnt)
+			continue;
+		const int32_t *toks = m->etok + m->eoff[e];
+		const float *ws = m->ew + m->eoff[e];
+		for (int32_t i = 0; i < cnt; i++)
+			memcpy(m->xe + i * D, m->h + (int64_t)toks[i] * D, (size_t)D * 4);
+		if ((rc = mlp(m, &ly->eg[e], &ly->eu[e], &ly->ed[e], m->xe, m->ye, cnt, 0)))
+			return rc;
+		for (int32_t i = 0; i < cnt; i++) {
+			kb_axpy_args a = {m->x + (int64_t)toks[i] * D, m->ye + i * D, D, ws[i]};
+			if ((rc = m->be->axpy(&a)))
+				return rc;
+		}
+	}
+	return DS_OK;
+}
+
+int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err)
+{
+	int rc = check_batch(m, b, err);
+	if (rc)
+		return rc;
+	const int64_t n = b->n_tok, D = m->D;
+	kb_embed_args e = {m->x, m->embed->data, m->embed->dtype, b->tokens, n, D, D, D};
+	if ((rc = m->be->embed(&e)))
+		goto out;
+	for (int L = 0; L < m->cfg.num_hidden_layers; L++) {
+		ds_layer *ly = &m->layers[L];
+		if ((rc = rmsnorm(m, m->h, m->x, ly->attn_norm, n, D, D, D)) ||
+		    (rc = attention(m, b, L)) ||
+		    (rc = rmsnorm(m, m->h, m->x, ly->ffn_norm, n, D, D, D)))
+			goto out;
+		rc = ly->moe ? moe(m, b, L) : mlp(m, &ly->gate, &ly->up, &ly->down, m->h, m->x, n, 1);
+		if (rc)
+			goto out;
+	}
+	int nl = 0;
+	for (int64_t t = 0; t < n; t++)
+		if (!b->want_logits || b->want_logits[t])
+			memcpy(m->lg + (nl++) * D, m->x + t * D, (size_t)D * 4);
+	if ((rc = rmsnorm(m, m->lg, m->lg, m->final_norm, nl, D, D, D)) ||
+	    (rc = linear(m, &m->lm_head, m->lg, D, logits, m->cfg.vocab_size, nl, 0)))
+		goto out;
+out:
+	if (rc && err && err->code == DS_OK)
+		ds_err_set(err, rc, "forward step failed in the %s backend (%s)", m->be->name,
+			   ds_status_name(rc));
+	return rc;
+}
+
+void model_set_attn(model *m, enum model_attn attn)
+{
+	m->attn = attn;
+}
+
+kv_cache *model_kv(model *m)
+{
+	return m->kv;
+}
+
+int model_vocab_size(const model *m)
+{
+	return m->cfg.vocab_size;
+}
+
+int model_max_ctx(const model *m)
+{
+	return (int)m->ctx;
+}
+
+int model_max_batch_tokens(const model *m)
+{
+	return (int)m->bt;
+}
+
+int model_bos_id(const model *m)
+{
+	return m->cfg.bos_token_id;
+}
+
+int model_eos_ids(const model *m, const int **ids)
+{
+	*ids = m->cfg.eos_token_ids;
+	return m->cfg.n_eos;
+}
+
+const char *model_arch_name(const model *m)
+{
+	return mcfg_arch_name(m->cfg.arch);
+}
+
+size_t model_weight_bytes(const model *m)
+{
+	return st_total_bytes(m->st);
+}
+
+size_t model_extra_bytes(const model *m)
+{
+	return m->extra_bytes;
+}

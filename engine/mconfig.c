@@ -1,0 +1,657 @@
+/*
+ * mconfig.c - parse and validate a DeepSeek config.json (see mconfig.h).
+ *
+ * Called by the model loader, dsrun and tests; calls jansson and common/.
+ * Pure functions, no state: thread-safe.
+ *
+ * Fields (REQ = must be present and not null; OPT = default when absent or
+ * null; NUL = must be present, null means the default).  Integers may be
+ * written as JSON reals with an integral value, reals as integers.
+ *
+ *   model_type             REQ  "deepseek_v3" | "deepseek_v2"; others rejected
+ *   vocab_size hidden_size intermediate_size moe_intermediate_size
+ *   num_hidden_layers num_attention_heads kv_lora_rank qk_nope_head_dim
+ *   v_head_dim max_position_embeddings n_routed_experts num_experts_per_tok
+ *   first_k_dense_replace  REQ  positive integers (first_k_dense_replace >= 0)
+ *   qk_rope_head_dim       REQ  even, 2 .. MCFG_MAX_ROPE_DIM
+ *   num_key_value_heads    OPT  = num_attention_heads; nominal (MLA), not used
+ *   q_lora_rank            NUL  null or 0 = plain q_proj
+ *   n_shared_experts       OPT  0
+ *   n_group / topk_group   OPT  1 / 1; n_group | n_routed_experts, topk_group <= n_group
+ *   moe_layer_freq         OPT  1
+ *   num_nextn_predict_layers OPT 0
+ *   routed_scaling_factor  REQ  > 0
+ *   norm_topk_prob         REQ  bool
+ *   scoring_func           REQ  "softmax" | "sigmoid"
+ *   topk_method            REQ  "greedy" ("gready") | "group_limited_greedy" | "noaux_tc";
+ *                               noaux_tc needs sigmoid, the others softmax
+ *   hidden_act             OPT  "silu" only
+ *   attention_bias         OPT  false only
+ *   tie_word_embeddings    OPT  false only
+ *   rope_theta             OPT  10000
+ *   rms_norm_eps           OPT  1e-6
+ *   rope_scaling           OPT  null = plain RoPE; object with type (or rope_type)
+ *                               "yarn" ("default" = plain), factor >= 1 REQ,
+ *                               original_max_position_embeddings REQ,
+ *                               beta_fast 32 > beta_slow 1, mscale 1,
+ *                               mscale_all_dim 0 (the remote-code defaults);
+ *                               attention_factor and truncate false rejected
+ *   quantization_config    OPT  null = no quantization; quant_method "fp8" REQ,
+ *                               fmt "e4m3", activation_scheme "dynamic",
+ *                               weight_block_size REQ [b, b], scale_fmt null|"ue8m0"
+ *   bos_token_id           OPT  int or null
+ *   eos_token_id           OPT  int, array of 1..MCFG_MAX_EOS ints, or null
+ *   anything else          ignored (training-only and bookkeeping keys)
+ *
+ * Derived (§1.2/§5 of the DeepSeek spec): m(F, mu) = 1 if F <= 1 else
+ * 0.1 mu ln F + 1; softmax_scale = qk_head_dim^-0.5 m(F, mscale_all_dim)^2;
+ * rope_amp = m(F, mscale) / m(F, mscale_all_dim); YaRN ramp bounds from
+ * original_max_position_embeddings (never max_position_embeddings).
+ */
+#include "engine/mconfig.h"
+
+#include "common/jsonx.h"
+#include "common/strutil.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define JSON_MAX_DEPTH 32
+#define LABEL_MAX 96
+
+enum need { OPT, REQ, NUL };
+
+/* Parsing context: the source name for messages and the error slot. */
+typedef struct pctx {
+	const char *what;
+	ds_err *err;
+} pctx;
+
+/* Fails with "<what>: <field> <rule>, got <value>". */
+static int fail_value(pctx *p, int code, const char *field, const json_t *v, const char *rule)
+{
+	char *s = v ? jsonx_dumps(v) : NULL;
+	int rc = ds_err_set(p->err, code, "%s: %s %s, got %.64s", p->what, field, rule,
+			    s ? s : "nothing");
+	free(s);
+	return rc;
+}
+
+static void label(char *buf, const char *prefix, const char *key)
+{
+	snprintf(buf, LABEL_MAX, "%s%s", prefix, key);
+}
+
+/* Looks key up; returns 1 when absent or null (after checking `need`), 0 when
+ * *v holds a value, or a negative error. */
+static int lookup(pctx *p, const json_t *obj, const char *field, const char *key, enum need need,
+		  json_t **v)
+{
+	*v = json_object_get(obj, key);
+	if (*v && !json_is_null(*v))
+		return 0;
+	if (need == REQ || (need == NUL && !*v))
+		return ds_err_set(p->err, DS_EINVAL, "%s: %s is required", p->what, field);
+	return 1;
+}
+
+static int get_int(pctx *p, const json_t *obj, const char *prefix, const char *key, enum need need,
+		   int64_t min, int64_t max, int def, int *out)
+{
+	char field[LABEL_MAX], rule[96];
+	json_t *v;
+	label(field, prefix, key);
+	int rc = lookup(p, obj, field, key, need, &v);
+	if (rc) {
+		*out = def;
+		return rc < 0 ? rc : DS_OK;
+	}
+	double d = json_is_integer(v) ? (double)json_integer_value(v)
+		   : json_is_real(v)  ? json_real_value(v) : NAN;
+	snprintf(rule, sizeof rule, "must be an integer in [%lld, %lld]", (long long)min,
+		 (long long)max);
+	if (!json_is_number(v))
+		return fail_value(p, DS_EFORMAT, field, v, rule);
+	if (!(d >= (double)min && d <= (double)max && floor(d) == d))
+		return fail_value(p, DS_EINVAL, field, v, rule);
+	*out = (int)d;
+	return DS_OK;
+}
+
+/* A finite number in (min, max] (or [min, max] when min_incl). */
+static int get_num(pctx *p, const json_t *obj, const char *prefix, const char *key, enum need need,
+		   double min, int min_incl, double max, double def, double *out)
+{
+	char field[LABEL_MAX], rule[96];
+	json_t *v;
+	label(field, prefix, key);
+	int rc = lookup(p, obj, field, key, need, &v);
+	if (rc) {
+		*out = def;
+		return rc < 0 ? rc : DS_OK;
+	}
+	snprintf(rule, sizeof rule, "must be a number in %c%g, %g]", min_incl ? '[' : '(', min,
+		 max);
+	if (!json_is_number(v))
+		return fail_value(p, DS_EFORMAT, field, v, rule);
+	double d = json_number_value(v);
+	if (!((d > min || (min_incl && d == min)) && d <= max))
+		return fail_value(p, DS_EINVAL, field, v, rule);
+	*out = d;
+	return DS_OK;
+}
+
+static int get_bool(pctx *p, const json_t *obj, const char *key, enum need need, int def, int *out)
+{
+	json_t *v;
+	int rc = lookup(p, obj, key, key, need, &v);
+	if (rc) {
+		*out = def;
+		return rc < 0 ? rc : DS_OK;
+	}
+	if (!json_is_boolean(v))
+		return fail_value(p, DS_EFORMAT, key, v, "must be true or false");
+	*out = json_is_true(v);
+	return DS_OK;
+}
+
+typedef struct name_val {
+	const char *name;
+	int val;
+} name_val;
+
+/* A string from a fixed set; `choices` is the text shown when it is not. */
+static int get_enum(pctx *p, const json_t *obj, const char *prefix, const char *key, enum need need,
+		    const name_val *tab, int def, const char *choices, int *out)
+{
+	char field[LABEL_MAX];
+	json_t *v;
+	label(field, prefix, key);
+	int rc = lookup(p, obj, field, key, need, &v);
+	if (rc) {
+		*out = def;
+		return rc < 0 ? rc : DS_OK;
+	}
+	if (!json_is_string(v))
+		return fail_value(p, DS_EFORMAT, field, v, "must be a string");
+	for (; tab->name; tab++) {
+		if (strcmp(tab->name, json_string_value(v)) == 0) {
+			*out = tab->val;
+			return DS_OK;
+		}
+	}
+	return ds_err_set(p->err, DS_EUNSUPPORTED, "%s: %s \"%.64s\" is not supported (%s)",
+			  p->what, field, json_string_value(v), choices);
+}
+
+/* ---- field tables ---- */
+
+typedef struct int_field {
+	const char *key;
+	size_t off;
+	enum need need;
+	int64_t min, max;
+	int def;
+} int_field;
+
+#define IF(k, n, lo, hi, d) {#k, offsetof(mcfg, k), n, lo, hi, d}
+static const int_field int_fields[] = {
+	IF(vocab_size, REQ, 1, 1 << 24, 0),
+	IF(hidden_size, REQ, 1, 1 << 20, 0),
+	IF(intermediate_size, REQ, 1, 1 << 22, 0),
+	IF(moe_intermediate_size, REQ, 1, 1 << 22, 0),
+	IF(num_hidden_layers, REQ, 1, 4096, 0),
+	IF(num_attention_heads, REQ, 1, 4096, 0),
+	IF(num_key_value_heads, OPT, 1, 4096, 0),
+	IF(q_lora_rank, NUL, 0, 1 << 20, 0),
+	IF(kv_lora_rank, REQ, 1, 1 << 20, 0),
+	IF(qk_nope_head_dim, REQ, 1, 4096, 0),
+	IF(qk_rope_head_dim, REQ, 2, MCFG_MAX_ROPE_DIM, 0),
+	IF(v_head_dim, REQ, 1, 4096, 0),
+	IF(n_routed_experts, REQ, 1, 1 << 16, 0),
+	IF(n_shared_experts, OPT, 0, 1 << 16, 0),
+	IF(num_experts_per_tok, REQ, 1, 1 << 16, 0),
+	IF(n_group, OPT, 1, 1 << 16, 1),
+	IF(topk_group, OPT, 1, 1 << 16, 1),
+	IF(first_k_dense_replace, REQ, 0, 4096, 0),
+	IF(moe_layer_freq, OPT, 1, 4096, 1),
+	IF(max_position_embeddings, REQ, 1, 1 << 30, 0),
+	IF(num_nextn_predict_layers, OPT, 0, 64, 0),
+	IF(bos_token_id, OPT, 0, INT32_MAX, -1),
+};
+#undef IF
+
+typedef struct num_field {
+	const char *key;
+	size_t off;
+	enum need need;
+	double min_excl, max, def; /* range (min_excl, max] */
+} num_field;
+
+static const num_field num_fields[] = {
+	{"routed_scaling_factor", offsetof(mcfg, routed_scaling_factor), REQ, 0, 1e6, 1},
+	{"rope_theta", offsetof(mcfg, rope_theta), OPT, 0, 1e12, 10000},
+	{"rms_norm_eps", offsetof(mcfg, rms_norm_eps), OPT, 0, 1, 1e-6},
+};
+
+static const name_val arch_names[] = {
+	{"deepseek_v3", MCFG_ARCH_DEEPSEEK_V3}, {"deepseek_v2", MCFG_ARCH_DEEPSEEK_V2}, {NULL, 0}};
+static const name_val scoring_names[] = {
+	{"softmax", MCFG_SCORING_SOFTMAX}, {"sigmoid", MCFG_SCORING_SIGMOID}, {NULL, 0}};
+static const name_val topk_names[] = {
+	{"greedy", MCFG_TOPK_GREEDY},
+	{"gready", MCFG_TOPK_GREEDY}, /* spelling of some V2 remote-code revisions */
+	{"group_limited_greedy", MCFG_TOPK_GROUP_LIMITED_GREEDY},
+	{"noaux_tc", MCFG_TOPK_NOAUX_TC},
+	{NULL, 0}};
+static const name_val act_names[] = {{"silu", 1}, {NULL, 0}};
+
+/* ---- sections ---- */
+
+static int parse_scalars(pctx *p, const json_t *root, mcfg *c)
+{
+	int rc = DS_OK;
+	for (size_t i = 0; !rc && i < sizeof int_fields / sizeof int_fields[0]; i++) {
+		const int_field *f = &int_fields[i];
+		rc = get_int(p, root, "", f->key, f->need, f->min, f->max, f->def,
+			     (int *)((char *)c + f->off));
+	}
+	for (size_t i = 0; !rc && i < sizeof num_fields / sizeof num_fields[0]; i++) {
+		const num_field *f = &num_fields[i];
+		rc = get_num(p, root, "", f->key, f->need, f->min_excl, 0, f->max, f->def,
+			     (double *)((char *)c + f->off));
+	}
+	if (!rc && c->num_key_value_heads == 0)
+		c->num_key_value_heads = c->num_attention_heads;
+	return rc;
+}
+
+static int parse_choices(pctx *p, const json_t *root, mcfg *c)
+{
+	int act, scoring, topk, bias, tie;
+	int rc = get_enum(p, root, "", "hidden_act", OPT, act_names, 1, "only \"silu\"", &act);
+	if (!rc)
+		rc = get_enum(p, root, "", "scoring_func", REQ, scoring_names, 0,
+			      "one of \"softmax\", \"sigmoid\"", &scoring);
+	if (!rc)
+		rc = get_enum(p, root, "", "topk_method", REQ, topk_names, 0,
+			      "one of \"greedy\", \"group_limited_greedy\", \"noaux_tc\"", &topk);
+	if (!rc)
+		rc = get_bool(p, root, "norm_topk_prob", REQ, 0, &c->norm_topk_prob);
+	if (!rc)
+		rc = get_bool(p, root, "attention_bias", OPT, 0, &bias);
+	if (!rc)
+		rc = get_bool(p, root, "tie_word_embeddings", OPT, 0, &tie);
+	if (rc)
+		return rc;
+	if (bias)
+		return ds_err_set(p->err, DS_EUNSUPPORTED,
+				  "%s: attention_bias true is not supported (DeepSeek attention "
+				  "projections have no bias)", p->what);
+	if (tie)
+		return ds_err_set(p->err, DS_EUNSUPPORTED,
+				  "%s: tie_word_embeddings true is not supported (DeepSeek "
+				  "checkpoints carry a separate lm_head.weight)", p->what);
+	c->scoring = (enum mcfg_scoring)scoring;
+	c->topk_method = (enum mcfg_topk)topk;
+	return DS_OK;
+}
+
+/* Rejects a key this parser cannot honour when it holds a non-default value. */
+static int refuse_key(pctx *p, const json_t *obj, const char *field, const char *key,
+		      const char *why)
+{
+	json_t *v = json_object_get(obj, key);
+	if (!v || json_is_null(v))
+		return DS_OK;
+	return fail_value(p, DS_EUNSUPPORTED, field, v, why);
+}
+
+static int parse_yarn(pctx *p, const json_t *rs, mcfg *c)
+{
+	const char *pre = "rope_scaling.";
+	int rc = get_num(p, rs, pre, "factor", REQ, 1, 1, 1e6, 1, &c->rope_factor);
+	if (!rc)
+		rc = get_int(p, rs, pre, "original_max_position_embeddings", REQ, 1, 1 << 30, 0,
+			     &c->rope_original_max_position);
+	if (!rc)
+		rc = get_num(p, rs, pre, "beta_fast", OPT, 0, 0, 1e6, 32, &c->rope_beta_fast);
+	if (!rc)
+		rc = get_num(p, rs, pre, "beta_slow", OPT, 0, 0, 1e6, 1, &c->rope_beta_slow);
+	if (!rc)
+		rc = get_num(p, rs, pre, "mscale", OPT, 0, 1, 1e6, 1, &c->rope_mscale);
+	if (!rc)
+		rc = get_num(p, rs, pre, "mscale_all_dim", OPT, 0, 1, 1e6, 0,
+			     &c->rope_mscale_all_dim);
+	if (!rc)
+		rc = refuse_key(p, rs, "rope_scaling.attention_factor", "attention_factor",
+				"is not supported (DeepSeek uses mscale / mscale_all_dim)");
+	if (!rc && json_is_false(json_object_get(rs, "truncate")))
+		rc = fail_value(p, DS_EUNSUPPORTED, "rope_scaling.truncate",
+				json_object_get(rs, "truncate"), "must be true (DeepSeek rounds "
+				"the ramp bounds)");
+	if (!rc && !(c->rope_beta_fast > c->rope_beta_slow))
+		rc = ds_err_set(p->err, DS_EINVAL, "%s: rope_scaling.beta_fast (%g) must be "
+				"greater than beta_slow (%g)", p->what, c->rope_beta_fast,
+				c->rope_beta_slow);
+	return rc;
+}
+
+static int parse_rope(pctx *p, const json_t *root, mcfg *c)
+{
+	static const name_val types[] = {{"yarn", MCFG_ROPE_YARN}, {"default", MCFG_ROPE_PLAIN},
+					 {NULL, 0}};
+	const json_t *rs = json_object_get(root, "rope_scaling");
+	c->rope_type = MCFG_ROPE_PLAIN;
+	c->rope_factor = 1;
+	if (!rs || json_is_null(rs))
+		return DS_OK;
+	if (!json_is_object(rs))
+		return fail_value(p, DS_EFORMAT, "rope_scaling", rs, "must be an object or null");
+	/* "type" in the DeepSeek configs, "rope_type" in newer transformers */
+	const char *key = !json_object_get(rs, "type") && json_object_get(rs, "rope_type")
+				  ? "rope_type" : "type";
+	int type;
+	int rc = get_enum(p, rs, "rope_scaling.", key, REQ, types, 0, "only \"yarn\"", &type);
+	if (rc || type == MCFG_ROPE_PLAIN)
+		return rc;
+	c->rope_type = MCFG_ROPE_YARN;
+	return parse_yarn(p, rs, c);
+}
+
+static int parse_block_size(pctx *p, const json_t *q, mcfg *c)
+{
+	const char *field = "quantization_config.weight_block_size";
+	const char *rule = "must be 2 equal positive integers";
+	json_t *v = json_object_get(q, "weight_block_size");
+	if (!v || json_is_null(v))
+		return ds_err_set(p->err, DS_EINVAL, "%s: %s is required", p->what, field);
+	const json_t *a = json_array_get(v, 0), *b = json_array_get(v, 1);
+	if (!json_is_array(v) || json_array_size(v) != 2 || !json_is_integer(a) ||
+	    !json_is_integer(b))
+		return fail_value(p, DS_EFORMAT, field, v, rule);
+	json_int_t n = json_integer_value(a), k = json_integer_value(b);
+	if (n != k || n <= 0 || n > (1 << 20))
+		return fail_value(p, DS_EINVAL, field, v, rule);
+	c->fp8_block_n = c->fp8_block_k = (int)n;
+	return DS_OK;
+}
+
+static int parse_quant(pctx *p, const json_t *root, mcfg *c)
+{
+	static const name_val method[] = {{"fp8", 1}, {NULL, 0}};
+	static const name_val fmt[] = {{"e4m3", 1}, {NULL, 0}};
+	static const name_val scheme[] = {{"dynamic", 1}, {NULL, 0}};
+	static const name_val scale_fmt[] = {{"ue8m0", 1}, {NULL, 0}};
+	const char *pre = "quantization_config.";
+	const json_t *q = json_object_get(root, "quantization_config");
+	if (!q || json_is_null(q))
+		return DS_OK;
+	if (!json_is_object(q))
+		return fail_value(p, DS_EFORMAT, "quantization_config", q,
+				  "must be an object or null");
+	int x;
+	int rc = get_enum(p, q, pre, "quant_method", REQ, method, 0, "only \"fp8\"", &x);
+	if (!rc)
+		rc = get_enum(p, q, pre, "fmt", OPT, fmt, 1, "only \"e4m3\"", &x);
+	if (!rc)
+		rc = get_enum(p, q, pre, "activation_scheme", OPT, scheme, 1, "only \"dynamic\"",
+			      &x);
+	if (!rc)
+		rc = get_enum(p, q, pre, "scale_fmt", OPT, scale_fmt, 0, "only \"ue8m0\" or null",
+			      &c->fp8_scale_ue8m0);
+	if (!rc)
+		rc = parse_block_size(p, q, c);
+	c->fp8 = rc == DS_OK;
+	return rc;
+}
+
+static int parse_eos(pctx *p, const json_t *root, mcfg *c)
+{
+	const char *rule = "must be a token id or an array of 1 to 8 token ids";
+	json_t *v = json_object_get(root, "eos_token_id");
+	c->n_eos = 0;
+	if (!v || json_is_null(v))
+		return DS_OK;
+	if (json_is_number(v)) {
+		c->n_eos = 1;
+		return get_int(p, root, "", "eos_token_id", OPT, 0, INT32_MAX, 0,
+			       &c->eos_token_ids[0]);
+	}
+	if (!json_is_array(v) || json_array_size(v) < 1 || json_array_size(v) > MCFG_MAX_EOS)
+		return fail_value(p, DS_EFORMAT, "eos_token_id", v, rule);
+	for (size_t i = 0; i < json_array_size(v); i++) {
+		const json_t *e = json_array_get(v, i);
+		if (!json_is_integer(e) || json_integer_value(e) < 0 ||
+		    json_integer_value(e) > INT32_MAX)
+			return fail_value(p, DS_EINVAL, "eos_token_id", v, rule);
+		c->eos_token_ids[c->n_eos++] = (int)json_integer_value(e);
+	}
+	return DS_OK;
+}
+
+/* ---- consistency ---- */
+
+static int check_moe(pctx *p, const mcfg *c)
+{
+	int per_group = c->n_routed_experts / c->n_group;
+	int grouped = c->topk_method != MCFG_TOPK_GREEDY;
+	if (c->num_experts_per_tok > c->n_routed_experts)
+		return ds_err_set(p->err, DS_EINVAL,
+				  "%s: num_experts_per_tok %d exceeds n_routed_experts %d", p->what,
+				  c->num_experts_per_tok, c->n_routed_experts);
+	if (c->n_routed_experts % c->n_group != 0)
+		return ds_err_set(p->err, DS_EINVAL,
+				  "%s: n_group %d must divide n_routed_experts %d", p->what,
+				  c->n_group, c->n_routed_experts);
+	if (c->topk_group > c->n_group)
+		return ds_err_set(p->err, DS_EINVAL, "%s: topk_group %d exceeds n_group %d",
+				  p->what, c->topk_group, c->n_group);
+	if (c->topk_method == MCFG_TOPK_NOAUX_TC && per_group < 2)
+		return ds_err_set(p->err, DS_EINVAL,
+				  "%s: topk_method \"noaux_tc\" scores a group by its top 2 "
+				  "experts; n_routed_experts / n_group = %d", p->what, per_group);
+	if (grouped && c->num_experts_per_tok > c->topk_group * per_group)
+		return ds_err_set(p->err, DS_EINVAL,
+				  "%s: num_experts_per_tok %d exceeds the %d experts of topk_group "
+				  "%d groups", p->what, c->num_experts_per_tok,
+				  c->topk_group * per_group, c->topk_group);
+	if ((c->topk_method == MCFG_TOPK_NOAUX_TC) != (c->scoring == MCFG_SCORING_SIGMOID))
+		return ds_err_set(p->err, DS_EUNSUPPORTED,
+				  "%s: topk_method \"%s\" with scoring_func \"%s\" is not "
+				  "supported (noaux_tc goes with sigmoid, greedy and "
+				  "group_limited_greedy with softmax)", p->what,
+				  mcfg_topk_name(c->topk_method),
+				  mcfg_scoring_name(c->scoring));
+	return DS_OK;
+}
+
+static int check_layers(pctx *p, const mcfg *c)
+{
+	if (c->first_k_dense_replace > c->num_hidden_layers)
+		return ds_err_set(p->err, DS_EINVAL,
+				  "%s: first_k_dense_replace %d exceeds num_hidden_layers %d",
+				  p->what, c->first_k_dense_replace, c->num_hidden_layers);
+	if (c->qk_rope_head_dim % 2 != 0)
+		return ds_err_set(p->err, DS_EINVAL, "%s: qk_rope_head_dim %d must be even",
+				  p->what, c->qk_rope_head_dim);
+	if (c->bos_token_id >= c->vocab_size)
+		return ds_err_set(p->err, DS_EINVAL, "%s: bos_token_id %d is outside vocab_size %d",
+				  p->what, c->bos_token_id, c->vocab_size);
+	for (int i = 0; i < c->n_eos; i++)
+		if (c->eos_token_ids[i] >= c->vocab_size)
+			return ds_err_set(p->err, DS_EINVAL,
+					  "%s: eos_token_id %d is outside vocab_size %d", p->what,
+					  c->eos_token_ids[i], c->vocab_size);
+	return DS_OK;
+}
+
+/* ---- derived values ---- */
+
+static double yarn_m(double factor, double mscale)
+{
+	return factor <= 1 ? 1.0 : 0.1 * mscale * log(factor) + 1.0;
+}
+
+/* Rotary dimension index whose wavelength spans `rotations` turns over the
+ * original context. */
+static double yarn_corr_dim(const mcfg *c, double rotations)
+{
+	double d = c->qk_rope_head_dim;
+	return d * log(c->rope_original_max_position / (rotations * 2 * M_PI)) /
+	       (2 * log(c->rope_theta));
+}
+
+static void derive(mcfg *c)
+{
+	c->qk_head_dim = c->qk_nope_head_dim + c->qk_rope_head_dim;
+	c->shared_intermediate = c->n_shared_experts * c->moe_intermediate_size;
+	c->softmax_scale = 1.0 / sqrt((double)c->qk_head_dim);
+	c->rope_amp = 1.0;
+	c->yarn_low = c->yarn_high = 0;
+	if (c->rope_type != MCFG_ROPE_YARN)
+		return;
+	double m_all = yarn_m(c->rope_factor, c->rope_mscale_all_dim);
+	c->softmax_scale *= m_all * m_all;
+	c->rope_amp = yarn_m(c->rope_factor, c->rope_mscale) / m_all;
+	c->yarn_low = fmax(floor(yarn_corr_dim(c, c->rope_beta_fast)), 0);
+	c->yarn_high = fmin(ceil(yarn_corr_dim(c, c->rope_beta_slow)), c->qk_rope_head_dim - 1);
+	if (c->yarn_low == c->yarn_high)
+		c->yarn_high += 0.001; /* keeps the ramp's division finite */
+}
+
+/* ---- public ---- */
+
+int mcfg_parse(const char *text, size_t len, const char *what, mcfg *out, ds_err *err)
+{
+	ds_err local = {0};
+	if (!err)
+		err = &local;
+	pctx p = {what, err};
+	memset(out, 0, sizeof *out);
+	json_t *root = jsonx_parse(text, len, JSON_MAX_DEPTH, err);
+	if (!root)
+		return ds_err_wrap(err, "%s", what);
+	int arch = 0, rc = DS_OK;
+	if (!json_is_object(root))
+		rc = ds_err_set(err, DS_EFORMAT, "%s: must be a JSON object", what);
+	if (!rc)
+		rc = get_enum(&p, root, "", "model_type", REQ, arch_names, 0,
+			      "supported: deepseek_v3, deepseek_v2", &arch);
+	out->arch = (enum mcfg_arch)arch;
+	if (!rc)
+		rc = parse_scalars(&p, root, out);
+	if (!rc)
+		rc = parse_choices(&p, root, out);
+	if (!rc)
+		rc = parse_rope(&p, root, out);
+	if (!rc)
+		rc = parse_quant(&p, root, out);
+	if (!rc)
+		rc = parse_eos(&p, root, out);
+	if (!rc)
+		rc = check_moe(&p, out);
+	if (!rc)
+		rc = check_layers(&p, out);
+	if (!rc)
+		derive(out);
+	json_decref(root);
+	return rc;
+}
+
+static int read_text(const char *path, char **out, size_t *len, ds_err *err)
+{
+	struct stat st;
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", path,
+				  strerror(errno));
+	int rc = DS_OK;
+	char *buf = NULL;
+	if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+		rc = ds_err_set(err, DS_EIO, "%s: not a readable regular file", path);
+		goto out;
+	}
+	if (st.st_size > (off_t)MCFG_MAX_FILE_BYTES) {
+		rc = ds_err_set(err, DS_ERANGE, "%s: larger than %u bytes", path,
+				MCFG_MAX_FILE_BYTES);
+		goto out;
+	}
+	*len = (size_t)st.st_size;
+	buf = malloc(*len + 1);
+	if (!buf) {
+		rc = ds_err_set(err, DS_ENOMEM, "%s: out of memory", path);
+		goto out;
+	}
+	if (fread(buf, 1, *len, f) != *len) {
+		rc = ds_err_set(err, DS_EIO, "%s: read error", path);
+		goto out;
+	}
+	*out = buf;
+	buf = NULL;
+out:
+	free(buf);
+	fclose(f);
+	return rc;
+}
+
+int mcfg_load(const char *path, mcfg *out, ds_err *err)
+{
+	struct stat st;
+	char file[4096];
+	int is_dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+	if ((size_t)snprintf(file, sizeof file, is_dir ? "%s/config.json" : "%s", path) >=
+	    sizeof file)
+		return ds_err_set(err, DS_EINVAL, "path too long: %.200s", path);
+	char *text = NULL;
+	size_t len = 0;
+	int rc = read_text(file, &text, &len, err);
+	if (!rc)
+		rc = mcfg_parse(text, len, file, out, err);
+	free(text);
+	return rc;
+}
+
+int mcfg_is_moe_layer(const mcfg *c, int layer)
+{
+	if (layer < 0 || layer >= c->num_hidden_layers + c->num_nextn_predict_layers)
+		return 0;
+	return layer >= c->first_k_dense_replace && layer % c->moe_layer_freq == 0;
+}
+
+void mcfg_rope_inv_freq(const mcfg *c, float *out)
+{
+	int half = c->qk_rope_head_dim / 2;
+	for (int i = 0; i < half; i++) {
+		double f = pow(c->rope_theta, -2.0 * i / c->qk_rope_head_dim);
+		if (c->rope_type == MCFG_ROPE_YARN) {
+			double ramp = (i - c->yarn_low) / (c->yarn_high - c->yarn_low);
+			ramp = fmin(fmax(ramp, 0.0), 1.0);
+			f = f * (1 - ramp) + f / c->rope_factor * ramp;
+		}
+		out[i] = (float)f;
+	}
+}
+
+const char *mcfg_arch_name(enum mcfg_arch a)
+{
+	return a == MCFG_ARCH_DEEPSEEK_V3 ? "deepseek_v3" : "deepseek_v2";
+}
+
+const char *mcfg_scoring_name(enum mcfg_scoring s)
+{
+	return s == MCFG_SCORING_SIGMOID ? "sigmoid" : "softmax";
+}
+
+const char *mcfg_topk_name(enum mcfg_topk t)
+{
+	return t == MCFG_TOPK_NOAUX_TC		     ? "noaux_tc"
+	       : t == MCFG_TOPK_GROUP_LIMITED_GREEDY ? "group_limited_greedy"
+						     : "greedy";
+}

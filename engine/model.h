@@ -1,0 +1,76 @@
+/*
+ * model.h - a loaded model and its forward step, whatever the architecture.
+ *
+ * One step runs a batch of tokens from several sequences, prefill and decode
+ * mixed: token i belongs to sequence seq[i] (a row of block_tables) at
+ * position pos[i].  The step writes every token's KV rows into the paged
+ * cache (the caller reserved the pages: kv_seq_reserve), then each token
+ * attends to positions 0..pos[i] of its sequence.  Logits come out for the
+ * tokens with want_logits[i] != 0 (all tokens when want_logits is NULL), in
+ * batch order, vocab_size floats each.
+ *
+ * The step struct is plain data so it can be serialised and broadcast to
+ * other ranks unchanged (DESIGN.md §5).  model_forward never allocates: every
+ * activation buffer is sized at load from max_batch_tokens and max_ctx.
+ * Thread rule: one step at a time per model.
+ */
+#ifndef DS_ENGINE_MODEL_H
+#define DS_ENGINE_MODEL_H
+
+#include "common/status.h"
+#include "engine/kv.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct eng_batch {
+	int32_t n_tok;
+	const int32_t *tokens;       /* [n_tok] */
+	const int32_t *pos;          /* [n_tok] */
+	const int32_t *seq;          /* [n_tok] row of block_tables */
+	const uint8_t *want_logits;  /* [n_tok] or NULL (= all) */
+	int32_t n_seq;
+	const int32_t *block_tables; /* [n_seq][max_blocks] page ids */
+	int32_t max_blocks;
+} eng_batch;
+
+enum model_attn {
+	MODEL_ATTN_AUTO = 0,     /* naive for prefill chunks, absorbed for decode */
+	MODEL_ATTN_NAIVE = 1,    /* materialised K/V (MLA) */
+	MODEL_ATTN_ABSORBED = 2, /* latent form (MLA) */
+};
+
+typedef struct model_params {
+	const char *path;     /* checkpoint directory */
+	const char *backend;  /* "auto", "cpu", "cuda" */
+	int threads;          /* 0 = one per core */
+	int max_batch_tokens; /* tokens per step */
+	int max_ctx;          /* longest sequence; 0 = min(model's, 4096) */
+	int max_seqs;         /* sequences with pages at once */
+	int page_size;        /* positions per KV page */
+	int n_pages;          /* 0 = enough for max_seqs sequences of max_ctx */
+	enum model_attn attn;
+} model_params;
+
+typedef struct model model;
+
+model_params model_default_params(void);
+model *model_load(const model_params *p, ds_err *err);
+void model_free(model *m);
+
+int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err);
+
+/* Switches the MLA attention form between steps (tests compare them). */
+void model_set_attn(model *m, enum model_attn attn);
+
+kv_cache *model_kv(model *m);
+int model_vocab_size(const model *m);
+int model_max_ctx(const model *m);
+int model_max_batch_tokens(const model *m);
+int model_bos_id(const model *m);     /* -1 when the config has none */
+int model_eos_ids(const model *m, const int **ids); /* count; ids borrowed */
+const char *model_arch_name(const model *m);
+size_t model_weight_bytes(const model *m);  /* bytes of the checkpoint's tensors used */
+size_t model_extra_bytes(const model *m);   /* bytes the engine allocated beside them */
+
+#endif

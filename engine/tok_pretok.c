@@ -1,0 +1,479 @@
+/*
+ * tok_pretok.c - the pre-tokenizer: Split patterns as hand-written matchers.
+ *
+ * Called by tok.c (encoding) and tok_hf.c (pattern validation at load).
+ * There is no regex engine: each supported pattern string maps, through the
+ * table `patterns[]`, to a function that answers "how long is the match at
+ * position i" exactly as the backtracking engine of the reference (Oniguruma,
+ * used by HF tokenizers) would: alternatives tried left to right, greedy
+ * quantifiers giving back one character at a time, `(?!\S)` looking at the
+ * piece only.  Every run a matcher scans is consumed by its match or bounded
+ * by the quantifier, so splitting stays linear in the text length.  A pattern
+ * not in the table is rejected by its caller with the
+ * pattern quoted.  To support a new family (Llama-3, Qwen2 are here already),
+ * write its matcher from its alternatives and add a row.
+ *
+ * Split semantics (HF `Split`, behavior Isolated, invert false): scanning from
+ * the left, the first position where the pattern matches starts a match; the
+ * text between matches (gaps) and the matches both become pieces; scanning
+ * resumes at the match end.  Patterns are applied as a cascade: pattern k
+ * re-splits every piece of pattern k-1 separately.
+ *
+ * Thread rule: no state; everything is const.  Invariant: a matcher never
+ * returns more than end - i and never matches empty.
+ */
+#include "engine/tok_impl.h"
+#include "engine/unicode.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- character tests ------------------------------------------------------ */
+
+static int is_nl(uint32_t c)
+{
+	return c == '\r' || c == '\n';
+}
+
+static int is_ascii_letter(uint32_t c)
+{
+	return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z');
+}
+
+/* !"#$%&'()*+,-./:;<=>?@[\]^_`{|}~ : every ASCII punctuation or symbol */
+static int is_ascii_punct(uint32_t c)
+{
+	return (c >= 0x21 && c <= 0x2F) || (c >= 0x3A && c <= 0x40) || (c >= 0x5B && c <= 0x60) ||
+	       (c >= 0x7B && c <= 0x7E);
+}
+
+/* Length of the run starting at i of code points whose class has a bit of mask. */
+static size_t run_cls(const uint8_t *cls, size_t i, size_t end, unsigned mask)
+{
+	size_t j = i;
+	while (j < end && (cls[j] & mask))
+		j++;
+	return j - i;
+}
+
+/* The same, stopping at max (a bounded quantifier must not scan the whole run:
+ * that would make a long run quadratic). */
+static size_t run_cls_max(const uint8_t *cls, size_t i, size_t end, unsigned mask, size_t max)
+{
+	if (end - i > max)
+		end = i + max;
+	return run_cls(cls, i, end, mask);
+}
+
+/* Run of code points whose class has no bit of mask (and are not CR/LF when nonl). */
+static size_t run_not_cls(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end,
+			  unsigned mask, int nonl)
+{
+	size_t j = i;
+	while (j < end && !(cls[j] & mask) && !(nonl && is_nl(cp[j])))
+		j++;
+	return j - i;
+}
+
+static size_t run_nl(const uint32_t *cp, size_t i, size_t end)
+{
+	size_t j = i;
+	while (j < end && is_nl(cp[j]))
+		j++;
+	return j - i;
+}
+
+/* ---- shared alternatives ---------------------------------------------------- */
+
+/* \s*[\r\n]+ : greedy \s* gives back until a CR/LF follows, so the match ends
+ * just after the last CR/LF of the whitespace run at i. */
+static size_t alt_ws_then_nl(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	size_t r = run_cls(cls, i, end, UNI_WS);
+	for (size_t k = r; k > 0; k--)
+		if (is_nl(cp[i + k - 1]))
+			return k;
+	return 0;
+}
+
+/* \s+(?!\S)|\s+ : the whole whitespace run when it reaches the end of the piece
+ * or has length 1 (then the second alternative takes it); otherwise all but its
+ * last character (which then begins the next piece, e.g. " " before a word). */
+static size_t alt_ws_tail(const uint8_t *cls, size_t i, size_t end)
+{
+	size_t r = run_cls(cls, i, end, UNI_WS);
+	if (r == 0)
+		return 0;
+	if (i + r == end || r == 1)
+		return r;
+	return r - 1;
+}
+
+/* ---- DeepSeek-V3 -------------------------------------------------------------- */
+
+/* \p{N}{1,3} */
+static size_t m_digits3(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	return run_cls_max(cls, i, end, UNI_N, 3);
+}
+
+static int is_cjk_kana(uint32_t c)
+{
+	return (c >= 0x4E00 && c <= 0x9FA5) || (c >= 0x3040 && c <= 0x309F) ||
+	       (c >= 0x30A0 && c <= 0x30FF);
+}
+
+/* [一-龥぀-ゟ゠-ヿ]+ : U+4E00..U+9FA5, U+3040..U+309F, U+30A0..U+30FF */
+static size_t m_cjk_kana(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	size_t j = i;
+	while (j < end && is_cjk_kana(cp[j]))
+		j++;
+	return j - i;
+}
+
+/* [!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+
+ * |[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+
+ * | ?[\p{P}\p{S}]+[\r\n]*
+ * |\s*[\r\n]+
+ * |\s+(?!\S)
+ * |\s+                                                                   */
+static size_t m_ds3_main(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	/* 1: one ASCII punctuation, then ASCII letters */
+	if (is_ascii_punct(cp[i]) && i + 1 < end && is_ascii_letter(cp[i + 1])) {
+		size_t j = i + 1;
+		while (j < end && is_ascii_letter(cp[j]))
+			j++;
+		return j - i;
+	}
+	/* 2: optional char that is not CR/LF/L/P/S, then letters and marks */
+	if (!is_nl(cp[i]) && !(cls[i] & (UNI_L | UNI_P | UNI_S)) && i + 1 < end &&
+	    (cls[i + 1] & (UNI_L | UNI_M)))
+		return 1 + run_cls(cls, i + 1, end, UNI_L | UNI_M);
+	if (cls[i] & (UNI_L | UNI_M))
+		return run_cls(cls, i, end, UNI_L | UNI_M);
+	/* 3: optional space, punctuation/symbols, then CR/LF */
+	{
+		size_t j = i;
+		if (cp[j] == ' ' && j + 1 < end && (cls[j + 1] & (UNI_P | UNI_S)))
+			j++;
+		if (cls[j] & (UNI_P | UNI_S)) {
+			j += run_cls(cls, j, end, UNI_P | UNI_S);
+			j += run_nl(cp, j, end);
+			return j - i;
+		}
+	}
+	/* 4 */
+	size_t m = alt_ws_then_nl(cp, cls, i, end);
+	if (m)
+		return m;
+	/* 5, 6 */
+	return alt_ws_tail(cls, i, end);
+}
+
+/* ---- GPT-2 (ByteLevel use_regex) ---------------------------------------------- */
+
+/* 's|'t|'re|'ve|'m|'ll|'d, case-sensitive or, for (?i:...), with simple case
+ * folding (Oniguruma folds s with S and U+017F LONG S). */
+static size_t contraction(const uint32_t *cp, size_t i, size_t end, int icase)
+{
+	if (cp[i] != '\'' || i + 1 >= end)
+		return 0;
+	uint32_t a = cp[i + 1], b = i + 2 < end ? cp[i + 2] : 0;
+	if (icase) {
+		if (a == 0x17F)
+			a = 's';
+		if (a < 0x80 && a >= 'A' && a <= 'Z')
+			a += 32;
+		if (b < 0x80 && b >= 'A' && b <= 'Z')
+			b += 32;
+	}
+	if (a == 's' || a == 't' || a == 'm' || a == 'd')
+		return 2;
+	if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l'))
+		return 3;
+	return 0;
+}
+
+/* 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ */
+static size_t m_gpt2(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	size_t m = contraction(cp, i, end, 0);
+	if (m)
+		return m;
+	size_t j = i + (cp[i] == ' ' && i + 1 < end ? 1 : 0);
+	if (cls[j] & UNI_L)
+		return j - i + run_cls(cls, j, end, UNI_L);
+	if (cls[j] & UNI_N)
+		return j - i + run_cls(cls, j, end, UNI_N);
+	if (!(cls[j] & (UNI_WS | UNI_L | UNI_N)))
+		return j - i + run_not_cls(cp, cls, j, end, UNI_WS | UNI_L | UNI_N, 0);
+	/* j > i and cp[j] is whitespace, L or N handled: the space alone */
+	return alt_ws_tail(cls, i, end);
+}
+
+/* ---- Llama-3 / Qwen2 (not used by DeepSeek; here to show the table grows) ------ */
+
+/* (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}
+ * | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+                    */
+static size_t llama3_like(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end,
+			  size_t max_digits)
+{
+	size_t m = contraction(cp, i, end, 1);
+	if (m)
+		return m;
+	if (!is_nl(cp[i]) && !(cls[i] & (UNI_L | UNI_N)) && i + 1 < end && (cls[i + 1] & UNI_L))
+		return 1 + run_cls(cls, i + 1, end, UNI_L);
+	if (cls[i] & UNI_L)
+		return run_cls(cls, i, end, UNI_L);
+	if (cls[i] & UNI_N)
+		return run_cls_max(cls, i, end, UNI_N, max_digits);
+	{
+		size_t j = i + (cp[i] == ' ' && i + 1 < end ? 1 : 0);
+		if (!(cls[j] & (UNI_WS | UNI_L | UNI_N))) {
+			j += run_not_cls(cp, cls, j, end, UNI_WS | UNI_L | UNI_N, 0);
+			j += run_nl(cp, j, end);
+			return j - i;
+		}
+	}
+	m = alt_ws_then_nl(cp, cls, i, end);
+	if (m)
+		return m;
+	return alt_ws_tail(cls, i, end);
+}
+
+static size_t m_llama3(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	return llama3_like(cp, cls, i, end, 3);
+}
+
+static size_t m_qwen2(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	return llama3_like(cp, cls, i, end, 1);
+}
+
+/* ---- the table ------------------------------------------------------------------ */
+
+/* Patterns as they appear in tokenizer.json once JSON-unescaped.  CR and LF may
+ * be written raw (as DeepSeek's file does) or as \r \n escapes: both spellings
+ * are compared in the escaped form (see canon()). */
+const char tok_pattern_gpt2[] =
+	"'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+static const char pat_ds3_digits[] = "\\p{N}{1,3}";
+static const char pat_ds3_cjk[] = "[一-龥぀-ゟ゠-ヿ]+"; /* U+4E00-9FA5 3040-309F 30A0-30FF */
+static const char pat_ds3_main[] =
+	"[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+"
+	"|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+	"| ?[\\p{P}\\p{S}]+[\\r\\n]*"
+	"|\\s*[\\r\\n]+"
+	"|\\s+(?!\\S)"
+	"|\\s+";
+static const char pat_llama3[] =
+	"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
+	"| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char pat_qwen2[] =
+	"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+	"| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+static const struct {
+	const char *pattern;
+	tok_match_fn fn;
+} patterns[] = {
+	{ tok_pattern_gpt2, m_gpt2 },
+	{ pat_ds3_digits, m_digits3 },
+	{ pat_ds3_cjk, m_cjk_kana },
+	{ pat_ds3_main, m_ds3_main },
+	{ pat_llama3, m_llama3 },
+	{ pat_qwen2, m_qwen2 },
+};
+
+static const char *const preset_ds3[] = { pat_ds3_digits, pat_ds3_cjk, pat_ds3_main };
+static const char *const preset_gpt2[] = { tok_pattern_gpt2 };
+static const char *const preset_llama3[] = { pat_llama3 };
+static const char *const preset_qwen2[] = { pat_qwen2 };
+
+static const struct {
+	const char *name;
+	const char *const *patterns;
+	size_t n;
+} presets[] = {
+	{ "deepseek-v3", preset_ds3, 3 },
+	{ "gpt2", preset_gpt2, 1 },
+	{ "llama3", preset_llama3, 1 },
+	{ "qwen2", preset_qwen2, 1 },
+};
+
+/* Compares pattern a (raw CR/LF allowed) with table entry b (escaped form). */
+static int same_pattern(const char *a, const char *b)
+{
+	while (*a && *b) {
+		if (*a == '\r' || *a == '\n') {
+			if (b[0] != '\\' || b[1] != (*a == '\r' ? 'r' : 'n'))
+				return 0;
+			a++;
+			b += 2;
+			continue;
+		}
+		if (*a != *b)
+			return 0;
+		a++;
+		b++;
+	}
+	return *a == *b;
+}
+
+tok_match_fn tok_pretok_lookup(const char *pattern)
+{
+	for (size_t i = 0; i < sizeof patterns / sizeof patterns[0]; i++)
+		if (same_pattern(pattern, patterns[i].pattern))
+			return patterns[i].fn;
+	return NULL;
+}
+
+int tok_pretok_known(const char *pattern)
+{
+	return pattern && tok_pretok_lookup(pattern) != NULL;
+}
+
+int tok_pretok_preset(const char *name, const char *const **pats, size_t *n, ds_err *err)
+{
+	for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
+		if (strcmp(presets[i].name, name) == 0) {
+			*pats = presets[i].patterns;
+			*n = presets[i].n;
+			return 0;
+		}
+	}
+	return ds_err_set(err, DS_ENOTFOUND,
+			  "pre-tokenizer '%s' is not supported (known: deepseek-v3, gpt2, llama3, qwen2)",
+			  name);
+}
+
+/* ---- code point buffer and the cascade -------------------------------------------- */
+
+void tok_cpbuf_free(tok_cpbuf *b)
+{
+	if (!b)
+		return;
+	free(b->cp);
+	free(b->cls);
+	free(b->off);
+	memset(b, 0, sizeof *b);
+}
+
+int tok_cpbuf_fill(tok_cpbuf *b, const char *text, size_t len)
+{
+	/* at most len code points, plus the end offset */
+	if (len + 1 > b->cap) {
+		size_t cap = b->cap ? b->cap : 256;
+		while (cap < len + 1)
+			cap *= 2;
+		uint32_t *cp = realloc(b->cp, cap * sizeof *cp);
+		if (cp)
+			b->cp = cp;
+		uint8_t *cls = realloc(b->cls, cap);
+		if (cls)
+			b->cls = cls;
+		size_t *off = realloc(b->off, cap * sizeof *off);
+		if (off)
+			b->off = off;
+		if (!cp || !cls || !off)
+			return DS_ENOMEM;
+		b->cap = cap;
+	}
+	const unsigned char *s = (const unsigned char *)text;
+	size_t i = 0, n = 0;
+	while (i < len) {
+		uint32_t c;
+		size_t k;
+		if (s[i] < 0x80) {
+			c = s[i];
+			k = 1;
+		} else {
+			k = uni_utf8_decode(s + i, len - i, &c);
+		}
+		b->cp[n] = c;
+		b->cls[n] = (uint8_t)uni_class(c);
+		b->off[n] = i;
+		n++;
+		i += k;
+	}
+	b->off[n] = len;
+	b->n = n;
+	return 0;
+}
+
+struct cascade {
+	const tok_match_fn *fns;
+	size_t nfns;
+	const tok_cpbuf *b;
+	tok_piece_fn fn;
+	void *ctx;
+};
+
+static int split_level(const struct cascade *c, size_t level, size_t start, size_t end)
+{
+	if (level == c->nfns)
+		return c->fn(c->ctx, c->b->off[start], c->b->off[end]);
+	tok_match_fn m = c->fns[level];
+	const uint32_t *cp = c->b->cp;
+	const uint8_t *cls = c->b->cls;
+	size_t gap = start, i = start;
+	int rc;
+	while (i < end) {
+		size_t len = m(cp, cls, i, end);
+		if (len == 0) {
+			i++;
+			continue;
+		}
+		if (gap < i && (rc = split_level(c, level + 1, gap, i)) != 0)
+			return rc;
+		if ((rc = split_level(c, level + 1, i, i + len)) != 0)
+			return rc;
+		i += len;
+		gap = i;
+	}
+	if (gap < end)
+		return split_level(c, level + 1, gap, end);
+	return 0;
+}
+
+int tok_pretok_run(const tok_match_fn *fns, size_t nfns, const tok_cpbuf *b, tok_piece_fn fn,
+		   void *ctx)
+{
+	if (b->n == 0)
+		return 0;
+	struct cascade c = { fns, nfns, b, fn, ctx };
+	return split_level(&c, 0, 0, b->n);
+}
+
+int tok_pretokenize(const char *const *pats, size_t npats, const char *text, size_t len,
+		    tok_piece_fn fn, void *ctx, ds_err *err)
+{
+	tok_match_fn fns[16];
+	tok_cpbuf b = { 0 };
+	int rc = 0;
+	if (npats > sizeof fns / sizeof fns[0]) {
+		rc = ds_err_set(err, DS_EINVAL, "%zu split patterns: at most %zu", npats,
+				sizeof fns / sizeof fns[0]);
+		goto out;
+	}
+	for (size_t i = 0; i < npats; i++) {
+		fns[i] = tok_pretok_lookup(pats[i]);
+		if (!fns[i]) {
+			rc = ds_err_set(err, DS_EUNSUPPORTED, "pre-tokenizer pattern not supported: \"%s\"",
+					pats[i]);
+			goto out;
+		}
+	}
+	if ((rc = tok_cpbuf_fill(&b, text, len)) != 0) {
+		ds_err_set(err, rc, "out of memory decoding %zu bytes", len);
+		goto out;
+	}
+	rc = tok_pretok_run(fns, npats, &b, fn, ctx);
+out:
+	tok_cpbuf_free(&b);
+	return rc;
+}

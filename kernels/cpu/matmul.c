@@ -1,0 +1,271 @@
+/*
+ * matmul.c - y (+)= x W^T on the CPU: the scalar reference, and the driver
+ * that runs the per-ISA micro-kernels (matmul_avx2.c, matmul_avx512.c) over
+ * the thread pool.
+ *
+ * Called by backend_cpu.c (after argument checks), tests/conformance, the
+ * bench and the unit tests.  Thread rule: one caller at a time (the pool's
+ * rule); the work is split so that each y element is written by one thread.
+ *
+ * Blocking (see matmul_impl.h for the tile contract):
+ *   items   = m-blocks (mc rows of x) x chunks of W-row panels; the pool hands
+ *             items to threads, each writes a disjoint block of y.
+ *   panel   = nr rows of W (8 when M = 1, else 4).
+ *   M <= mr_max (decode): one tile of x rows; each panel is streamed once,
+ *             K chunk by K chunk (KC_MM_KC elements), converted in registers,
+ *             the vector accumulators parked between chunks: every W byte
+ *             is read from memory once per call, lanes summed once.
+ *   M >  mr_max (prefill): K chunk outermost, so the m-block's x chunk
+ *             (mc = 16 tiles of rows x KC_MM_KC, 256 KiB) stays in L2 while
+ *             every panel passes; each panel chunk is dequantized once into a
+ *             32 KiB f32 buffer (L1, on the stack of the thread running the
+ *             item) and reused by all the tiles; tiles add each chunk's sums
+ *             into y (the first chunk stores when accumulate = 0).
+ * Invariants: y elements depend only on (x row, W row), never on the thread
+ * count or the tile shape; x and y never alias (kb_matmul_args).
+ */
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/matmul_impl.h"
+#include "kernels/cpu/pool.h"
+
+#include <string.h>
+
+/* ---- reference ---- */
+
+static double dot_ref(const kb_matmul_args *a, const float *x, int64_t n)
+{
+	double s = 0.0;
+	const int64_t K = a->K;
+	switch (a->wtype) {
+	case KB_F32: {
+		const float *w = (const float *)a->w + n * a->w_stride;
+		for (int64_t k = 0; k < K; k++)
+			s += (double)x[k] * (double)w[k];
+		break;
+	}
+	case KB_F16: {
+		const uint16_t *w = (const uint16_t *)a->w + n * a->w_stride;
+		for (int64_t k = 0; k < K; k++)
+			s += (double)x[k] * (double)kc_f16_to_f32(w[k]);
+		break;
+	}
+	case KB_BF16: {
+		const uint16_t *w = (const uint16_t *)a->w + n * a->w_stride;
+		for (int64_t k = 0; k < K; k++)
+			s += (double)x[k] * (double)kc_bf16_to_f32(w[k]);
+		break;
+	}
+	case KB_F8_E4M3: {
+		const uint8_t *w = (const uint8_t *)a->w + n * a->w_stride;
+		const float *lut = kc_fp8_e4m3_lut();
+		const float *sc = a->w_scale + (n / a->block) * a->scale_stride;
+		for (int64_t k = 0; k < K; k++)
+			s += (double)x[k] * ((double)lut[w[k]] * (double)sc[k / a->block]);
+		break;
+	}
+	default:
+		break;
+	}
+	return s;
+}
+
+static void ref_rows(const kb_matmul_args *a, int64_t n0, int64_t n1)
+{
+	for (int64_t m = 0; m < a->M; m++) {
+		const float *x = a->x + m * a->x_stride;
+		float *y = a->y + m * a->y_stride;
+		for (int64_t n = n0; n < n1; n++) {
+			double s = dot_ref(a, x, n);
+			y[n] = (float)(a->accumulate ? (double)y[n] + s : s);
+		}
+	}
+}
+
+void kc_matmul_ref(const kb_matmul_args *a)
+{
+	ref_rows(a, 0, a->N);
+}
+
+static void ref_item(void *ctx, int64_t b, int64_t e)
+{
+	ref_rows(ctx, b, e);
+}
+
+/* ---- SIMD driver ---- */
+
+typedef struct mm_job {
+	const kb_matmul_args *a;
+	const kc_mm_kernels *kn;
+	int64_t mc;       /* x rows per m-block */
+	int64_t nr;       /* W rows per panel */
+	int64_t ppc;      /* panels per chunk */
+	int64_t n_chunks; /* chunks per m-block */
+	int pack;         /* dequantize panels into the f32 buffer */
+} mm_job;
+
+/* Asks for W rows [r0, r1) x [k0, k0 + nk): in the prefill order a panel
+ * chunk is a few short strided segments that the hardware prefetchers pick
+ * up late, so the next one is requested while the current one is used. */
+static void prefetch_rows(const kb_matmul_args *a, int64_t r0, int64_t r1, int64_t k0, int64_t nk)
+{
+	const size_t es = kb_dtype_size(a->wtype);
+	for (int64_t r = r0; r < r1; r++) {
+		const char *p = (const char *)a->w + (size_t)(r * a->w_stride + k0) * es;
+		for (size_t b = 0; b < (size_t)nk * es; b += 64)
+			__builtin_prefetch(p + b, 0, 2);
+	}
+}
+
+/* Decode order (M <= mr_max, one tile of x rows): each panel of W rows is
+ * streamed once, K chunk by K chunk, the accumulators parked between chunks. */
+static void mm_block_decode(const mm_job *j, int64_t n0, int64_t n1)
+{
+	const kb_matmul_args *a = j->a;
+	const size_t es = kb_dtype_size(a->wtype);
+	_Alignas(64) float accs[KC_MM_ACC_TILE];
+	for (int64_t n = n0; n < n1; n += j->nr) {
+		kc_mm_tile t;
+		memset(&t, 0, sizeof t);
+		t.mr = (int)a->M;
+		t.nr = (int)(n1 - n < j->nr ? n1 - n : j->nr);
+		if (a->wtype == KB_F8_E4M3) {
+			t.block = a->block;
+			for (int r = 0; r < t.nr; r++)
+				t.scale[r] = a->w_scale + ((n + r) / a->block) * a->scale_stride;
+		}
+		t.store = !a->accumulate;
+		t.x_stride = a->x_stride;
+		t.y = a->y + n;
+		t.y_stride = a->y_stride;
+		t.acc = accs;
+		t.dt = a->wtype;
+		t.w_stride = a->w_stride;
+		for (int64_t k0 = 0; k0 < a->K; k0 += KC_MM_KC) {
+			t.nk = a->K - k0 < KC_MM_KC ? a->K - k0 : KC_MM_KC;
+			t.kabs = k0;
+			t.acc_load = k0 > 0;
+			t.acc_keep = k0 + t.nk < a->K;
+			t.w = (const char *)a->w + (size_t)(n * a->w_stride + k0) * es;
+			t.x = a->x + k0;
+			j->kn->tile(&t);
+		}
+	}
+}
+
+/* Prefill order (M > mr_max): for each K chunk, the x rows of the m-block
+ * (mc x KC_MM_KC floats, in L2) meet every panel of W rows in turn; a panel
+ * chunk is dequantized once into an L1 buffer and reused by all the tiles;
+ * each tile adds its chunk's sums into y. */
+static void mm_block_prefill(const mm_job *j, int64_t m0, int64_t m1, int64_t n0, int64_t n1)
+{
+	const kb_matmul_args *a = j->a;
+	const kc_mm_kernels *kn = j->kn;
+	const size_t es = kb_dtype_size(a->wtype);
+	_Alignas(64) float panel[KC_MM_NR_MAX * KC_MM_KC]; /* 32 KiB */
+	for (int64_t k0 = 0; k0 < a->K; k0 += KC_MM_KC) {
+		for (int64_t n = n0; n < n1; n += j->nr) {
+			kc_mm_tile t;
+			memset(&t, 0, sizeof t);
+			t.nr = (int)(n1 - n < j->nr ? n1 - n : j->nr);
+			if (a->wtype == KB_F8_E4M3) {
+				t.block = a->block;
+				for (int r = 0; r < t.nr; r++)
+					t.scale[r] = a->w_scale + ((n + r) / a->block) * a->scale_stride;
+			}
+			t.nk = a->K - k0 < KC_MM_KC ? a->K - k0 : KC_MM_KC;
+			t.kabs = k0;
+			t.store = k0 == 0 && !a->accumulate;
+			t.dt = a->wtype;
+			t.w = (const char *)a->w + (size_t)(n * a->w_stride + k0) * es;
+			t.w_stride = a->w_stride;
+			if (j->pack) {
+				kn->pack(panel, KC_MM_KC, &t);
+				t.dt = KB_F32;
+				t.w = panel;
+				t.w_stride = KC_MM_KC;
+			}
+			prefetch_rows(a, n + j->nr, n + 2 * j->nr < n1 ? n + 2 * j->nr : n1, k0, t.nk);
+			t.x_stride = a->x_stride;
+			t.y_stride = a->y_stride;
+			for (int64_t m = m0; m < m1; m += kn->mr_max) {
+				t.mr = (int)(m1 - m < kn->mr_max ? m1 - m : kn->mr_max);
+				t.x = a->x + m * a->x_stride + k0;
+				t.y = a->y + m * a->y_stride + n;
+				kn->tile(&t);
+			}
+		}
+	}
+}
+
+static void mm_item(void *ctx, int64_t b, int64_t e)
+{
+	const mm_job *j = ctx;
+	const kb_matmul_args *a = j->a;
+	for (int64_t it = b; it < e; it++) {
+		int64_t mb = it / j->n_chunks, ch = it % j->n_chunks;
+		int64_t m0 = mb * j->mc, m1 = m0 + j->mc < a->M ? m0 + j->mc : a->M;
+		int64_t n0 = ch * j->ppc * j->nr, n1 = n0 + j->ppc * j->nr;
+		if (n1 > a->N)
+			n1 = a->N;
+		if (a->M <= j->kn->mr_max)
+			mm_block_decode(j, n0, n1);
+		else
+			mm_block_prefill(j, m0, m1, n0, n1);
+	}
+}
+
+static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
+{
+	mm_job j = {.a = a, .kn = kn};
+	j.nr = a->M == 1 ? kn->nr_m1 : kn->nr;
+	j.pack = a->M > kn->mr_max;
+	j.mc = a->M > kn->mr_max ? 16 * (int64_t)kn->mr_max : a->M;
+	const int64_t m_blocks = (a->M + j.mc - 1) / j.mc;
+	const int64_t panels = (a->N + j.nr - 1) / j.nr;
+	/* about 4 items per thread, so that uneven progress evens out */
+	const double macs = (double)a->M * (double)a->N * (double)a->K;
+	const int64_t threads = macs < 65536.0 ? 1 : kc_pool_threads();
+	int64_t want = (threads * 4 + m_blocks - 1) / m_blocks;
+	if (want < 1)
+		want = 1;
+	j.ppc = (panels + want - 1) / want;
+	j.n_chunks = (panels + j.ppc - 1) / j.ppc;
+	const int64_t items = m_blocks * j.n_chunks;
+	if (threads == 1)
+		mm_item(&j, 0, items);
+	else
+		kc_parallel_for(items, 1, mm_item, &j);
+}
+
+static void zero_y(const kb_matmul_args *a)
+{
+	for (int64_t m = 0; m < a->M; m++)
+		memset(a->y + m * a->y_stride, 0, (size_t)a->N * sizeof(float));
+}
+
+int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a)
+{
+	if (isa > kc_isa_detect())
+		return DS_EUNSUPPORTED;
+	if (a->M == 0 || a->N == 0)
+		return DS_OK;
+	if (a->K == 0) {
+		if (!a->accumulate)
+			zero_y(a);
+		return DS_OK;
+	}
+	const kc_mm_kernels *kn = NULL;
+	switch (isa) {
+	case KC_ISA_AVX512BF16:
+	case KC_ISA_AVX512: kn = kc_mm_kernels_avx512(); break;
+	case KC_ISA_AVX2: kn = kc_mm_kernels_avx2(); break;
+	default: break;
+	}
+	if (!kn) { /* scalar: the reference, rows of W spread over the pool */
+		int64_t grain = (int64_t)(262144.0 / ((double)a->M * (double)a->K + 1.0)) + 1;
+		kc_parallel_for(a->N, grain, ref_item, (void *)a);
+		return DS_OK;
+	}
+	mm_run(a, kn);
+	return DS_OK;
+}

@@ -1,0 +1,316 @@
+/*
+ * matmul_avx512.c - AVX-512 micro-kernels of the matmul (see matmul_impl.h).
+ *
+ * A tile is mr x-rows by nr W-rows over one K chunk: mr*nr accumulators of 16
+ * f32 lanes, each W vector loaded once per step, converted in registers and
+ * used by every x row of the tile:
+ *   F32  plain load;  BF16  zero-extend 16 -> 32 bits, shift left 16;
+ *   F16  vcvtph2ps;
+ *   FP8  the E4M3 byte b becomes the F16 pattern ((b & 0x7F) << 7) | ((b & 0x80) << 8),
+ *        computed as (sign-extend(b) << 7) & 0xBF80, whose value is exactly
+ *        fp8(b) * 2^-8 (subnormals included); vcvtph2ps, then one multiply by
+ *        block_scale * 256 (exact power-of-two fold): of the W vector, or,
+ *        when all the tile's rows share a scale block (always when nr divides
+ *        the block), of the x vectors.  A unit x therefore yields
+ *        RN(fp8 * scale), exactly an element-by-element dequantization.
+ *        0x7F/0xFF (NaN in E4M3FN) decode as +-480 here; they never occur in
+ *        real weights.
+ * K tails (chunk or FP8 block not a multiple of 16) use masked loads, so no
+ * byte past a row's end is read.  Lanes are summed four accumulators at a
+ * time (three horizontal adds) when the tile writes y; between the K chunks
+ * of a decode tile the accumulators are parked instead (matmul_impl.h).
+ *
+ * Called through kc_mm_kernels_avx512() by matmul.c only; stateless and
+ * thread-safe (each call touches only its own tile of y).
+ */
+#include "kernels/cpu/matmul_impl.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define INL TGT __attribute__((always_inline)) static inline
+
+INL size_t esize(int dt)
+{
+	return dt == KB_F32 ? 4 : dt == KB_F8_E4M3 ? 1 : 2;
+}
+
+INL __m512 fp8_bits_to_f32(__m128i b)
+{
+	__m256i h = _mm256_cvtepi8_epi16(b);
+	h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
+	return _mm512_cvtph_ps(h);
+}
+
+/* [sum a, sum b, sum c, sum d] with three horizontal adds. */
+INL __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+	__m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+	__m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+	__m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+	__m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+	__m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+	return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* 16 weights from element k of row w, converted (not scaled). */
+INL __m512 w_load(const int dt, const void *w, int64_t k)
+{
+	switch (dt) {
+	case KB_BF16: {
+		__m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k));
+		return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+	}
+	case KB_F16:
+		return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+	case KB_F8_E4M3:
+		return fp8_bits_to_f32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + k)));
+	default:
+		return _mm512_loadu_ps((const float *)w + k);
+	}
+}
+
+/* The same for the lanes in m; the others are 0 and not read. */
+INL __m512 w_load_mask(const int dt, const void *w, int64_t k, __mmask16 m)
+{
+	switch (dt) {
+	case KB_BF16: {
+		__m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k);
+		return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+	}
+	case KB_F16:
+		return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k));
+	case KB_F8_E4M3:
+		return fp8_bits_to_f32(_mm_maskz_loadu_epi8(m, (const uint8_t *)w + k));
+	default:
+		return _mm512_maskz_loadu_ps(m, (const float *)w + k);
+	}
+}
+
+/* acc[m][r] += x[m][k] * W[r][k] for k in [k0, k1) (one FP8 block at most).
+ * FP8: sc[r] = block scale * 256 of row r; with UNI every row has the same
+ * scale and it multiplies the x vectors instead (MR multiplies per step
+ * instead of NR): x * (s * w) and (x * s) * w round differently but equally
+ * well, and a unit x still gives RN(fp8 * s) exactly. */
+INL void steps(const int MR, const int NR, const int DT, const int UNI,
+	       __m512 acc[KC_MM_MR_MAX][KC_MM_NR_MAX], const float *const *xp,
+	       const char *const *wp, int64_t k, int64_t k1, const __m512 *sc)
+{
+	for (; k + 16 <= k1; k += 16) {
+		__m512 xv[KC_MM_MR_MAX];
+#pragma GCC unroll 8
+		for (int m = 0; m < MR; m++) {
+			xv[m] = _mm512_loadu_ps(xp[m] + k);
+			if (DT == KB_F8_E4M3 && UNI)
+				xv[m] = _mm512_mul_ps(xv[m], sc[0]);
+		}
+#pragma GCC unroll 8
+		for (int r = 0; r < NR; r++) {
+			__m512 w = w_load(DT, wp[r], k);
+			if (DT == KB_F8_E4M3 && !UNI)
+				w = _mm512_mul_ps(w, sc[r]);
+#pragma GCC unroll 8
+			for (int m = 0; m < MR; m++)
+				acc[m][r] = _mm512_fmadd_ps(xv[m], w, acc[m][r]);
+		}
+	}
+	if (k < k1) {
+		__mmask16 msk = (__mmask16)((1u << (unsigned)(k1 - k)) - 1u);
+		__m512 xv[KC_MM_MR_MAX];
+#pragma GCC unroll 8
+		for (int m = 0; m < MR; m++) {
+			xv[m] = _mm512_maskz_loadu_ps(msk, xp[m] + k);
+			if (DT == KB_F8_E4M3 && UNI)
+				xv[m] = _mm512_mul_ps(xv[m], sc[0]);
+		}
+#pragma GCC unroll 8
+		for (int r = 0; r < NR; r++) {
+			__m512 w = w_load_mask(DT, wp[r], k, msk);
+			if (DT == KB_F8_E4M3 && !UNI)
+				w = _mm512_mul_ps(w, sc[r]);
+#pragma GCC unroll 8
+			for (int m = 0; m < MR; m++)
+				acc[m][r] = _mm512_fmadd_ps(xv[m], w, acc[m][r]);
+		}
+	}
+}
+
+/* One tile with compile-time MR, NR, DT (after inlining). */
+INL void tile_fixed(const int MR, const int NR, const int DT, const kc_mm_tile *t)
+{
+	__m512 acc[KC_MM_MR_MAX][KC_MM_NR_MAX];
+	const float *xp[KC_MM_MR_MAX];
+	const char *wp[KC_MM_NR_MAX];
+	const int64_t nk = t->nk;
+#pragma GCC unroll 8
+	for (int m = 0; m < MR; m++) {
+		xp[m] = t->x + m * t->x_stride;
+#pragma GCC unroll 8
+		for (int r = 0; r < NR; r++)
+			acc[m][r] = t->acc_load ? _mm512_loadu_ps(t->acc + m * KC_MM_ACC_M + r * KC_MM_ACC_R)
+						: _mm512_setzero_ps();
+	}
+#pragma GCC unroll 8
+	for (int r = 0; r < NR; r++)
+		wp[r] = (const char *)t->w + (size_t)r * (size_t)t->w_stride * esize(DT);
+
+	if (DT != KB_F8_E4M3) {
+		steps(MR, NR, DT, 0, acc, xp, wp, 0, nk, NULL);
+	} else {
+		int uni = 1; /* all rows in one scale block row (always when nr divides block) */
+		for (int r = 1; r < NR; r++)
+			uni &= t->scale[r] == t->scale[0];
+		for (int64_t s0 = 0, kb = t->kabs / t->block; s0 < nk; kb++) {
+			int64_t end = (kb + 1) * t->block - t->kabs, s1 = end < nk ? end : nk;
+			__m512 sc[KC_MM_NR_MAX];
+			if (uni) {
+				sc[0] = _mm512_set1_ps(t->scale[0][kb] * 256.0f);
+				steps(MR, NR, DT, 1, acc, xp, wp, s0, s1, sc);
+			} else {
+#pragma GCC unroll 8
+				for (int r = 0; r < NR; r++)
+					sc[r] = _mm512_set1_ps(t->scale[r][kb] * 256.0f);
+				steps(MR, NR, DT, 0, acc, xp, wp, s0, s1, sc);
+			}
+			s0 = s1;
+		}
+	}
+	if (t->acc_keep) {
+#pragma GCC unroll 8
+		for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
+			for (int r = 0; r < NR; r++)
+				_mm512_storeu_ps(t->acc + m * KC_MM_ACC_M + r * KC_MM_ACC_R, acc[m][r]);
+		return;
+	}
+#pragma GCC unroll 8
+	for (int m = 0; m < MR; m++) {
+		float *y = t->y + m * t->y_stride;
+		if (NR % 4 == 0) {
+#pragma GCC unroll 2
+			for (int r = 0; r < NR; r += 4) {
+				__m128 s = sum4(acc[m][r], acc[m][r + 1], acc[m][r + 2], acc[m][r + 3]);
+				if (!t->store)
+					s = _mm_add_ps(s, _mm_loadu_ps(y + r));
+				_mm_storeu_ps(y + r, s);
+			}
+		} else {
+#pragma GCC unroll 8
+			for (int r = 0; r < NR; r++) {
+				float s = _mm512_reduce_add_ps(acc[m][r]);
+				y[r] = t->store ? s : y[r] + s;
+			}
+		}
+	}
+}
+
+#define TILE_CASES(DT)                                                           \
+	switch (t->mr * 16 + t->nr) {                                            \
+	case 1 * 16 + 1: tile_fixed(1, 1, DT, t); break;                         \
+	case 1 * 16 + 4: tile_fixed(1, 4, DT, t); break;                         \
+	case 1 * 16 + 8: tile_fixed(1, 8, DT, t); break;                         \
+	case 2 * 16 + 1: tile_fixed(2, 1, DT, t); break;                         \
+	case 2 * 16 + 4: tile_fixed(2, 4, DT, t); break;                         \
+	case 3 * 16 + 1: tile_fixed(3, 1, DT, t); break;                         \
+	case 3 * 16 + 4: tile_fixed(3, 4, DT, t); break;                         \
+	case 4 * 16 + 1: tile_fixed(4, 1, DT, t); break;                         \
+	case 4 * 16 + 4: tile_fixed(4, 4, DT, t); break;                         \
+	default: break;                                                          \
+	}
+
+/* t->nr is 1, 4 or (mr = 1 only) 8 here. */
+TGT static void tile_shape(const kc_mm_tile *t)
+{
+	switch (t->dt) {
+	case KB_BF16: TILE_CASES(KB_BF16); break;
+	case KB_F16: TILE_CASES(KB_F16); break;
+	case KB_F8_E4M3: TILE_CASES(KB_F8_E4M3); break;
+	default: TILE_CASES(KB_F32); break;
+	}
+}
+
+/* Any nr: split into instantiated widths (8 for one x row, else 4, then 1s). */
+TGT static void tile(const kc_mm_tile *t)
+{
+	kc_mm_tile s = *t;
+	int r0 = 0;
+	while (r0 < t->nr) {
+		int left = t->nr - r0;
+		int nr = t->mr == 1 && left >= 8 ? 8 : left >= 4 ? 4 : 1;
+		s.nr = nr;
+		s.w = (const char *)t->w + (size_t)r0 * (size_t)t->w_stride * esize(t->dt);
+		for (int r = 0; r < nr; r++)
+			s.scale[r] = t->scale[r0 + r];
+		s.y = t->y + r0;
+		s.acc = t->acc ? t->acc + r0 * KC_MM_ACC_R : NULL;
+		tile_shape(&s);
+		r0 += nr;
+	}
+}
+
+INL void pack_fixed(const int DT, float *dst, int64_t ld, const kc_mm_tile *t)
+{
+	for (int r = 0; r < t->nr; r++) {
+		const char *w = (const char *)t->w + (size_t)r * (size_t)t->w_stride * esize(DT);
+		float *d = dst + r * ld;
+		int64_t s0 = 0;
+		while (s0 < t->nk) {
+			int64_t s1 = t->nk;
+			__m512 sc = _mm512_set1_ps(1.0f);
+			if (DT == KB_F8_E4M3) {
+				int64_t kb = (t->kabs + s0) / t->block;
+				int64_t end = (kb + 1) * t->block - t->kabs;
+				s1 = end < t->nk ? end : t->nk;
+				sc = _mm512_set1_ps(t->scale[r][kb] * 256.0f);
+			}
+			int64_t k = s0;
+			for (; k + 16 <= s1; k += 16) {
+				__m512 v = w_load(DT, w, k);
+				if (DT == KB_F8_E4M3)
+					v = _mm512_mul_ps(v, sc);
+				_mm512_storeu_ps(d + k, v);
+			}
+			if (k < s1) {
+				__mmask16 msk = (__mmask16)((1u << (unsigned)(s1 - k)) - 1u);
+				__m512 v = w_load_mask(DT, w, k, msk);
+				if (DT == KB_F8_E4M3)
+					v = _mm512_mul_ps(v, sc);
+				_mm512_mask_storeu_ps(d + k, msk, v);
+			}
+			s0 = s1;
+		}
+	}
+}
+
+TGT static void pack(float *dst, int64_t ld, const kc_mm_tile *t)
+{
+	switch (t->dt) {
+	case KB_BF16: pack_fixed(KB_BF16, dst, ld, t); break;
+	case KB_F16: pack_fixed(KB_F16, dst, ld, t); break;
+	case KB_F8_E4M3: pack_fixed(KB_F8_E4M3, dst, ld, t); break;
+	default: pack_fixed(KB_F32, dst, ld, t); break;
+	}
+}
+
+static const kc_mm_kernels kernels = {
+	.mr_max = 4,
+	.nr = 4,
+	.nr_m1 = 8,
+	.tile = tile,
+	.pack = pack,
+};
+
+const kc_mm_kernels *kc_mm_kernels_avx512(void)
+{
+	return &kernels;
+}
+
+#else
+
+const kc_mm_kernels *kc_mm_kernels_avx512(void)
+{
+	return NULL;
+}
+
+#endif

@@ -1,0 +1,62 @@
+/*
+ * matmul_impl.h - private interface between the matmul driver (matmul.c) and
+ * its per-ISA micro-kernels (matmul_avx2.c, matmul_avx512.c).
+ *
+ * The driver splits y into tiles of mr x-rows by nr W-rows and the K axis into
+ * chunks of KC_MM_KC; a kernel computes one tile over one K chunk.  Between
+ * chunks the tile's vector accumulators are parked in a per-thread buffer
+ * (acc, acc_load / acc_keep), so lanes are summed once, after the last chunk,
+ * and y is written (store = 1) or added to (store = 0) once.  Each y element
+ * is computed by the same sequence of operations whatever the tile shape or
+ * the thread split, so results do not depend on the number of threads.
+ */
+#ifndef DS_KERNELS_CPU_MATMUL_IMPL_H
+#define DS_KERNELS_CPU_MATMUL_IMPL_H
+
+#include "kernels/backend.h"
+
+#define KC_MM_KC 1024    /* K chunk: a packed panel of 8 rows is 32 KiB */
+#define KC_MM_NR_MAX 8   /* W rows per tile, at most */
+#define KC_MM_MR_MAX 4   /* x rows per tile, at most */
+
+typedef struct kc_mm_tile {
+	int mr, nr;          /* x rows, W rows (1..KC_MM_MR_MAX, 1..KC_MM_NR_MAX) */
+	enum kb_dtype dt;    /* of w: KB_F32 for a packed panel */
+	const float *x;      /* element k0 of the tile's first x row */
+	int64_t x_stride;
+	const void *w;       /* element k0 of the tile's first W row (dtype dt) */
+	int64_t w_stride;    /* elements */
+	int64_t nk;          /* K chunk length */
+	/* FP8 only: kabs = absolute k of element 0 (for block boundaries),
+	 * scale[r] = the scale row of W row r (index by k / block). */
+	int64_t kabs, block;
+	const float *scale[KC_MM_NR_MAX];
+	float *y;            /* y[0][0] of the tile */
+	int64_t y_stride;
+	int store;           /* 1: y = sum, 0: y += sum */
+	/* Accumulators between K chunks: acc[m * KC_MM_ACC_M + r * KC_MM_ACC_R]
+	 * holds the lanes of (x row m, W row r).  acc_load: start from them
+	 * (else from 0); acc_keep: park them there (else sum and write y). */
+	float *acc;
+	int acc_load, acc_keep;
+} kc_mm_tile;
+
+#define KC_MM_ACC_R 16                          /* floats per (m, r) slot */
+#define KC_MM_ACC_M (KC_MM_NR_MAX * KC_MM_ACC_R) /* floats per x row */
+#define KC_MM_ACC_TILE (KC_MM_MR_MAX * KC_MM_ACC_M)
+
+typedef struct kc_mm_kernels {
+	int mr_max;  /* x rows per tile (<= KC_MM_MR_MAX) */
+	int nr;      /* W rows per panel when M > 1 */
+	int nr_m1;   /* W rows per panel when M == 1 */
+	/* One tile over one K chunk; any mr <= mr_max, any nr <= KC_MM_NR_MAX. */
+	void (*tile)(const kc_mm_tile *t);
+	/* Dequantizes t->nr rows x t->nk of t->w (dtype t->dt, FP8 scaled) into
+	 * dst, row r at dst + r * ld. */
+	void (*pack)(float *dst, int64_t ld, const kc_mm_tile *t);
+} kc_mm_kernels;
+
+const kc_mm_kernels *kc_mm_kernels_avx2(void);
+const kc_mm_kernels *kc_mm_kernels_avx512(void);
+
+#endif

@@ -1,0 +1,152 @@
+/*
+ * membw.c - memory read bandwidth probe (see membw.h).
+ *
+ * The buffer is first touched by the same pool split that reads it (so pages
+ * land near the threads that read them), then each pass reads every byte of
+ * each thread's slice as 8 interleaved sequential streams (the access pattern
+ * of a matmul panel of W rows), with the widest loads this CPU has, into
+ * accumulators whose combination is published to a global, so the loads
+ * cannot be elided.
+ * Called by the benchmarks; not used on any serving path.  Thread rule: one
+ * caller at a time (the pool's rule).
+ */
+#include "kernels/cpu/membw.h"
+
+#include "common/status.h"
+#include "common/strutil.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/pool.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define PAGE 4096
+#define STREAMS 8
+
+typedef struct bw_job {
+	unsigned char *buf;
+	enum kc_isa isa;
+	uint64_t sink[KC_POOL_MAX_THREADS]; /* one slot per chunk index modulo the size */
+} bw_job;
+
+static uint64_t bw_sink; /* read by nobody; keeps the passes alive */
+
+static uint64_t read_scalar(const unsigned char *p, size_t n)
+{
+	const uint64_t *q = (const uint64_t *)p;
+	uint64_t a = 0, b = 0, c = 0, d = 0;
+	for (size_t i = 0; i + 4 <= n / 8; i += 4) {
+		a ^= q[i];
+		b ^= q[i + 1];
+		c ^= q[i + 2];
+		d ^= q[i + 3];
+	}
+	return a ^ b ^ c ^ d;
+}
+
+#if defined(__x86_64__)
+/* STREAMS interleaved streams per thread, like a matmul panel of rows: one
+ * sequential stream per core does not keep enough misses in flight. */
+__attribute__((target("avx2"))) static uint64_t read_avx2(const unsigned char *p, size_t n)
+{
+	const size_t len = n / STREAMS;
+	__m256i a = _mm256_setzero_si256(), b = a;
+	for (size_t i = 0; i < len; i += 64) {
+		for (int s = 0; s < STREAMS; s++) {
+			const unsigned char *q = p + (size_t)s * len + i;
+			a = _mm256_xor_si256(a, _mm256_load_si256((const __m256i *)q));
+			b = _mm256_xor_si256(b, _mm256_load_si256((const __m256i *)(q + 32)));
+		}
+	}
+	a = _mm256_xor_si256(a, b);
+	return (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 3);
+}
+
+__attribute__((target("avx512f"))) static uint64_t read_avx512(const unsigned char *p, size_t n)
+{
+	const size_t len = n / STREAMS; /* a multiple of 512: n is whole pages */
+	__m512i a = _mm512_setzero_si512(), b = a;
+	for (size_t i = 0; i < len; i += 128) {
+		for (int s = 0; s < STREAMS; s++) {
+			const unsigned char *q = p + (size_t)s * len + i;
+			a = _mm512_xor_si512(a, _mm512_load_si512((const void *)q));
+			b = _mm512_xor_si512(b, _mm512_load_si512((const void *)(q + 64)));
+		}
+	}
+	a = _mm512_xor_si512(a, b);
+	return (uint64_t)_mm512_reduce_add_epi64(a);
+}
+#endif
+
+static void touch_item(void *ctx, int64_t b, int64_t e)
+{
+	bw_job *j = ctx;
+	for (int64_t i = b; i < e; i++)
+		memset(j->buf + (size_t)i * PAGE, (int)(i & 0x7f), PAGE);
+}
+
+static void read_item(void *ctx, int64_t b, int64_t e)
+{
+	bw_job *j = ctx;
+	const unsigned char *p = j->buf + (size_t)b * PAGE;
+	size_t n = (size_t)(e - b) * PAGE;
+	uint64_t v;
+	switch (j->isa) {
+#if defined(__x86_64__)
+	case KC_ISA_AVX512BF16:
+	case KC_ISA_AVX512: v = read_avx512(p, n); break;
+	case KC_ISA_AVX2: v = read_avx2(p, n); break;
+#endif
+	default: v = read_scalar(p, n); break;
+	}
+	/* chunks may share a slot; the value is irrelevant, only its dependence */
+	__atomic_fetch_xor(&j->sink[(size_t)b % KC_POOL_MAX_THREADS], v, __ATOMIC_RELAXED);
+}
+
+int kc_measure_read_bandwidth(size_t bytes, int threads, double *bytes_per_s)
+{
+	if (bytes < ((size_t)1 << 20) || threads < 0 || threads > KC_POOL_MAX_THREADS || !bytes_per_s)
+		return DS_EINVAL;
+	int rc = DS_OK;
+	int prev = kc_pool_threads();
+	int64_t pages = (int64_t)((bytes + PAGE - 1) / PAGE);
+	bw_job *j = calloc(1, sizeof *j);
+	if (!j)
+		return DS_ENOMEM;
+	j->buf = aligned_alloc(PAGE, (size_t)pages * PAGE);
+	j->isa = kc_isa_active();
+	if (!j->buf) {
+		rc = DS_ENOMEM;
+		goto out;
+	}
+	if (threads > 0 && threads != prev && (rc = kc_pool_set_threads(threads)) != DS_OK)
+		goto out;
+	int nt = kc_pool_threads();
+	int64_t grain = (pages + nt - 1) / nt; /* one contiguous slice per thread */
+	kc_parallel_for(pages, grain, touch_item, j);
+	double best = 1e30;
+	for (int rep = 0; rep < 5; rep++) {
+		double t0 = ds_now_s();
+		kc_parallel_for(pages, grain, read_item, j);
+		double dt = ds_now_s() - t0;
+		if (dt < best)
+			best = dt;
+	}
+	uint64_t s = 0;
+	for (int i = 0; i < KC_POOL_MAX_THREADS; i++)
+		s ^= j->sink[i];
+	__atomic_store_n(&bw_sink, s, __ATOMIC_RELAXED);
+	*bytes_per_s = (double)pages * PAGE / best;
+out:
+	if (threads > 0 && threads != prev)
+		kc_pool_set_threads(prev);
+	if (j)
+		free(j->buf);
+	free(j);
+	return rc;
+}

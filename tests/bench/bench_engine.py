@@ -1,0 +1,136 @@
+"""Engine benchmark on a synthetic DeepSeek-V3-shaped model (make bench).
+
+Builds (once, cached under .cache/bench/) a V3-shaped checkpoint of about
+1.2 GB (FP8, 128x128 block scales) and its BF16 twin (about 2.2 GB) with
+random weights, in the exact Hugging Face layout, then runs
+
+    dsrun -m DIR --bench --prompt-len 512 -n 128 --batch B --threads T --json
+
+for B = 1 and 16 and reports prefill and decode tokens/s, peak RSS, and decode
+speed at batch 1 as a fraction of the memory-bandwidth bound:
+
+    bound tok/s = read bandwidth (measured in the same run) / weight bytes read per token
+
+where the bytes per token are counted from the checkpoint itself: every tensor
+that one token touches (attention, dense MLP, router, shared expert, the
+num_experts_per_tok routed experts of each MoE layer, final norm, lm_head and
+one embedding row).  Resident memory is compared with the checkpoint's bytes
+plus the KV cache.
+
+Usage: python tests/bench/bench_engine.py [--threads N] [--quick]
+"""
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.fixtures.tiny_models import write_model  # noqa: E402
+
+BUILD = ROOT / os.environ.get("DS_BUILD", "build")
+
+# V3's shapes scaled down: MLA with q LoRA, 64 experts of which 8 per token in
+# 8 groups (4 kept), one shared expert, one dense layer then MoE layers.
+SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=512,
+             num_hidden_layers=5, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+             n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=8,
+             n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=1,
+             rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+             num_nextn_predict_layers=0)
+QUICK = dict(SHAPE, num_hidden_layers=2, n_routed_experts=16, n_group=4, topk_group=2,
+             vocab_size=8000)
+
+
+def model_dir(kind, shape, tag):
+    d = ROOT / ".cache" / "bench" / f"{tag}-{kind}"
+    if not (d / "config.json").exists():
+        print(f"bench: writing the synthetic {kind} model to {d.relative_to(ROOT)} ...",
+              flush=True)
+        write_model(kind, d, seed=7, overrides=shape)
+    return d
+
+
+def tensor_bytes(d):
+    """{name: bytes} from the safetensors headers."""
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            hdr = json.loads(fh.read(n))
+        for k, v in hdr.items():
+            if k != "__metadata__":
+                b, e = v["data_offsets"]
+                out[k] = e - b
+    return out
+
+
+def bytes_per_token(d):
+    cfg = json.loads((d / "config.json").read_text())
+    tb = tensor_bytes(d)
+    k = cfg["num_experts_per_tok"]
+    total = 0
+    for name, b in tb.items():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", name)
+        if name == "model.embed_tokens.weight":
+            total += b // cfg["vocab_size"]          # one row
+        elif m:
+            total += b * k / cfg["n_routed_experts"]  # k of E experts per layer
+        else:
+            total += b
+    return total, sum(tb.values())
+
+
+def read_bandwidth(threads):
+    r = subprocess.run([str(BUILD / "tests" / "bench_kernels"), "--membw", "--threads",
+                        str(threads)], capture_output=True, text=True, timeout=300)
+    m = re.search(r"read bandwidth[^0-9]*([0-9.]+) GB/s", r.stdout)
+    if r.returncode != 0 or not m:
+        sys.exit(f"bench: cannot measure the read bandwidth: {r.stdout}{r.stderr}")
+    return float(m.group(1)) * 1e9
+
+
+def run_bench(d, batch, threads, prompt_len, n):
+    cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
+           "-n", str(n), "--batch", str(batch), "--threads", str(threads), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        sys.exit(f"bench: {' '.join(cmd)} failed: {r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--quick", action="store_true", help="a smaller model, fewer tokens")
+    a = ap.parse_args()
+    shape, tag = (QUICK, "quick") if a.quick else (SHAPE, "v3shape")
+    prompt_len, n = (128, 32) if a.quick else (512, 128)
+    bw = read_bandwidth(a.threads)
+    print(f"read bandwidth ({a.threads} threads): {bw / 1e9:.2f} GB/s")
+    print(f"{'model':<10}{'ckpt GB':>9}{'B/tok MB':>10}{'batch':>6}{'prefill t/s':>13}"
+          f"{'decode t/s':>12}{'peak RSS GB':>13}{'RSS/ckpt':>9}{'of bound':>10}")
+    for kind in ("v3-fp8", "v3"):
+        d = model_dir(kind, shape, tag)
+        per_tok, ckpt = bytes_per_token(d)
+        cfg = json.loads((d / "config.json").read_text())
+        kv = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+        for batch in (1, 16):
+            r = run_bench(d, batch, a.threads, prompt_len, n)
+            kv_bytes = kv * (prompt_len + n) * batch
+            bound = bw / per_tok
+            frac = r["decode_tok_s"] / bound if batch == 1 else float("nan")
+            print(f"{'fp8' if kind == 'v3-fp8' else 'bf16':<10}{ckpt / 1e9:>9.2f}"
+                  f"{per_tok / 1e6:>10.1f}{batch:>6}{r['prefill_tok_s']:>13.1f}"
+                  f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"
+                  f"{r['peak_rss_bytes'] / (ckpt + kv_bytes):>9.3f}"
+                  f"{'' if batch != 1 else f'{frac:.2f}':>10}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

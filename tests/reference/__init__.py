@@ -1,0 +1,1 @@
+"""Independent numpy references used by the integration tests."""

@@ -1,0 +1,335 @@
+/*
+ * test_kernels_ops.c - unit tests of kernels/cpu that conformance does not
+ * cover: the thread pool (coverage, nesting, concurrent callers, resizing),
+ * thread-count independence of the matmul, rope / silu_mul / softmax / axpy
+ * against hand-computed values, the backend's argument checks, matmul with
+ * K = 0, and the bandwidth probe's contract.
+ */
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/membw.h"
+#include "kernels/cpu/pool.h"
+#include "tests/unit/unit.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct cover {
+	int *hits; /* atomic counters, one per item */
+	int64_t n;
+	int nested; /* call kc_parallel_for again from inside */
+} cover;
+
+static void cover_fn(void *ctx, int64_t b, int64_t e)
+{
+	cover *c = ctx;
+	for (int64_t i = b; i < e; i++)
+		__atomic_add_fetch(&c->hits[i], 1, __ATOMIC_RELAXED);
+	if (c->nested) {
+		int local[5] = {0};
+		cover in2 = {local, 5, 0};
+		kc_parallel_for(5, 1, cover_fn, &in2); /* runs serially, must not deadlock */
+		for (int i = 0; i < 5; i++)
+			if (local[i] != 1)
+				__atomic_add_fetch(&c->hits[b], 1000, __ATOMIC_RELAXED);
+	}
+}
+
+static int run_cover(int64_t n, int64_t grain, int nested)
+{
+	cover c = {calloc((size_t)(n > 0 ? n : 1), sizeof(int)), n, nested};
+	kc_parallel_for(n, grain, cover_fn, &c);
+	int bad = 0;
+	for (int64_t i = 0; i < n; i++)
+		bad += c.hits[i] != 1;
+	free(c.hits);
+	return bad;
+}
+
+TEST(pool_covers_every_item_once)
+{
+	static const int threads[] = {1, 2, 3, 5};
+	for (size_t t = 0; t < 4; t++) {
+		CHECK_EQ(kc_pool_set_threads(threads[t]), DS_OK);
+		CHECK_EQ(kc_pool_threads(), threads[t]);
+		CHECK_EQ(run_cover(0, 1, 0), 0);
+		CHECK_EQ(run_cover(1, 1, 0), 0);
+		CHECK_EQ(run_cover(7, 100, 0), 0);
+		CHECK_EQ(run_cover(10007, 1, 0), 0);
+		CHECK_EQ(run_cover(10007, 333, 0), 0);
+		CHECK_EQ(run_cover(64, 0, 0), 0); /* grain < 1 counts as 1 */
+		CHECK_EQ(run_cover(40, 3, 1), 0); /* nested calls run serially */
+		for (int rep = 0; rep < 200; rep++) /* many back-to-back jobs */
+			if (run_cover(17, 2, 0))
+				CHECK(!"coverage failed");
+	}
+	CHECK_EQ(kc_pool_set_threads(-1), DS_EINVAL);
+	CHECK_EQ(kc_pool_set_threads(KC_POOL_MAX_THREADS + 1), DS_EINVAL);
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+	CHECK(kc_pool_threads() >= 1);
+}
+
+typedef struct nested_mm {
+	int bad;
+	float y[64 * 8];
+} nested_mm;
+
+/* A job whose chunks run a (threaded) matmul and try to resize the pool. */
+static void nested_mm_fn(void *ctx, int64_t b, int64_t e)
+{
+	nested_mm *n = ctx;
+	static float x[8 * 300], w[64 * 300];
+	for (int i = 0; i < 8 * 300; i++)
+		x[i] = 1.0f;
+	for (int i = 0; i < 64 * 300; i++)
+		w[i] = 0.5f;
+	for (int64_t i = b; i < e; i++) {
+		float *y = n->y + i * 64;
+		kb_matmul_args a = {y, x, w, NULL, KB_F32, 1, 64, 300, 300, 64, 300, 0, 0, 0};
+		if (kc_matmul_isa(kc_isa_detect(), &a) != DS_OK || y[0] != 150.0f || y[63] != 150.0f)
+			__atomic_add_fetch(&n->bad, 1, __ATOMIC_RELAXED);
+		if (kc_pool_set_threads(1) != DS_EBUSY)
+			__atomic_add_fetch(&n->bad, 1, __ATOMIC_RELAXED);
+		if (kc_pool_threads() < 1)
+			__atomic_add_fetch(&n->bad, 1, __ATOMIC_RELAXED);
+	}
+}
+
+TEST(pool_nested_ops_do_not_deadlock)
+{
+	CHECK_EQ(kc_pool_set_threads(3), DS_OK);
+	static nested_mm n;
+	n.bad = 0;
+	kc_parallel_for(8, 1, nested_mm_fn, &n);
+	CHECK_EQ(n.bad, 0);
+	CHECK_EQ(kc_pool_threads(), 3);
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+}
+
+static void *second_caller(void *arg)
+{
+	int *bad = arg;
+	for (int rep = 0; rep < 100; rep++)
+		*bad += run_cover(1000, 7, 0);
+	return NULL;
+}
+
+TEST(pool_two_callers_do_not_race)
+{
+	CHECK_EQ(kc_pool_set_threads(3), DS_OK);
+	pthread_t th;
+	int bad2 = 0, bad1 = 0;
+	CHECK_EQ(pthread_create(&th, NULL, second_caller, &bad2), 0);
+	for (int rep = 0; rep < 100; rep++)
+		bad1 += run_cover(1000, 7, 0);
+	pthread_join(th, NULL);
+	CHECK_EQ(bad1, 0);
+	CHECK_EQ(bad2, 0);
+	kc_pool_shutdown(); /* the next job starts the workers again */
+	CHECK_EQ(run_cover(100, 1, 0), 0);
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+}
+
+TEST(matmul_same_bits_for_any_thread_count)
+{
+	static const int64_t shapes[][3] = {{1, 77, 1500}, {3, 64, 1100}, {9, 37, 2100}};
+	static const enum kb_dtype dts[] = {KB_BF16, KB_F8_E4M3, KB_F32};
+	for (size_t s = 0; s < 3; s++) {
+		int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+		enum kb_dtype dt = dts[s];
+		size_t es = kb_dtype_size(dt);
+		unsigned char *w = malloc((size_t)(N * K) * es);
+		for (size_t i = 0; i < (size_t)(N * K) * es; i++)
+			w[i] = (unsigned char)(ut_rand_u64() & (dt == KB_F8_E4M3 ? 0x7E : 0xFF));
+		if (dt == KB_F32) /* finite floats */
+			for (int64_t i = 0; i < N * K; i++)
+				((float *)w)[i] = ut_rand_float(-1, 1);
+		if (dt == KB_BF16)
+			for (int64_t i = 0; i < N * K; i++)
+				((uint16_t *)w)[i] &= 0xBFFF; /* exponent < 128: finite */
+		float sc[64];
+		for (int i = 0; i < 64; i++)
+			sc[i] = ut_rand_float(1e-3f, 1e-2f);
+		float *x = malloc((size_t)(M * K) * sizeof(float));
+		float *y1 = malloc((size_t)(M * N) * sizeof(float)), *y2 = malloc((size_t)(M * N) * sizeof(float));
+		for (int64_t i = 0; i < M * K; i++)
+			x[i] = ut_rand_float(-1, 1);
+		kb_matmul_args a = {y1, x, w, sc, dt, M, N, K, K, N, K, (K + 127) / 128, 128, 0};
+		for (int isa = 1; isa <= (int)kc_isa_detect(); isa++) {
+			CHECK_EQ(kc_pool_set_threads(1), DS_OK);
+			a.y = y1;
+			CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &a), DS_OK);
+			for (int t = 2; t <= 4; t++) {
+				CHECK_EQ(kc_pool_set_threads(t), DS_OK);
+				a.y = y2;
+				CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &a), DS_OK);
+				CHECK(memcmp(y1, y2, (size_t)(M * N) * sizeof(float)) == 0);
+			}
+		}
+		free(w);
+		free(x);
+		free(y1);
+		free(y2);
+	}
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+}
+
+TEST(matmul_k0_and_empty)
+{
+	float y[4] = {1, 2, 3, 4}, x[2] = {1, 1}, w[2] = {1, 1};
+	kb_matmul_args a = {y, x, w, NULL, KB_F32, 2, 2, 0, 1, 2, 1, 0, 0, 1};
+	CHECK_EQ(kc_backend()->matmul(&a), DS_OK); /* accumulate: unchanged */
+	CHECK(y[0] == 1 && y[3] == 4);
+	a.accumulate = 0;
+	CHECK_EQ(kc_backend()->matmul(&a), DS_OK); /* y = empty sum = 0 */
+	CHECK(y[0] == 0 && y[1] == 0 && y[2] == 0 && y[3] == 0);
+	a.M = 0;
+	CHECK_EQ(kc_backend()->matmul(&a), DS_OK);
+}
+
+TEST(matmul_backend_rejects_bad_args)
+{
+	float y[4], x[4] = {1, 2, 3, 4}, sc[1] = {1};
+	uint8_t w8[4] = {0x38, 0x38, 0x38, 0x38};
+	const kb_backend *b = kc_backend();
+	kb_matmul_args ok = {y, x, w8, sc, KB_F8_E4M3, 2, 2, 2, 2, 2, 2, 1, 128, 0};
+	CHECK_EQ(b->matmul(&ok), DS_OK);
+	CHECK(y[0] == 3.0f && y[1] == 3.0f && y[2] == 7.0f); /* x . [1, 1] */
+	kb_matmul_args a = ok;
+	a.M = -1;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.x_stride = 1;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.y_stride = 1;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.w_stride = 1;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.w = NULL;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.w_scale = NULL;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.block = 0;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.block = 1;
+	a.scale_stride = 1; /* needs ceil(2 / 1) = 2 */
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	a = ok;
+	a.wtype = (enum kb_dtype)99;
+	CHECK_EQ(b->matmul(&a), DS_EINVAL);
+	CHECK_EQ(b->matmul(NULL), DS_EINVAL);
+}
+
+TEST(ops_backend_reject_bad_args)
+{
+	const kb_backend *b = kc_backend();
+	float buf[16] = {0};
+	int32_t ids[2] = {0, 1}, pos[2] = {0, 1};
+	kb_embed_args e = {buf, buf, KB_F32, ids, 2, 4, 4, 4};
+	CHECK_EQ(b->embed(&e), DS_OK);
+	e.type = KB_F8_E4M3;
+	CHECK_EQ(b->embed(&e), DS_EINVAL);
+	e.type = KB_F32;
+	e.table_stride = 3;
+	CHECK_EQ(b->embed(&e), DS_EINVAL);
+	e.table_stride = 4;
+	e.ids = NULL;
+	CHECK_EQ(b->embed(&e), DS_EINVAL);
+	kb_rope_args r = {buf, 2, 1, 4, 4, 4, pos, buf, 1.0f, 1};
+	CHECK_EQ(b->rope(&r), DS_OK);
+	r.rot_dim = 3;
+	CHECK_EQ(b->rope(&r), DS_EINVAL);
+	r.rot_dim = 4;
+	r.head_stride = 2;
+	CHECK_EQ(b->rope(&r), DS_EINVAL);
+	kb_silu_mul_args s = {buf, buf, buf, 2, 4, 4, 4, 4};
+	CHECK_EQ(b->silu_mul(&s), DS_OK);
+	s.up = NULL;
+	CHECK_EQ(b->silu_mul(&s), DS_EINVAL);
+	s.up = buf;
+	s.rows = -2;
+	CHECK_EQ(b->silu_mul(&s), DS_EINVAL);
+	kb_axpy_args x = {buf, buf, -1, 1.0f};
+	CHECK_EQ(b->axpy(&x), DS_EINVAL);
+	kb_softmax_args sm = {buf, 2, 4, 3, 1.0f};
+	CHECK_EQ(b->softmax(&sm), DS_EINVAL);
+	CHECK_EQ(b->set_threads(-1), DS_EINVAL);
+	CHECK_EQ(b->set_threads(0), DS_OK);
+}
+
+TEST(rope_hand_computed)
+{
+	/* theta = 1 * 1.0 = 1 rad for pair 0, 1 * 0.5 for pair 1; amp 2 */
+	const double c1 = 0.54030230586813977, s1 = 0.84147098480789651;
+	const double c5 = 0.87758256189037276, s5 = 0.47942553860420301;
+	float inv[2] = {1.0f, 0.5f};
+	int32_t pos[1] = {1};
+	for (int inter = 0; inter < 2; inter++) {
+		/* one token, two heads of 6 (rope on the first 4), 2 floats past them */
+		float x[14] = {3, 4, 5, 6, 70, 80, -1, 2, 0.5f, 1, 90, 91, 99, 98};
+		kb_rope_args a = {x, 1, 2, 14, 6, 4, pos, inv, 2.0f, inter};
+		CHECK_EQ(kc_backend()->rope(&a), DS_OK);
+		/* head 0 pairs: interleaved (3,4) (5,6); NeoX (3,5) (4,6) */
+		double xa0 = 3, xb0 = inter ? 4 : 5, xa1 = inter ? 5 : 4, xb1 = 6;
+		int ia0 = 0, ib0 = inter ? 1 : 2, ia1 = inter ? 2 : 1, ib1 = 3;
+		CHECK_NEAR(x[ia0], 2 * (xa0 * c1 - xb0 * s1), 1e-5);
+		CHECK_NEAR(x[ib0], 2 * (xa0 * s1 + xb0 * c1), 1e-5);
+		CHECK_NEAR(x[ia1], 2 * (xa1 * c5 - xb1 * s5), 1e-5);
+		CHECK_NEAR(x[ib1], 2 * (xa1 * s5 + xb1 * c5), 1e-5);
+		if (inter) { /* head 1: (-1, 2) by 1 rad: [-1*c - 2*s, -1*s + 2*c] * 2 */
+			CHECK_NEAR(x[6], 2 * (-c1 - 2 * s1), 1e-5);
+			CHECK_NEAR(x[7], 2 * (-s1 + 2 * c1), 1e-5);
+		}
+		CHECK(x[4] == 70 && x[5] == 80 && x[10] == 90 && x[11] == 91 && x[12] == 99 && x[13] == 98);
+	}
+	/* pos 0: identity times amp */
+	float y[2] = {1.5f, -2.5f};
+	int32_t p0[1] = {0};
+	kb_rope_args z = {y, 1, 1, 2, 2, 2, p0, inv, 1.0f, 1};
+	CHECK_EQ(kc_rope_isa(KC_ISA_SCALAR, &z), DS_OK);
+	CHECK(y[0] == 1.5f && y[1] == -2.5f);
+}
+
+TEST(eltwise_hand_computed)
+{
+	const kb_backend *b = kc_backend();
+	float g[3] = {0.0f, 1.0f, -1.0f}, u[3] = {5.0f, 2.0f, 1.0f}, o[3];
+	kb_silu_mul_args s = {o, g, u, 1, 3, 3, 3, 3};
+	CHECK_EQ(b->silu_mul(&s), DS_OK);
+	CHECK_NEAR(o[0], 0.0, 0);
+	CHECK_NEAR(o[1], 1.4621171572600098, 1e-6);   /* 2 / (1 + e^-1) */
+	CHECK_NEAR(o[2], -0.2689414213699951, 1e-7);  /* -1 / (1 + e) */
+	float sm[4] = {0.0f, 1.0986122886681098f, 7.0f, 7.0f}; /* ln 3 */
+	kb_softmax_args a = {sm, 2, 2, 2, 1.0f};
+	CHECK_EQ(b->softmax(&a), DS_OK);
+	CHECK_NEAR(sm[0], 0.25, 1e-7);
+	CHECK_NEAR(sm[1], 0.75, 1e-7);
+	CHECK_NEAR(sm[2], 0.5, 1e-7);
+	float yy[2] = {1, 2}, xx[2] = {3, 4};
+	kb_axpy_args ax = {yy, xx, 2, 2.0f};
+	CHECK_EQ(b->axpy(&ax), DS_OK);
+	CHECK(yy[0] == 7.0f && yy[1] == 10.0f);
+	uint16_t tab[4] = {0x3C00, 0xC000, 0x0001, 0x7C00}; /* f16: 1, -2, 2^-24, inf */
+	int32_t ids[2] = {1, 0};
+	float out[4];
+	kb_embed_args e = {out, tab, KB_F16, ids, 2, 2, 2, 2};
+	CHECK_EQ(b->embed(&e), DS_OK);
+	CHECK(out[0] == 0x1p-24f && isinf(out[1]) && out[2] == 1.0f && out[3] == -2.0f);
+}
+
+TEST(membw_probe_contract)
+{
+	double bw = 0;
+	CHECK_EQ(kc_measure_read_bandwidth(1000, 1, &bw), DS_EINVAL);
+	CHECK_EQ(kc_measure_read_bandwidth((size_t)8 << 20, -1, &bw), DS_EINVAL);
+	int before = kc_pool_threads();
+	CHECK_EQ(kc_measure_read_bandwidth((size_t)8 << 20, 1, &bw), DS_OK);
+	CHECK(bw > 1e8); /* any machine reads more than 100 MB/s */
+	CHECK_EQ(kc_pool_threads(), before);
+}
