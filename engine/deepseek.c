@@ -50,8 +50,13 @@ typedef struct wmat {
 typedef struct ds_layer {
 	float *attn_norm, *ffn_norm, *q_a_norm, *kv_a_norm; /* f32 copies */
 	wmat q_a, q_b, q_proj, kv_a, kv_b, o;
-	float *ukt;   /* [H][kv_lora][nope]: W_UK[h]^T, for q_lat = W_UK^T q_nope */
-	float *kvb32; /* [H * (nope + v)][kv_lora]: kv_b_proj in f32 (W_UV rows used) */
+	/* absorbed-form weights (load_absorbed), in kv_b's dtype */
+	void *ukt_w;            /* [H][kv_lora][nope]: W_UK[h]^T */
+	float *ukt_s;           /* FP8: its scale grid, block absorbed_block */
+	const void *uv_w;       /* W_UV rows: into kv_b, or uv_owned (FP8) */
+	uint8_t *uv_owned;      /* FP8: [H][vd][kv_lora] codes */
+	float *uv_s;            /* FP8: its scale grid */
+	int64_t absorbed_block; /* 0 unless FP8 */
 	int moe;
 	wmat gate, up, down;   /* dense MLP */
 	wmat router;           /* [E][D] */
@@ -171,25 +176,99 @@ static int load_vec(model *m, const char *name, int64_t n, float **out, ds_err *
 	return m->be->dequant(&a);
 }
 
-/* f32 copies of kv_b_proj for the absorbed form. */
-static int load_kvb32(model *m, ds_layer *ly, ds_err *err)
+static int64_t gcd64(int64_t a, int64_t b)
+{
+	while (b) {
+		int64_t t = a % b;
+		a = b;
+		b = t;
+	}
+	return a;
+}
+
+/* The absorbed form needs, per head h, W_UK[h]^T = (kv_b rows h*per .. +nope)^T
+ * ([kv_lora][nope]) and W_UV[h] = kv_b rows h*per+nope .. +vd ([vd][kv_lora]),
+ * with per = nope + vd.  They are kept in the checkpoint's dtype, exactly:
+ *  - F32/F16/BF16: W_UK^T is a transposed copy; W_UV points into kv_b.
+ *  - FP8: both are copies of the FP8 codes (W_UK^T transposed) with their own
+ *    scale grids of block g = gcd(per, nope, block).  g divides the checkpoint's
+ *    block and both head offsets, so every g x g block of a copy lies inside
+ *    one original block and takes its scale: the values are unchanged.  (For
+ *    DeepSeek-V3, g = 128.) */
+static int load_absorbed(model *m, ds_layer *ly, ds_err *err)
 {
 	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
-	ly->kvb32 = xalloc(m, (size_t)(H * per * lora), sizeof(float));
-	ly->ukt = xalloc(m, (size_t)(H * lora * nope), sizeof(float));
-	if (!ly->kvb32 || !ly->ukt)
-		return bad_alloc(err);
 	const wmat *w = &ly->kv_b;
-	kb_dequant_args a = {ly->kvb32, w->w, w->scale, w->type, H * per, lora, lora, lora,
-			     w->scale_stride, w->block ? w->block : 1, 0, 0};
-	int rc = m->be->dequant(&a);
-	if (rc)
-		return ds_err_set(err, rc, "dequantizing kv_b_proj failed");
+	const size_t esz = kb_dtype_size(w->type);
+	ly->ukt_w = xalloc(m, (size_t)(H * lora * nope), esz);
+	if (!ly->ukt_w)
+		return bad_alloc(err);
+	const uint8_t *src = w->w;
 	for (int64_t h = 0; h < H; h++)
-		for (int64_t d = 0; d < nope; d++)
-			for (int64_t c = 0; c < lora; c++)
-				ly->ukt[(h * lora + c) * nope + d] = ly->kvb32[(h * per + d) * lora + c];
+		for (int64_t c = 0; c < lora; c++)
+			for (int64_t d = 0; d < nope; d++)
+				memcpy((uint8_t *)ly->ukt_w + ((h * lora + c) * nope + d) * esz,
+				       src + ((h * per + d) * lora + c) * esz, esz);
+	if (w->type != KB_F8_E4M3) {
+		ly->uv_w = (const uint8_t *)w->w + (size_t)(nope * lora) * esz; /* head 0's rows */
+		ly->absorbed_block = 0;
+		return DS_OK;
+	}
+	const int64_t B = w->block, g = gcd64(gcd64(per, nope), B);
+	const int64_t ur = (lora + g - 1) / g, uc = (nope + g - 1) / g; /* W_UK^T grid */
+	const int64_t vr = (vd + g - 1) / g, vc = (lora + g - 1) / g;   /* W_UV grid */
+	uint8_t *uv = xalloc(m, (size_t)(H * vd * lora), 1);
+	ly->ukt_s = xalloc(m, (size_t)(H * ur * uc), sizeof(float));
+	ly->uv_s = xalloc(m, (size_t)(H * vr * vc), sizeof(float));
+	if (!uv || !ly->ukt_s || !ly->uv_s) {
+		free(uv);
+		return bad_alloc(err);
+	}
+	for (int64_t h = 0; h < H; h++) {
+		memcpy(uv + h * vd * lora, src + (h * per + nope) * lora, (size_t)(vd * lora));
+		for (int64_t i = 0; i < ur; i++)     /* rows: latent c = i*g, cols: d = j*g */
+			for (int64_t j = 0; j < uc; j++)
+				ly->ukt_s[(h * ur + i) * uc + j] =
+					w->scale[((h * per + j * g) / B) * w->scale_stride + (i * g) / B];
+		for (int64_t i = 0; i < vr; i++)     /* rows: v row i*g, cols: latent j*g */
+			for (int64_t j = 0; j < vc; j++)
+				ly->uv_s[(h * vr + i) * vc + j] =
+					w->scale[((h * per + nope + i * g) / B) * w->scale_stride + (j * g) / B];
+	}
+	ly->uv_w = uv;
+	ly->uv_owned = uv;
+	ly->absorbed_block = g;
 	return DS_OK;
+}
+
+/* Per-head views of the absorbed weights (see load_absorbed). */
+static wmat head_ukt(const model *m, const ds_layer *ly, int64_t h)
+{
+	const int64_t lora = m->lora, nope = m->nope, g = ly->absorbed_block;
+	wmat w = {(const uint8_t *)ly->ukt_w + (size_t)(h * lora * nope) * kb_dtype_size(ly->kv_b.type),
+		  NULL, ly->kv_b.type, lora, nope, 0, 0};
+	if (g) {
+		int64_t ur = (lora + g - 1) / g, uc = (nope + g - 1) / g;
+		w.scale = ly->ukt_s + h * ur * uc;
+		w.scale_stride = uc;
+		w.block = g;
+	}
+	return w;
+}
+
+static wmat head_uv(const model *m, const ds_layer *ly, int64_t h)
+{
+	const int64_t lora = m->lora, vd = m->vd, g = ly->absorbed_block;
+	const int64_t row_step = g ? vd : m->nope + vd; /* the FP8 copy is packed per head */
+	wmat w = {(const uint8_t *)ly->uv_w + (size_t)(h * row_step * lora) * kb_dtype_size(ly->kv_b.type),
+		  NULL, ly->kv_b.type, vd, lora, 0, 0};
+	if (g) {
+		int64_t vr = (vd + g - 1) / g, vc = (lora + g - 1) / g;
+		w.scale = ly->uv_s + h * vr * vc;
+		w.scale_stride = vc;
+		w.block = g;
+	}
+	return w;
 }
 
 static int load_layer(model *m, int L, ds_err *err)
@@ -221,7 +300,7 @@ static int load_layer(model *m, int L, ds_err *err)
 	TRY(load_linear(m, NAME("self_attn.kv_b_proj.weight"), m->H * (m->nope + m->vd), m->lora,
 			&ly->kv_b, err));
 	TRY(load_linear(m, NAME("self_attn.o_proj.weight"), D, m->H * m->vd, &ly->o, err));
-	TRY(load_kvb32(m, ly, err));
+	TRY(load_absorbed(m, ly, err));
 
 	ly->moe = mcfg_is_moe_layer(c, L);
 	if (!ly->moe) {
@@ -413,8 +492,10 @@ void model_free(model *m)
 		free(ly->ffn_norm);
 		free(ly->q_a_norm);
 		free(ly->kv_a_norm);
-		free(ly->ukt);
-		free(ly->kvb32);
+		free(ly->ukt_w);
+		free(ly->ukt_s);
+		free(ly->uv_owned);
+		free(ly->uv_s);
 		free(ly->bias);
 		free(ly->eg);
 		free(ly->eu);
@@ -480,7 +561,6 @@ static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
 {
 	ds_layer *ly = &m->layers[L];
 	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
-	const int64_t per = nope + vd;
 	int rc;
 	for (int i = 0; i < n; i++) {
 		int t = m->a_idx[i];
@@ -491,7 +571,7 @@ static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
 		m->a_pos[i] = b->pos[t];
 	}
 	for (int64_t h = 0; h < H; h++) { /* q_lat[h] = W_UK[h]^T q_nope[h] */
-		wmat ukt = {ly->ukt + h * lora * nope, NULL, KB_F32, lora, nope, 0, 0};
+		wmat ukt = head_ukt(m, ly, h);
 		if ((rc = linear(m, &ukt, m->qa + h * qk, H * qk, m->qlat + h * lora, H * lora, n, 0)))
 			return rc;
 	}
@@ -502,7 +582,7 @@ static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
 	if ((rc = m->be->mla_attn(&a)))
 		return rc;
 	for (int64_t h = 0; h < H; h++) { /* o[h] = W_UV[h] u[h] */
-		wmat uv = {ly->kvb32 + (h * per + nope) * lora, NULL, KB_F32, vd, lora, 0, 0};
+		wmat uv = head_uv(m, ly, h);
 		if ((rc = linear(m, &uv, m->u + h * lora, H * lora, m->oa + h * vd, H * vd, n, 0)))
 			return rc;
 	}

@@ -6,16 +6,30 @@
  * for each key j, with running max m, normaliser l and accumulator acc:
  *     m' = max(m, s_j); acc = acc * e^(m - m') + e^(s_j - m') * V_j; l likewise
  * and out = acc / l at the end.  Work is split over (token, head) pairs with
- * the CPU thread pool; each pair writes only its own output row.
+ * the CPU thread pool; each pair writes only its own output row.  The dot
+ * products and accumulations use AVX2 or AVX-512 when kc_isa_active() allows
+ * (f32 throughout; the scalar loops are the same arithmetic in another order).
  * Called through the CPU backend (backend_cpu.c).
  */
 #include "kernels/cpu/attn.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
 
 #include <math.h>
 #include <string.h>
 
-static float dot(const float *a, const float *b, int64_t n)
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* The two inner loops, per instruction set: dot products and acc = acc*c + w*v.
+ * Chosen once per op call from kc_isa_active(). */
+typedef struct vec_ops {
+	float (*dot)(const float *a, const float *b, int64_t n);
+	void (*scale_add)(float *acc, float c, float w, const float *v, int64_t n);
+} vec_ops;
+
+static float dot_scalar(const float *a, const float *b, int64_t n)
 {
 	float s = 0.0f;
 	for (int64_t i = 0; i < n; i++)
@@ -23,16 +37,101 @@ static float dot(const float *a, const float *b, int64_t n)
 	return s;
 }
 
-/* acc = acc * c + w * v */
-static void scale_add(float *acc, float c, float w, const float *v, int64_t n)
+static void scale_add_scalar(float *acc, float c, float w, const float *v, int64_t n)
 {
 	for (int64_t i = 0; i < n; i++)
 		acc[i] = acc[i] * c + w * v[i];
 }
 
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int64_t n)
+{
+	__m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+	int64_t i = 0;
+	for (; i + 16 <= n; i += 16) {
+		s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+		s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+	}
+	for (; i + 8 <= n; i += 8)
+		s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+	s0 = _mm256_add_ps(s0, s1);
+	__m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_add_ss(h, _mm_movehdup_ps(h));
+	float s = _mm_cvtss_f32(h);
+	for (; i < n; i++)
+		s += a[i] * b[i];
+	return s;
+}
+
+__attribute__((target("avx2,fma"))) static void scale_add_avx2(float *acc, float c, float w,
+							       const float *v, int64_t n)
+{
+	const __m256 vc = _mm256_set1_ps(c), vw = _mm256_set1_ps(w);
+	int64_t i = 0;
+	for (; i + 8 <= n; i += 8)
+		_mm256_storeu_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(acc + i), vc,
+							  _mm256_mul_ps(vw, _mm256_loadu_ps(v + i))));
+	for (; i < n; i++)
+		acc[i] = acc[i] * c + w * v[i];
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float
+dot_avx512(const float *a, const float *b, int64_t n)
+{
+	__m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+	int64_t i = 0;
+	for (; i + 32 <= n; i += 32) {
+		s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+		s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+	}
+	for (; i < n; i += 16) {
+		__mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (unsigned)(n - i)) - 1u);
+		s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
+	}
+	return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void
+scale_add_avx512(float *acc, float c, float w, const float *v, int64_t n)
+{
+	const __m512 vc = _mm512_set1_ps(c), vw = _mm512_set1_ps(w);
+	for (int64_t i = 0; i < n; i += 16) {
+		__mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (unsigned)(n - i)) - 1u);
+		__m512 r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc + i), vc,
+					   _mm512_mul_ps(vw, _mm512_maskz_loadu_ps(m, v + i)));
+		_mm512_mask_storeu_ps(acc + i, m, r);
+	}
+}
+#endif
+
+static vec_ops pick_ops(void)
+{
+	vec_ops o = {dot_scalar, scale_add_scalar};
+#if defined(__x86_64__)
+	enum kc_isa isa = kc_isa_active();
+	if (isa >= KC_ISA_AVX512)
+		o = (vec_ops){dot_avx512, scale_add_avx512};
+	else if (isa >= KC_ISA_AVX2)
+		o = (vec_ops){dot_avx2, scale_add_avx2};
+#endif
+	return o;
+}
+
+typedef struct mla_job {
+	const kb_mla_attn_args *a;
+	vec_ops v;
+} mla_job;
+
+typedef struct attn_job {
+	const kb_attn_args *a;
+	vec_ops v;
+} attn_job;
+
 static void mla_range(void *ctx, int64_t begin, int64_t end)
 {
-	const kb_mla_attn_args *a = ctx;
+	const kb_mla_attn_args *a = ((const mla_job *)ctx)->a;
+	const vec_ops v = ((const mla_job *)ctx)->v;
 	for (int64_t th = begin; th < end; th++) {
 		int64_t t = th / a->n_heads, h = th % a->n_heads;
 		const float *ql = a->q_lat + t * a->q_lat_stride + h * a->kv_lora;
@@ -44,11 +143,11 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 		for (int64_t j = 0; j <= a->tok_pos[t]; j++) {
 			int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
 			const float *row = a->cache + slot * a->row_stride;
-			float s = a->scale * (dot(ql, row, a->kv_lora) +
-					      dot(qp, row + a->kv_lora, a->rope_dim));
+			float s = a->scale * (v.dot(ql, row, a->kv_lora) +
+					      v.dot(qp, row + a->kv_lora, a->rope_dim));
 			float mn = s > m ? s : m;
 			float c = expf(m - mn), w = expf(s - mn);
-			scale_add(out, c, w, row, a->kv_lora);
+			v.scale_add(out, c, w, row, a->kv_lora);
 			l = l * c + w;
 			m = mn;
 		}
@@ -63,13 +162,15 @@ int kc_mla_attn(const kb_mla_attn_args *a)
 	if (a->n_tok < 0 || a->n_heads <= 0 || a->kv_lora <= 0 || a->rope_dim < 0 ||
 	    a->page_size <= 0 || a->row_stride < a->kv_lora + a->rope_dim)
 		return DS_EINVAL;
-	kc_parallel_for(a->n_tok * a->n_heads, 1, mla_range, (void *)a);
+	mla_job job = {a, pick_ops()};
+	kc_parallel_for(a->n_tok * a->n_heads, 1, mla_range, &job);
 	return DS_OK;
 }
 
 static void attn_range(void *ctx, int64_t begin, int64_t end)
 {
-	const kb_attn_args *a = ctx;
+	const kb_attn_args *a = ((const attn_job *)ctx)->a;
+	const vec_ops v = ((const attn_job *)ctx)->v;
 	int64_t group = a->n_heads / a->n_kv_heads;
 	for (int64_t th = begin; th < end; th++) {
 		int64_t t = th / a->n_heads, h = th % a->n_heads, kh = h / group;
@@ -79,10 +180,10 @@ static void attn_range(void *ctx, int64_t begin, int64_t end)
 		int64_t last = a->q_pos[t] < a->n_kv - 1 ? a->q_pos[t] : a->n_kv - 1;
 		memset(out, 0, (size_t)a->dv * sizeof *out);
 		for (int64_t j = 0; j <= last; j++) {
-			float s = a->scale * dot(q, a->k + j * a->k_stride + kh * a->dk, a->dk);
+			float s = a->scale * v.dot(q, a->k + j * a->k_stride + kh * a->dk, a->dk);
 			float mn = s > m ? s : m;
 			float c = expf(m - mn), w = expf(s - mn);
-			scale_add(out, c, w, a->v + j * a->v_stride + kh * a->dv, a->dv);
+			v.scale_add(out, c, w, a->v + j * a->v_stride + kh * a->dv, a->dv);
 			l = l * c + w;
 			m = mn;
 		}
@@ -97,6 +198,7 @@ int kc_attn(const kb_attn_args *a)
 	if (a->n_tok < 0 || a->n_kv < 0 || a->n_heads <= 0 || a->n_kv_heads <= 0 ||
 	    a->n_heads % a->n_kv_heads != 0 || a->dk <= 0 || a->dv <= 0)
 		return DS_EINVAL;
-	kc_parallel_for(a->n_tok * a->n_heads, 1, attn_range, (void *)a);
+	attn_job job = {a, pick_ops()};
+	kc_parallel_for(a->n_tok * a->n_heads, 1, attn_range, &job);
 	return DS_OK;
 }

@@ -89,7 +89,7 @@ def bytes_per_token(d):
 def read_bandwidth(threads):
     r = subprocess.run([str(BUILD / "tests" / "bench_kernels"), "--membw", "--threads",
                         str(threads)], capture_output=True, text=True, timeout=300)
-    m = re.search(r"read bandwidth[^0-9]*([0-9.]+) GB/s", r.stdout)
+    m = re.search(r"read bandwidth \(\d+ threads\): ([0-9.]+) GB/s", r.stdout)
     if r.returncode != 0 or not m:
         sys.exit(f"bench: cannot measure the read bandwidth: {r.stdout}{r.stderr}")
     return float(m.group(1)) * 1e9

@@ -267,13 +267,15 @@ static void print_matmul(int json)
 
 int main(int argc, char **argv)
 {
-	int json = 0, quick = 0, nthreads = 0;
+	int json = 0, quick = 0, nthreads = 0, membw_only = 0;
 	const char *only = NULL;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--json") == 0) {
 			json = 1;
 		} else if (strcmp(argv[i], "--quick") == 0) {
 			quick = 1;
+		} else if (strcmp(argv[i], "--membw") == 0) {
+			membw_only = 1;
 		} else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
 			only = argv[++i];
 		} else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
@@ -282,13 +284,19 @@ int main(int argc, char **argv)
 				return 2;
 			}
 		} else {
-			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--threads N] [--only DTYPE]\n");
+			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--threads N] [--only DTYPE]\n");
 			return 2;
 		}
 	}
 	if (nthreads && kc_pool_set_threads(nthreads) != DS_OK) {
 		fprintf(stderr, "bench_kernels: could not start %d threads\n", nthreads);
 		return 1;
+	}
+	if (membw_only) { /* the read bandwidth alone, best of 3 probes (the engine bench's bound) */
+		for (int i = 0; i < 3; i++)
+			probe_bandwidth();
+		printf("read bandwidth (%d threads): %.2f GB/s\n", kc_pool_threads(), bw_best / 1e9);
+		return 0;
 	}
 	if (json)
 		printf("{");
