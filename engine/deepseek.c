@@ -118,6 +118,22 @@ static int linear(model *m, const wmat *w, const float *x, int64_t x_stride, flo
 	return M ? m->be->matmul(&a) : DS_OK;
 }
 
+/* One product per head: head h uses the weight h steps of (w1 - w0) past w0
+ * (per-head views of one packed array), x + h * x_head, y + h * y_head. */
+static int linear_heads(model *m, const wmat *w0, const wmat *w1, const float *x, int64_t x_head,
+			int64_t x_stride, float *y, int64_t y_head, int64_t y_stride, int64_t M)
+{
+	const size_t esz = kb_dtype_size(w0->type);
+	kb_matmul_args a = {y, x, w0->w, w0->scale, w0->type, M, w0->n, w0->k, x_stride, y_stride,
+			    w0->k, w0->scale_stride, w0->block, 0};
+	a.batch = m->H;
+	a.x_bstride = x_head;
+	a.y_bstride = y_head;
+	a.w_bstride = (int64_t)(((const char *)w1->w - (const char *)w0->w) / (ptrdiff_t)esz);
+	a.s_bstride = w0->scale ? (int64_t)(w1->scale - w0->scale) : 0;
+	return M ? m->be->matmul(&a) : DS_OK;
+}
+
 static int rmsnorm(model *m, float *out, const float *x, const float *w, int64_t rows,
 		   int64_t dim, int64_t x_stride, int64_t out_stride)
 {
@@ -570,22 +586,20 @@ static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
 		m->a_seq[i] = b->seq[t];
 		m->a_pos[i] = b->pos[t];
 	}
-	for (int64_t h = 0; h < H; h++) { /* q_lat[h] = W_UK[h]^T q_nope[h] */
-		wmat ukt = head_ukt(m, ly, h);
-		if ((rc = linear(m, &ukt, m->qa + h * qk, H * qk, m->qlat + h * lora, H * lora, n, 0)))
-			return rc;
-	}
+	/* q_lat[h] = W_UK[h]^T q_nope[h], all heads in one batched product */
+	wmat u0 = head_ukt(m, ly, 0), u1 = head_ukt(m, ly, 1 % H);
+	if ((rc = linear_heads(m, &u0, &u1, m->qa, qk, H * qk, m->qlat, lora, H * lora, n)))
+		return rc;
 	const kv_params *kp = kv_cache_params(m->kv);
 	kb_mla_attn_args a = {m->u, m->qlat, m->qpe, n, H, lora, rope, H * lora, H * lora, H * rope,
 			      kv_cache_layer(m->kv, L), kp->page_size, kp->row_floats, b->block_tables,
 			      b->max_blocks, m->a_seq, m->a_pos, m->attn_scale};
 	if ((rc = m->be->mla_attn(&a)))
 		return rc;
-	for (int64_t h = 0; h < H; h++) { /* o[h] = W_UV[h] u[h] */
-		wmat uv = head_uv(m, ly, h);
-		if ((rc = linear(m, &uv, m->u + h * lora, H * lora, m->oa + h * vd, H * vd, n, 0)))
-			return rc;
-	}
+	/* o[h] = W_UV[h] u[h] */
+	wmat v0 = head_uv(m, ly, 0), v1 = head_uv(m, ly, 1 % H);
+	if ((rc = linear_heads(m, &v0, &v1, m->u, lora, H * lora, m->oa, vd, H * vd, n)))
+		return rc;
 	for (int i = 0; i < n; i++)
 		memcpy(m->o + m->a_idx[i] * H * vd, m->oa + i * H * vd, (size_t)(H * vd) * 4);
 	return DS_OK;

@@ -69,6 +69,11 @@ typedef struct kb_matmul_args {
 	int64_t scale_stride; /* FP8: scale columns per scale row, ceil(K_full / block) */
 	int64_t block;        /* FP8: block edge, 128 for DeepSeek-V3 */
 	int accumulate;
+	/* Batched form (batch 0 or 1 = one product): `batch` independent products,
+	 * the i-th on x + i*x_bstride, y + i*y_bstride (floats), w + i*w_bstride
+	 * (elements of wtype) and w_scale + i*s_bstride; e.g. one small matrix per
+	 * attention head.  Backends run the items in parallel. */
+	int64_t batch, x_bstride, y_bstride, w_bstride, s_bstride;
 } kb_matmul_args;
 
 /* out[i][:] = table[ids[i]][:] converted to f32, i < n; table row-major

@@ -1,0 +1,203 @@
+/*
+ * test_attn_moe.c - unit tests of the CPU ops with a single implementation:
+ * MoE routing (V3 sigmoid/noaux_tc with bias and group mask, V2 softmax
+ * greedy and group-limited), attention over materialised K/V and MLA over a
+ * paged cache (each against a straightforward double-precision computation
+ * written here), dequantization, and the batched matmul form.
+ */
+#include "kernels/cpu/attn.h"
+#include "kernels/cpu/cpu.h"
+#include "tests/unit/unit.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+TEST(moe_route_v3_bias_selects_weights_from_unbiased_scores)
+{
+	/* 8 experts, 4 groups of 2, keep 2 groups, top 2 */
+	float logits[8] = {0.5f, 0.4f, -1.0f, 2.0f, 1.5f, 1.4f, -2.0f, -2.0f};
+	float bias[8] = {0, 0, 0, -5.0f, 0, 0, 3.0f, 0};
+	int32_t idx[2];
+	float w[2];
+	kb_moe_route_args a = {idx, w, logits, bias, 1, 8, 2, 4, 2, 8, KB_SCORE_SIGMOID,
+			       KB_TOPK_NOAUX_TC, 1, 2.5f};
+	CHECK_EQ(kc_moe_route(&a), DS_OK);
+	/* biased: e3 = s(2)-5 < 0, e6 = s(-2)+3 = 3.12 -> group 3 (e6,e7) scores 3.12+0.12,
+	 * group 2 (e4,e5) 0.82+0.80; chosen experts e6 then e4 */
+	CHECK_EQ(idx[0], 6);
+	CHECK_EQ(idx[1], 4);
+	double s6 = 1 / (1 + exp(2.0)), s4 = 1 / (1 + exp(-1.5));
+	CHECK_NEAR(w[0], 2.5 * s6 / (s6 + s4), 1e-6);
+	CHECK_NEAR(w[1], 2.5 * s4 / (s6 + s4), 1e-6);
+}
+
+TEST(moe_route_masks_groups_with_minus_infinity)
+{
+	/* every biased score negative: a 0 mask would let masked experts win */
+	float logits[4] = {0.0f, 0.0f, 5.0f, 4.0f};
+	float bias[4] = {-3.0f, -3.0f, -10.0f, -10.0f};
+	int32_t idx[2];
+	float w[2];
+	kb_moe_route_args a = {idx, w, logits, bias, 1, 4, 2, 2, 1, 4, KB_SCORE_SIGMOID,
+			       KB_TOPK_NOAUX_TC, 1, 1.0f};
+	CHECK_EQ(kc_moe_route(&a), DS_OK);
+	CHECK((idx[0] == 0 && idx[1] == 1) || (idx[0] == 1 && idx[1] == 0));
+}
+
+TEST(moe_route_v2_softmax_greedy_and_group_limited)
+{
+	float logits[6] = {1.0f, 3.0f, 2.0f, 0.0f, 2.5f, -1.0f};
+	int32_t idx[2];
+	float w[2];
+	kb_moe_route_args a = {idx, w, logits, NULL, 1, 6, 2, 1, 1, 6, KB_SCORE_SOFTMAX,
+			       KB_TOPK_GREEDY, 0, 1.0f};
+	CHECK_EQ(kc_moe_route(&a), DS_OK);
+	double z = 0;
+	for (int i = 0; i < 6; i++)
+		z += exp(logits[i]);
+	CHECK_EQ(idx[0], 1);
+	CHECK_EQ(idx[1], 4);
+	CHECK_NEAR(w[0], exp(3.0) / z, 1e-6); /* no renormalisation, factor 1 */
+	CHECK_NEAR(w[1], exp(2.5) / z, 1e-6);
+	/* group_limited_greedy, 3 groups of 2, keep 1: group 0 {1,3} max 3.0 wins */
+	a.method = KB_TOPK_GROUP_LIMITED_GREEDY;
+	a.n_group = 3;
+	a.topk_group = 1;
+	a.scaling = 16.0f;
+	CHECK_EQ(kc_moe_route(&a), DS_OK);
+	CHECK_EQ(idx[0], 1);
+	CHECK_EQ(idx[1], 0);
+	CHECK_NEAR(w[1], 16.0 * exp(1.0) / z, 1e-5);
+	a.top_k = 7;
+	CHECK_EQ(kc_moe_route(&a), DS_EINVAL);
+}
+
+static void ref_attn(const float *q, const float *k, const float *v, int nkv, int dk, int dv,
+		     int last, double scale, double *out)
+{
+	double mx = -1e300, s[64], z = 0;
+	for (int j = 0; j <= last; j++) {
+		s[j] = 0;
+		for (int i = 0; i < dk; i++)
+			s[j] += (double)q[i] * k[j * dk + i];
+		s[j] *= scale;
+		mx = s[j] > mx ? s[j] : mx;
+	}
+	for (int j = 0; j <= last; j++)
+		z += (s[j] = exp(s[j] - mx));
+	for (int i = 0; i < dv; i++) {
+		out[i] = 0;
+		for (int j = 0; j <= last; j++)
+			out[i] += s[j] / z * v[j * dv + i];
+	}
+	(void)nkv;
+}
+
+TEST(attn_matches_direct_softmax_with_causal_positions)
+{
+	enum { T = 3, NKV = 9, H = 2, DK = 19, DV = 13 };
+	float q[T][H][DK], k[NKV][DK], v[NKV][DV], out[T][H][DV];
+	int32_t pos[T] = {0, 4, 8};
+	for (int i = 0; i < T * H * DK; i++)
+		(&q[0][0][0])[i] = ut_rand_float(-1, 1);
+	for (int i = 0; i < NKV * DK; i++)
+		(&k[0][0])[i] = ut_rand_float(-1, 1);
+	for (int i = 0; i < NKV * DV; i++)
+		(&v[0][0])[i] = ut_rand_float(-1, 1);
+	/* GQA: 2 query heads share one kv head */
+	kb_attn_args a = {&out[0][0][0], &q[0][0][0], &k[0][0], &v[0][0], T, NKV, H, 1, DK, DV,
+			  H * DK, DK, DV, H * DV, pos, 0.3f};
+	CHECK_EQ(kc_attn(&a), DS_OK);
+	for (int t = 0; t < T; t++)
+		for (int h = 0; h < H; h++) {
+			double ref[DV];
+			ref_attn(q[t][h], &k[0][0], &v[0][0], NKV, DK, DV, pos[t], 0.3, ref);
+			for (int i = 0; i < DV; i++)
+				CHECK_NEAR(out[t][h][i], ref[i], 1e-5);
+		}
+}
+
+TEST(mla_attn_reads_pages_through_block_tables)
+{
+	enum { H = 2, LORA = 24, ROPE = 8, ROW = LORA + ROPE, PS = 4, POS = 9 };
+	/* 3 pages for positions 0..9 placed out of order: table {2, 0, 1} */
+	float cache[3 * PS * ROW];
+	for (int i = 0; i < 3 * PS * ROW; i++)
+		cache[i] = ut_rand_float(-1, 1);
+	int32_t table[3] = {2, 0, 1}, seq = 0, pos = POS;
+	float ql[H * LORA], qp[H * ROPE], out[H * LORA];
+	for (int i = 0; i < H * LORA; i++)
+		ql[i] = ut_rand_float(-1, 1);
+	for (int i = 0; i < H * ROPE; i++)
+		qp[i] = ut_rand_float(-1, 1);
+	kb_mla_attn_args a = {out, ql, qp, 1, H, LORA, ROPE, H * LORA, H * LORA, H * ROPE, cache, PS,
+			      ROW, table, 3, &seq, &pos, 0.25f};
+	CHECK_EQ(kc_mla_attn(&a), DS_OK);
+	for (int h = 0; h < H; h++) {
+		float k[POS + 1][ROW], v[POS + 1][LORA], q[ROW];
+		for (int j = 0; j <= POS; j++) {
+			const float *row = cache + (table[j / PS] * PS + j % PS) * ROW;
+			memcpy(k[j], row, sizeof k[j]);
+			memcpy(v[j], row, sizeof v[j]);
+		}
+		memcpy(q, ql + h * LORA, LORA * sizeof(float));
+		memcpy(q + LORA, qp + h * ROPE, ROPE * sizeof(float));
+		double ref[LORA];
+		ref_attn(q, &k[0][0], &v[0][0], POS + 1, ROW, LORA, POS, 0.25, ref);
+		for (int i = 0; i < LORA; i++)
+			CHECK_NEAR(out[h * LORA + i], ref[i], 1e-5);
+	}
+}
+
+TEST(dequant_fp8_slice_uses_block_offsets)
+{
+	/* 6x5 FP8 matrix, block 2: scale grid 3x3; take the slice rows 1..4, cols 3..4 */
+	uint8_t w[6][5];
+	float scale[3][3];
+	for (int i = 0; i < 30; i++)
+		(&w[0][0])[i] = (uint8_t)(ut_rand_u64() % 126); /* positive finite codes */
+	for (int i = 0; i < 9; i++)
+		(&scale[0][0])[i] = ut_rand_float(0.5f, 2.0f);
+	float out[4][2];
+	kb_dequant_args a = {&out[0][0], &w[1][3], &scale[0][0], KB_F8_E4M3, 4, 2, 2, 5, 3, 2, 1, 3};
+	CHECK_EQ(kc_dequant(&a), DS_OK);
+	for (int r = 0; r < 4; r++)
+		for (int c = 0; c < 2; c++) {
+			int R = r + 1, C = c + 3, b = w[R][C];
+			int e = (b >> 3) & 15, mnt = b & 7;
+			double val = e ? ldexp(1.0 + mnt / 8.0, e - 7) : ldexp(mnt / 8.0, -6);
+			CHECK_NEAR(out[r][c], (float)val * scale[R / 2][C / 2], 0); /* f32 product */
+		}
+}
+
+TEST(matmul_batched_equals_each_product)
+{
+	enum { B = 5, M = 3, N = 7, K = 33 };
+	float x[B][M][K], y[B][M][N], ref[M][N];
+	uint16_t w[B][N][K];
+	for (int i = 0; i < B * M * K; i++)
+		(&x[0][0][0])[i] = ut_rand_float(-1, 1);
+	for (int i = 0; i < B * N * K; i++) {
+		float f = ut_rand_float(-1, 1);
+		uint32_t u;
+		memcpy(&u, &f, 4);
+		(&w[0][0][0])[i] = (uint16_t)(u >> 16); /* bf16 by truncation */
+	}
+	kb_matmul_args a = {&y[0][0][0], &x[0][0][0], &w[0][0][0], NULL, KB_BF16, M, N, K, K, N, K,
+			    0, 0, 0};
+	a.batch = B;
+	a.x_bstride = M * K;
+	a.y_bstride = M * N;
+	a.w_bstride = N * K;
+	CHECK_EQ(kc_backend()->matmul(&a), DS_OK);
+	for (int b = 0; b < B; b++) {
+		kb_matmul_args one = {&ref[0][0], &x[b][0][0], &w[b][0][0], NULL, KB_BF16, M, N, K, K,
+				      N, K, 0, 0, 0};
+		kc_matmul_ref(&one);
+		for (int i = 0; i < M * N; i++)
+			CHECK_NEAR((&y[b][0][0])[i], (&ref[0][0])[i], 1e-5);
+	}
+	a.w_bstride = -1;
+	CHECK_EQ(kc_backend()->matmul(&a), DS_EINVAL);
+}
