@@ -5,7 +5,7 @@
 #                      builds it when nvcc is found, CUDA=0 never
 #   make DEBUG=1       -O0, assertions on
 #   make test          every tier that needs no GPU (unit, conformance, integration)
-#   make asan          address + undefined sanitizers, runs the unit and conformance tiers
+#   make asan          address + undefined sanitizers, runs every tier on that build
 #   make bench         benchmarks (ratios against a baseline measured in the same run)
 #   make check         style: banned functions, include direction, file headers
 #   make deps          Debian -dev packages (apt-get) and the Python test venv (.venv)
@@ -169,12 +169,19 @@ test:
 	@$(MAKE) --no-print-directory all tests-bin
 	@DS_BUILD=$(BUILD) VENV=$(VENV) tools/run_tests.sh
 
+# The sanitizer build runs every tier: unit, conformance and the integration
+# tests (real processes built with ASan + UBSan; leaks reported at exit).
 asan:
-	@$(MAKE) --no-print-directory BUILD=build-asan SAN=1 CUDA=0 tests-bin
-	DS_BUILD=build-asan tools/run_tests.sh unit conformance
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory BUILD=build-asan SAN=1 CUDA=0 all tests-bin
+	DS_BUILD=build-asan tools/run_tests.sh unit conformance integration
 
+# Kernel timings, then the engine on a synthetic V3-shaped model (generated once
+# into .cache/bench/, about 3 GB for the FP8 and BF16 variants).
 bench: all $(BENCH_BINS)
+	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
 
 check:
 	tools/check.sh
