@@ -132,7 +132,9 @@ typedef struct runner {
 	float *logits;   /* [max_batch_tokens][vocab] */
 } runner;
 
-static int runner_init(runner *r, model *m, int n_seq, ds_err *err)
+/* logit_rows: the most tokens of one step that want logits (the whole step
+ * for --dump-logits, one per sequence otherwise). */
+static int runner_init(runner *r, model *m, int n_seq, int logit_rows, ds_err *err)
 {
 	const kv_params *kp = kv_cache_params(model_kv(m));
 	int bt = model_max_batch_tokens(m);
@@ -143,9 +145,9 @@ static int runner_init(runner *r, model *m, int n_seq, ds_err *err)
 	r->pos = calloc((size_t)bt, sizeof *r->pos);
 	r->seq = calloc((size_t)bt, sizeof *r->seq);
 	r->want = calloc((size_t)bt, 1);
-	r->logits = malloc((size_t)bt * (size_t)model_vocab_size(m) * sizeof(float));
+	r->logits = malloc((size_t)logit_rows * (size_t)model_vocab_size(m) * sizeof(float));
 	if (!r->tables || !r->toks || !r->pos || !r->seq || !r->want || !r->logits)
-		return ds_err_set(err, DS_ENOMEM, "out of memory for %d tokens of logits", bt);
+		return ds_err_set(err, DS_ENOMEM, "out of memory for %d rows of logits", logit_rows);
 	return DS_OK;
 }
 
@@ -545,7 +547,8 @@ static int run(const struct run_cfg *c, ds_err *err)
 				n_prompt, c->n_predict, model_max_ctx(m));
 		goto out;
 	}
-	if ((rc = runner_init(&r, m, c->bench ? c->batch : 1, err)))
+	int n_seq = c->bench ? c->batch : 1;
+	if ((rc = runner_init(&r, m, n_seq, c->dump_logits ? model_max_batch_tokens(m) : n_seq, err)))
 		goto out;
 	if (c->bench) {
 		rc = cmd_bench(c, m, &r, err);
