@@ -41,16 +41,52 @@ enum kb_dtype {
 	KB_F16 = 1,
 	KB_BF16 = 2,
 	KB_F8_E4M3 = 3,
+	/* GGUF block-quantized types (ggml's layouts; a row of K elements is K /
+	 * block blocks, each block_bytes long): */
+	KB_Q8_0 = 4, /* 32 x int8 + f16 scale                 (34 bytes) */
+	KB_Q4_0 = 5, /* 32 x 4 bit + f16 scale                (18 bytes) */
+	KB_Q4_1 = 6, /* 32 x 4 bit + f16 scale + f16 min      (20 bytes) */
+	KB_Q4_K = 7, /* 256: 8 sub-blocks, 6-bit scales/mins  (144 bytes) */
+	KB_Q5_K = 8, /* 256: Q4_K plus a 5th bit              (176 bytes) */
+	KB_Q6_K = 9, /* 256: 16 sub-blocks, 8-bit scales      (210 bytes) */
 	KB_DTYPE_COUNT
 };
 
-/* Bytes of one element of a dense dtype. */
+static inline int kb_dtype_is_quant(enum kb_dtype t)
+{
+	return t >= KB_Q8_0 && t < KB_DTYPE_COUNT;
+}
+
+/* Elements per block (1 for the dense types). */
+static inline int64_t kb_dtype_block(enum kb_dtype t)
+{
+	return t == KB_Q8_0 || t == KB_Q4_0 || t == KB_Q4_1 ? 32 : kb_dtype_is_quant(t) ? 256 : 1;
+}
+
+/* Bytes of one block (of one element for the dense types). */
+static inline size_t kb_dtype_block_bytes(enum kb_dtype t)
+{
+	static const unsigned char bytes[KB_DTYPE_COUNT] = {4, 2, 2, 1, 34, 18, 20, 144, 176, 210};
+	return (unsigned)t < KB_DTYPE_COUNT ? bytes[t] : 0;
+}
+
+/* Bytes of n elements (n a multiple of the block). */
+static inline size_t kb_dtype_bytes(enum kb_dtype t, int64_t n)
+{
+	return (size_t)(n / kb_dtype_block(t)) * kb_dtype_block_bytes(t);
+}
+
+/* Bytes of one element of a dense dtype (0 for the block-quantized ones:
+ * use kb_dtype_bytes). */
 static inline size_t kb_dtype_size(enum kb_dtype t)
 {
-	return t == KB_F32 ? 4 : t == KB_F8_E4M3 ? 1 : 2;
+	return kb_dtype_is_quant(t) ? 0 : kb_dtype_block_bytes(t);
 }
 
 /* y[m][n] (+)= sum_k x[m][k] * W[n][k]      m < M, n < N, k < K
+ * Block-quantized weights (KB_Q*): K and w_stride are multiples of the block;
+ * backends may quantize x on the fly (as ggml does), so results match the
+ * scalar reference of the same scheme, not an f32 product.
  * W is row-major [N][K] (the PyTorch Linear layout, y = W x), w_stride elements
  * between rows (>= K, so a column slice of a wider matrix works).
  * KB_F8_E4M3: W[n][k] = fp8_e4m3_to_f32(w[n][k]) * w_scale[(n / block) * scale_stride + k / block]

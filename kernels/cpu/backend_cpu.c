@@ -56,13 +56,12 @@ static int cpu_rmsnorm(const kb_rmsnorm_args *a)
 static void matmul_items(void *ctx, int64_t begin, int64_t end)
 {
 	const kb_matmul_args *a = ctx;
-	const size_t esz = kb_dtype_size(a->wtype);
 	for (int64_t i = begin; i < end; i++) {
 		kb_matmul_args one = *a;
 		one.batch = 0;
 		one.x = a->x + i * a->x_bstride;
 		one.y = a->y + i * a->y_bstride;
-		one.w = (const char *)a->w + (size_t)(i * a->w_bstride) * esz;
+		one.w = (const char *)a->w + kb_dtype_bytes(a->wtype, i * a->w_bstride);
 		if (a->w_scale)
 			one.w_scale = a->w_scale + i * a->s_bstride;
 		kc_matmul_isa(kc_isa_active(), &one);
@@ -79,6 +78,8 @@ static int cpu_matmul(const kb_matmul_args *a)
 	if (!a->y || !a->x || !a->w || a->x_stride < a->K || a->y_stride < a->N ||
 	    a->w_stride < a->K)
 		return DS_EINVAL;
+	if (kb_dtype_is_quant(a->wtype))
+		return DS_EUNSUPPORTED; /* block-quantized matmul: not on this backend yet */
 	if (a->wtype == KB_F8_E4M3 &&
 	    (!a->w_scale || a->block < 1 || a->scale_stride < (a->K + a->block - 1) / a->block))
 		return DS_EINVAL;
