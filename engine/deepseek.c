@@ -31,7 +31,7 @@
  */
 #include "engine/engine.h"
 #include "engine/mconfig.h"
-#include "engine/model.h"
+#include "engine/model_impl.h"
 #include "engine/safetensors.h"
 
 #include <math.h>
@@ -65,7 +65,8 @@ typedef struct ds_layer {
 	wmat sg, su, sd;       /* shared experts (one MLP of n_shared * moe_inter) */
 } ds_layer;
 
-struct model {
+typedef struct ds_model {
+	struct model base; /* must stay first: model.c sees this part */
 	mcfg cfg;
 	st_model *st;
 	const kb_backend *be;
@@ -93,11 +94,11 @@ struct model {
 	float *ew, *xe, *ye;
 	int32_t *lrows;
 	int32_t *seq_ntok;                 /* [bt]: tokens of each sequence in the step */
-};
+} ds_model;
 
 /* ---- small helpers ---- */
 
-static void *xalloc(model *m, size_t n, size_t size)
+static void *xalloc(ds_model *m, size_t n, size_t size)
 {
 	void *p = calloc(n ? n : 1, size);
 	if (p)
@@ -110,7 +111,7 @@ static int bad_alloc(ds_err *err)
 	return ds_err_set(err, DS_ENOMEM, "out of memory while loading the model");
 }
 
-static int linear(model *m, const wmat *w, const float *x, int64_t x_stride, float *y,
+static int linear(ds_model *m, const wmat *w, const float *x, int64_t x_stride, float *y,
 		  int64_t y_stride, int64_t M, int accumulate)
 {
 	kb_matmul_args a = {y, x, w->w, w->scale, w->type, M, w->n, w->k, x_stride, y_stride,
@@ -120,7 +121,7 @@ static int linear(model *m, const wmat *w, const float *x, int64_t x_stride, flo
 
 /* One product per head: head h uses the weight h steps of (w1 - w0) past w0
  * (per-head views of one packed array), x + h * x_head, y + h * y_head. */
-static int linear_heads(model *m, const wmat *w0, const wmat *w1, const float *x, int64_t x_head,
+static int linear_heads(ds_model *m, const wmat *w0, const wmat *w1, const float *x, int64_t x_head,
 			int64_t x_stride, float *y, int64_t y_head, int64_t y_stride, int64_t M)
 {
 	const size_t esz = kb_dtype_size(w0->type);
@@ -134,7 +135,7 @@ static int linear_heads(model *m, const wmat *w0, const wmat *w1, const float *x
 	return M ? m->be->matmul(&a) : DS_OK;
 }
 
-static int rmsnorm(model *m, float *out, const float *x, const float *w, int64_t rows,
+static int rmsnorm(ds_model *m, float *out, const float *x, const float *w, int64_t rows,
 		   int64_t dim, int64_t x_stride, int64_t out_stride)
 {
 	kb_rmsnorm_args a = {out, x, w, rows, dim, x_stride, out_stride, (float)m->cfg.rms_norm_eps};
@@ -143,7 +144,7 @@ static int rmsnorm(model *m, float *out, const float *x, const float *w, int64_t
 
 /* ---- loading ---- */
 
-static int load_linear(model *m, const char *name, int64_t n, int64_t k, wmat *out, ds_err *err)
+static int load_linear(ds_model *m, const char *name, int64_t n, int64_t k, wmat *out, ds_err *err)
 {
 	const st_tensor *t = st_find(m->st, name);
 	memset(out, 0, sizeof *out);
@@ -177,7 +178,7 @@ static int load_linear(model *m, const char *name, int64_t n, int64_t k, wmat *o
 }
 
 /* f32 copy of a vector (norm weights, router bias) of any supported dtype. */
-static int load_vec(model *m, const char *name, int64_t n, float **out, ds_err *err)
+static int load_vec(ds_model *m, const char *name, int64_t n, float **out, ds_err *err)
 {
 	int64_t shape[1] = {n};
 	const st_tensor *t = st_get(m->st, name, ST_DTYPE_ANY, 1, shape, err);
@@ -211,7 +212,7 @@ static int64_t gcd64(int64_t a, int64_t b)
  *    block and both head offsets, so every g x g block of a copy lies inside
  *    one original block and takes its scale: the values are unchanged.  (For
  *    DeepSeek-V3, g = 128.) */
-static int load_absorbed(model *m, ds_layer *ly, ds_err *err)
+static int load_absorbed(ds_model *m, ds_layer *ly, ds_err *err)
 {
 	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
 	const wmat *w = &ly->kv_b;
@@ -258,7 +259,7 @@ static int load_absorbed(model *m, ds_layer *ly, ds_err *err)
 }
 
 /* Per-head views of the absorbed weights (see load_absorbed). */
-static wmat head_ukt(const model *m, const ds_layer *ly, int64_t h)
+static wmat head_ukt(const ds_model *m, const ds_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, nope = m->nope, g = ly->absorbed_block;
 	wmat w = {(const uint8_t *)ly->ukt_w + (size_t)(h * lora * nope) * kb_dtype_size(ly->kv_b.type),
@@ -272,7 +273,7 @@ static wmat head_ukt(const model *m, const ds_layer *ly, int64_t h)
 	return w;
 }
 
-static wmat head_uv(const model *m, const ds_layer *ly, int64_t h)
+static wmat head_uv(const ds_model *m, const ds_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, vd = m->vd, g = ly->absorbed_block;
 	const int64_t row_step = g ? vd : m->nope + vd; /* the FP8 copy is packed per head */
@@ -287,7 +288,7 @@ static wmat head_uv(const model *m, const ds_layer *ly, int64_t h)
 	return w;
 }
 
-static int load_layer(model *m, int L, ds_err *err)
+static int load_layer(ds_model *m, int L, ds_err *err)
 {
 	const mcfg *c = &m->cfg;
 	ds_layer *ly = &m->layers[L];
@@ -354,7 +355,7 @@ static int load_layer(model *m, int L, ds_err *err)
 #undef TRY
 }
 
-static int alloc_buffers(model *m, ds_err *err)
+static int alloc_buffers(ds_model *m, ds_err *err)
 {
 	const mcfg *c = &m->cfg;
 	const size_t bt = (size_t)m->bt, ctx = (size_t)m->ctx, H = (size_t)m->H;
@@ -412,19 +413,12 @@ static int alloc_buffers(model *m, ds_err *err)
 	return DS_OK;
 }
 
-model_params model_default_params(void)
-{
-	model_params p = {0};
-	p.backend = "auto";
-	p.max_batch_tokens = 512;
-	p.max_seqs = 16;
-	p.page_size = 64;
-	return p;
-}
+static const model_ops ds_ops;
+static void ds_free(model *base);
 
-model *model_load(const model_params *p, ds_err *err)
+model *ds_model_load(const model_params *p, ds_err *err)
 {
-	model *m = calloc(1, sizeof *m);
+	ds_model *m = calloc(1, sizeof *m);
 	if (!m) {
 		bad_alloc(err);
 		return NULL;
@@ -489,16 +483,31 @@ model *model_load(const model_params *p, ds_err *err)
 	}
 	if (!(m->kv = kv_cache_new(&kp, err)))
 		goto fail;
-	return m;
+	model *base = &m->base;
+	base->ops = &ds_ops;
+	base->arch = mcfg_arch_name(c->arch);
+	base->be = m->be;
+	base->kv = m->kv;
+	base->vocab_size = c->vocab_size;
+	base->ctx = m->ctx;
+	base->bt = m->bt;
+	base->bos_id = c->bos_token_id;
+	base->n_eos = c->n_eos < MODEL_MAX_EOS ? c->n_eos : MODEL_MAX_EOS;
+	for (int i = 0; i < base->n_eos; i++)
+		base->eos_ids[i] = c->eos_token_ids[i];
+	base->weight_bytes = st_total_bytes(m->st);
+	base->extra_bytes = m->extra_bytes;
+	return base;
 fail:
 	if (err && err->code == DS_OK)
 		ds_err_set(err, rc ? rc : DS_EINTERNAL, "model load failed");
-	model_free(m);
+	ds_free(&m->base);
 	return NULL;
 }
 
-void model_free(model *m)
+static void ds_free(model *base)
 {
+	ds_model *m = (ds_model *)base;
 	if (!m)
 		return;
 	kv_cache_free(m->kv);
@@ -531,40 +540,7 @@ void model_free(model *m)
 
 /* ---- forward ---- */
 
-static int check_batch(const model *m, const eng_batch *b, ds_err *err)
-{
-	const kv_params *kp = kv_cache_params(m->kv);
-	if (b->n_tok <= 0 || b->n_tok > m->bt)
-		return ds_err_set(err, DS_EINVAL, "a step holds 1..%lld tokens, got %d", (long long)m->bt,
-				  b->n_tok);
-	if (b->n_seq <= 0 || b->n_seq > m->bt || b->max_blocks <= 0)
-		return ds_err_set(err, DS_EINVAL, "a step needs 1..%lld sequences and block tables",
-				  (long long)m->bt);
-	for (int i = 0; i < b->n_tok; i++) {
-		int32_t t = b->tokens[i], pos = b->pos[i], s = b->seq[i];
-		if (t < 0 || t >= m->cfg.vocab_size)
-			return ds_err_set(err, DS_EINVAL, "token id %d is out of range: the vocabulary has %d ids (0..%d)",
-					  t, m->cfg.vocab_size, m->cfg.vocab_size - 1);
-		if (pos < 0 || pos >= m->ctx)
-			return ds_err_set(err, DS_ERANGE, "position %d is outside the context of %lld tokens",
-					  pos, (long long)m->ctx);
-		if (s < 0 || s >= b->n_seq)
-			return ds_err_set(err, DS_EINVAL, "token %d names sequence %d of %d", i, s, b->n_seq);
-		int64_t blk = pos / kp->page_size;
-		if (blk >= b->max_blocks)
-			return ds_err_set(err, DS_EINVAL, "position %d needs block %lld; the table has %d",
-					  pos, (long long)blk, b->max_blocks);
-		for (int64_t j = 0; j <= blk; j++) {
-			int32_t page = b->block_tables[(int64_t)s * b->max_blocks + j];
-			if (page < 0 || page >= kp->n_pages)
-				return ds_err_set(err, DS_EINVAL, "sequence %d: block %lld holds page %d (pages 0..%d)",
-						  s, (long long)j, page, kp->n_pages - 1);
-		}
-	}
-	return DS_OK;
-}
-
-static float *cache_row(model *m, const eng_batch *b, int L, int32_t seq, int32_t pos)
+static float *cache_row(ds_model *m, const eng_batch *b, int L, int32_t seq, int32_t pos)
 {
 	const kv_params *kp = kv_cache_params(m->kv);
 	int32_t page = b->block_tables[(int64_t)seq * b->max_blocks + pos / kp->page_size];
@@ -573,7 +549,7 @@ static float *cache_row(model *m, const eng_batch *b, int L, int32_t seq, int32_
 }
 
 /* Absorbed form for the tokens listed in a_idx[0..n). Writes o rows. */
-static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
+static int attn_absorbed(ds_model *m, const eng_batch *b, int L, int n)
 {
 	ds_layer *ly = &m->layers[L];
 	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
@@ -606,7 +582,7 @@ static int attn_absorbed(model *m, const eng_batch *b, int L, int n)
 }
 
 /* Naive form for the tokens of sequence s listed in n_idx[0..n). */
-static int attn_naive(model *m, const eng_batch *b, int L, int32_t s, int n)
+static int attn_naive(ds_model *m, const eng_batch *b, int L, int32_t s, int n)
 {
 	ds_layer *ly = &m->layers[L];
 	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
@@ -644,7 +620,7 @@ static int attn_naive(model *m, const eng_batch *b, int L, int32_t s, int n)
 	return DS_OK;
 }
 
-static int attention(model *m, const eng_batch *b, int L)
+static int attention(ds_model *m, const eng_batch *b, int L)
 {
 	ds_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
@@ -699,7 +675,7 @@ static int attention(model *m, const eng_batch *b, int L)
 	return linear(m, &ly->o, m->o, H * m->vd, m->x, m->D, n, 1);
 }
 
-static int mlp(model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
+static int mlp(ds_model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
 	       int64_t rows, int accumulate)
 {
 	int rc;
@@ -713,7 +689,7 @@ static int mlp(model *m, const wmat *g, const wmat *u, const wmat *d, const floa
 	return linear(m, d, m->act, I, y, m->D, rows, accumulate);
 }
 
-static int moe(model *m, const eng_batch *b, int L)
+static int moe(ds_model *m, const eng_batch *b, int L)
 {
 	ds_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
@@ -764,9 +740,10 @@ static int moe(model *m, const eng_batch *b, int L)
 	return DS_OK;
 }
 
-int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err)
+static int ds_forward(model *base, const eng_batch *b, float *logits, ds_err *err)
 {
-	int rc = check_batch(m, b, err);
+	ds_model *m = (ds_model *)base;
+	int rc = model_check_batch(base, b, err);
 	if (rc)
 		return rc;
 	const int64_t n = b->n_tok, D = m->D;
@@ -797,53 +774,9 @@ out:
 	return rc;
 }
 
-void model_set_attn(model *m, enum model_attn attn)
+static void ds_set_attn(model *base, enum model_attn attn)
 {
-	m->attn = attn;
+	((ds_model *)base)->attn = attn;
 }
 
-kv_cache *model_kv(model *m)
-{
-	return m->kv;
-}
-
-int model_vocab_size(const model *m)
-{
-	return m->cfg.vocab_size;
-}
-
-int model_max_ctx(const model *m)
-{
-	return (int)m->ctx;
-}
-
-int model_max_batch_tokens(const model *m)
-{
-	return (int)m->bt;
-}
-
-int model_bos_id(const model *m)
-{
-	return m->cfg.bos_token_id;
-}
-
-int model_eos_ids(const model *m, const int **ids)
-{
-	*ids = m->cfg.eos_token_ids;
-	return m->cfg.n_eos;
-}
-
-const char *model_arch_name(const model *m)
-{
-	return mcfg_arch_name(m->cfg.arch);
-}
-
-size_t model_weight_bytes(const model *m)
-{
-	return st_total_bytes(m->st);
-}
-
-size_t model_extra_bytes(const model *m)
-{
-	return m->extra_bytes;
-}
+static const model_ops ds_ops = {ds_forward, ds_set_attn, ds_free};

@@ -216,6 +216,24 @@ typedef struct kb_attn_args {
 	float scale;
 } kb_attn_args;
 
+/* Grouped-query attention over a paged cache (llama-family decode and
+ * prefill).  A cache row is one token of one layer, row_stride floats: K of
+ * every kv head at k_off ([n_kv_heads][head_dim]) and V at v_off.  Rows are
+ * found through block tables as for kb_mla_attn_args; token t attends to
+ * positions 0..tok_pos[t] of sequence tok_seq[t]; query head h reads kv head
+ * h / (n_heads / n_kv_heads). */
+typedef struct kb_paged_attn_args {
+	float *out;       /* [n_tok][n_heads][head_dim], out_stride per token */
+	const float *q;   /* [n_tok][n_heads][head_dim], q_stride per token */
+	int64_t n_tok, n_heads, n_kv_heads, head_dim, q_stride, out_stride;
+	const float *cache;
+	int64_t page_size, row_stride, k_off, v_off;
+	const int32_t *block_tables;
+	int64_t max_blocks;
+	const int32_t *tok_seq, *tok_pos;
+	float scale;
+} kb_paged_attn_args;
+
 enum kb_moe_scoring { KB_SCORE_SOFTMAX = 0, KB_SCORE_SIGMOID = 1 };
 enum kb_moe_topk { KB_TOPK_GREEDY = 0, KB_TOPK_GROUP_LIMITED_GREEDY = 1, KB_TOPK_NOAUX_TC = 2 };
 
@@ -262,6 +280,7 @@ typedef struct kb_backend {
 	int (*dequant)(const kb_dequant_args *a);
 	int (*mla_attn)(const kb_mla_attn_args *a);
 	int (*attn)(const kb_attn_args *a);
+	int (*paged_attn)(const kb_paged_attn_args *a);
 	int (*moe_route)(const kb_moe_route_args *a);
 	/* Worker threads the backend may use (CPU); 0 = one per core. */
 	int (*set_threads)(int n);

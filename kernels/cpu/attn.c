@@ -123,6 +123,11 @@ typedef struct mla_job {
 	vec_ops v;
 } mla_job;
 
+typedef struct paged_job {
+	const kb_paged_attn_args *a;
+	vec_ops v;
+} paged_job;
+
 typedef struct attn_job {
 	const kb_attn_args *a;
 	vec_ops v;
@@ -200,5 +205,45 @@ int kc_attn(const kb_attn_args *a)
 		return DS_EINVAL;
 	attn_job job = {a, pick_ops()};
 	kc_parallel_for(a->n_tok * a->n_heads, 1, attn_range, &job);
+	return DS_OK;
+}
+
+static void paged_range(void *ctx, int64_t begin, int64_t end)
+{
+	const kb_paged_attn_args *a = ((const paged_job *)ctx)->a;
+	const vec_ops v = ((const paged_job *)ctx)->v;
+	const int64_t group = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+	for (int64_t th = begin; th < end; th++) {
+		int64_t t = th / a->n_heads, h = th % a->n_heads, kh = h / group;
+		const float *q = a->q + t * a->q_stride + h * hd;
+		float *out = a->out + t * a->out_stride + h * hd;
+		const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
+		float m = -INFINITY, l = 0.0f;
+		memset(out, 0, (size_t)hd * sizeof *out);
+		for (int64_t j = 0; j <= a->tok_pos[t]; j++) {
+			int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
+			const float *row = a->cache + slot * a->row_stride;
+			float s = a->scale * v.dot(q, row + a->k_off + kh * hd, hd);
+			float mn = s > m ? s : m;
+			float c = expf(m - mn), w = expf(s - mn);
+			v.scale_add(out, c, w, row + a->v_off + kh * hd, hd);
+			l = l * c + w;
+			m = mn;
+		}
+		float inv = 1.0f / l;
+		for (int64_t i = 0; i < hd; i++)
+			out[i] *= inv;
+	}
+}
+
+int kc_paged_attn(const kb_paged_attn_args *a)
+{
+	if (a->n_tok < 0 || a->n_heads <= 0 || a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads ||
+	    a->head_dim <= 0 || a->page_size <= 0 || a->k_off < 0 || a->v_off < 0 ||
+	    a->row_stride < a->k_off + a->n_kv_heads * a->head_dim ||
+	    a->row_stride < a->v_off + a->n_kv_heads * a->head_dim)
+		return DS_EINVAL;
+	paged_job job = {a, pick_ops()};
+	kc_parallel_for(a->n_tok * a->n_heads, 1, paged_range, &job);
 	return DS_OK;
 }

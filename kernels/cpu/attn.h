@@ -13,6 +13,7 @@
 
 int kc_mla_attn(const kb_mla_attn_args *a);
 int kc_attn(const kb_attn_args *a);
+int kc_paged_attn(const kb_paged_attn_args *a);
 int kc_moe_route(const kb_moe_route_args *a);
 /* Dequantization of a weight slice to f32 (kb_dequant_args). */
 int kc_dequant(const kb_dequant_args *a);

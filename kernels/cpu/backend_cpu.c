@@ -176,6 +176,7 @@ static const kb_backend cpu_backend = {
 	.dequant = kc_dequant,
 	.mla_attn = kc_mla_attn,
 	.attn = kc_attn,
+	.paged_attn = kc_paged_attn,
 	.moe_route = kc_moe_route,
 	.set_threads = cpu_set_threads,
 };

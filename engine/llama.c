@@ -1,0 +1,557 @@
+/*
+ * llama.c - the llama-family dense graph (Llama 2/3, Mistral, SmolLM2):
+ * GQA attention over the paged cache, SwiGLU MLP, RMSNorm, RoPE, optionally
+ * tied embeddings.  Loaded from a Hugging Face directory (config.json +
+ * safetensors) or from a GGUF file (general.architecture "llama").
+ *
+ *   x = embed[token]
+ *   per layer:  h = rmsnorm(x);  q = Wq h;  k = Wk h;  v = Wv h
+ *               rope(q), rope(k);  cache row = [k | v]
+ *               x += Wo attn(q, K, V)          (head h reads kv head h / group)
+ *               h = rmsnorm(x);  x += Wd (silu(Wg h) * Wu h)
+ *   logits = lm_head rmsnorm(x)                (lm_head = embed when tied)
+ *
+ * RoPE pairs: Hugging Face checkpoints store q/k rows in the half-split
+ * (NeoX) layout; llama.cpp's converter permutes them into adjacent pairs, so
+ * GGUF files use interleaved pairs.  Frequencies: theta^(-2i/d), with the
+ * "llama3" or "linear" rope_scaling of the config applied.
+ *
+ * Called through engine/model.h; computes only through the kb_backend.
+ * Buffers are sized at load; forward never allocates.  One step at a time.
+ */
+#include "common/jsonx.h"
+#include "engine/engine.h"
+#include "engine/gguf.h"
+#include "engine/model_impl.h"
+#include "engine/safetensors.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LLAMA_MAX_HEAD_DIM 1024
+
+typedef struct lcfg {
+	int vocab, dim, n_layers, n_heads, n_kv, head_dim, ffn, max_pos;
+	double rope_theta, eps;
+	int tied, interleaved;
+	/* rope_scaling */
+	int scale_kind; /* 0 none, 1 linear, 2 llama3 */
+	double factor, low_freq_factor, high_freq_factor;
+	int orig_max_pos;
+	int bos, n_eos, eos[MODEL_MAX_EOS];
+} lcfg;
+
+/* A weight as the checkpoint stores it: [n][k] row-major. */
+typedef struct lw {
+	const void *w;
+	enum kb_dtype type;
+	int64_t n, k;
+} lw;
+
+typedef struct llayer {
+	float *attn_norm, *ffn_norm;
+	lw q, k, v, o, gate, up, down;
+} llayer;
+
+typedef struct llama_model {
+	struct model base; /* first */
+	lcfg c;
+	st_model *st;
+	gguf_file *gg;
+	const kb_backend *be;
+	llayer *layers;
+	lw embed, head;
+	float *final_norm, *inv_freq;
+	size_t extra;
+	int64_t bt, ctx, qd, kvd;
+	float *x, *h, *q, *kvb, *o, *g, *u, *lg;
+	int32_t *lrows;
+} llama_model;
+
+static void *xalloc(llama_model *m, size_t n, size_t size)
+{
+	void *p = calloc(n ? n : 1, size);
+	if (p)
+		m->extra += n * size;
+	return p;
+}
+
+/* ---- configuration ---- */
+
+static int cfg_int(const json_t *j, const char *key, int required, int64_t lo, int64_t hi, int *out,
+		   const char *path, ds_err *err)
+{
+	int64_t v = *out;
+	if (jsonx_get_i64(j, key, required, lo, hi, &v, err) != DS_OK)
+		return ds_err_wrap(err, "%s", path);
+	*out = (int)v;
+	return DS_OK;
+}
+
+static int cfg_from_hf(const char *dir, lcfg *c, ds_err *err)
+{
+	char path[4096];
+	snprintf(path, sizeof path, "%s/config.json", dir);
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return ds_err_set(err, DS_ENOTFOUND, "cannot open %s: %m", path);
+	char *buf = malloc(1 << 20);
+	size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
+	fclose(f);
+	if (!buf)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	json_t *j = jsonx_parse(buf, n, 32, err);
+	free(buf);
+	if (!j)
+		return ds_err_wrap(err, "%s", path);
+	int rc = DS_OK;
+	const char *act = "silu";
+	int bias = 0;
+	double d;
+	memset(c, 0, sizeof *c);
+	c->bos = -1;
+	if ((rc = cfg_int(j, "vocab_size", 1, 1, 1 << 24, &c->vocab, path, err)) ||
+	    (rc = cfg_int(j, "hidden_size", 1, 1, 1 << 20, &c->dim, path, err)) ||
+	    (rc = cfg_int(j, "intermediate_size", 1, 1, 1 << 22, &c->ffn, path, err)) ||
+	    (rc = cfg_int(j, "num_hidden_layers", 1, 1, 4096, &c->n_layers, path, err)) ||
+	    (rc = cfg_int(j, "num_attention_heads", 1, 1, 4096, &c->n_heads, path, err)))
+		goto out;
+	c->n_kv = c->n_heads;
+	c->head_dim = c->dim / c->n_heads;
+	c->max_pos = 4096;
+	if ((rc = cfg_int(j, "num_key_value_heads", 0, 1, 4096, &c->n_kv, path, err)) ||
+	    (rc = cfg_int(j, "head_dim", 0, 1, LLAMA_MAX_HEAD_DIM, &c->head_dim, path, err)) ||
+	    (rc = cfg_int(j, "max_position_embeddings", 0, 1, 1 << 24, &c->max_pos, path, err)) ||
+	    (rc = cfg_int(j, "bos_token_id", 0, -1, 1 << 24, &c->bos, path, err)))
+		goto out;
+	c->rope_theta = 10000.0;
+	c->eps = 1e-6;
+	if ((rc = jsonx_get_double(j, "rope_theta", 0, 1, 1e12, &c->rope_theta, err)) ||
+	    (rc = jsonx_get_double(j, "rms_norm_eps", 0, 0, 1, &c->eps, err)) ||
+	    (rc = jsonx_get_str(j, "hidden_act", 0, &act, err)) ||
+	    (rc = jsonx_get_bool(j, "tie_word_embeddings", 0, &c->tied, err)) ||
+	    (rc = jsonx_get_bool(j, "attention_bias", 0, &bias, err))) {
+		ds_err_wrap(err, "%s", path);
+		goto out;
+	}
+	if (strcmp(act, "silu") != 0) {
+		rc = ds_err_set(err, DS_EUNSUPPORTED, "%s: hidden_act \"%s\" is not supported (only \"silu\")", path, act);
+		goto out;
+	}
+	if (bias) {
+		rc = ds_err_set(err, DS_EUNSUPPORTED, "%s: attention_bias true is not supported", path);
+		goto out;
+	}
+	json_t *eos = json_object_get(j, "eos_token_id");
+	if (json_is_integer(eos)) {
+		c->eos[c->n_eos++] = (int)json_integer_value(eos);
+	} else if (json_is_array(eos)) {
+		for (size_t i = 0; i < json_array_size(eos) && c->n_eos < MODEL_MAX_EOS; i++)
+			if (json_is_integer(json_array_get(eos, i)))
+				c->eos[c->n_eos++] = (int)json_integer_value(json_array_get(eos, i));
+	}
+	json_t *rs = json_object_get(j, "rope_scaling");
+	if (json_is_object(rs)) {
+		const char *type = NULL;
+		if (jsonx_get_str(rs, "rope_type", 0, &type, err) || (!type && jsonx_get_str(rs, "type", 0, &type, err))) {
+			rc = ds_err_wrap(err, "%s: rope_scaling", path);
+			goto out;
+		}
+		d = 1.0;
+		if ((rc = jsonx_get_double(rs, "factor", 1, 1, 1e6, &d, err))) {
+			ds_err_wrap(err, "%s: rope_scaling", path);
+			goto out;
+		}
+		c->factor = d;
+		if (type && strcmp(type, "linear") == 0) {
+			c->scale_kind = 1;
+		} else if (type && strcmp(type, "llama3") == 0) {
+			c->scale_kind = 2;
+			c->low_freq_factor = 1.0;
+			c->high_freq_factor = 4.0;
+			c->orig_max_pos = 8192;
+			if ((rc = jsonx_get_double(rs, "low_freq_factor", 0, 1e-6, 1e6, &c->low_freq_factor, err)) ||
+			    (rc = jsonx_get_double(rs, "high_freq_factor", 0, 1e-6, 1e6, &c->high_freq_factor, err)) ||
+			    (rc = cfg_int(rs, "original_max_position_embeddings", 0, 1, 1 << 24, &c->orig_max_pos, path, err))) {
+				ds_err_wrap(err, "%s: rope_scaling", path);
+				goto out;
+			}
+		} else {
+			rc = ds_err_set(err, DS_EUNSUPPORTED, "%s: rope_scaling type \"%s\" is not supported (linear, llama3)",
+					path, type ? type : "(none)");
+			goto out;
+		}
+	}
+out:
+	json_decref(j);
+	return rc;
+}
+
+static int gg_int(const gguf_file *g, const char *key, int required, int64_t lo, int64_t hi, int *out,
+		  ds_err *err)
+{
+	int64_t v;
+	if (gguf_find_key(g, key) < 0) {
+		if (!required)
+			return DS_OK;
+		return ds_err_set(err, DS_EFORMAT, "%s: metadata key %s is missing", gguf_path(g), key);
+	}
+	int rc = gguf_get_int(g, key, lo, hi, &v, err);
+	if (rc)
+		return rc;
+	*out = (int)v;
+	return DS_OK;
+}
+
+/* llama.* metadata of a GGUF (llama.cpp's key names). */
+static int cfg_from_gguf(const gguf_file *g, lcfg *c, ds_err *err)
+{
+	const char *arch = NULL;
+	size_t len = 0;
+	int rc;
+	memset(c, 0, sizeof *c);
+	c->bos = -1;
+	if ((rc = gguf_get_str(g, "general.architecture", &arch, &len, err)))
+		return rc;
+	if (strcmp(arch, "llama") != 0)
+		return ds_err_set(err, DS_EUNSUPPORTED,
+				  "%s: general.architecture \"%s\" is not supported here (llama)", gguf_path(g), arch);
+	int rope_dim = 0;
+	if ((rc = gg_int(g, "llama.embedding_length", 1, 1, 1 << 20, &c->dim, err)) ||
+	    (rc = gg_int(g, "llama.block_count", 1, 1, 4096, &c->n_layers, err)) ||
+	    (rc = gg_int(g, "llama.feed_forward_length", 1, 1, 1 << 22, &c->ffn, err)) ||
+	    (rc = gg_int(g, "llama.attention.head_count", 1, 1, 4096, &c->n_heads, err)))
+		return rc;
+	c->n_kv = c->n_heads;
+	c->head_dim = c->dim / c->n_heads;
+	c->max_pos = 4096;
+	if ((rc = gg_int(g, "llama.attention.head_count_kv", 0, 1, 4096, &c->n_kv, err)) ||
+	    (rc = gg_int(g, "llama.attention.key_length", 0, 1, LLAMA_MAX_HEAD_DIM, &c->head_dim, err)) ||
+	    (rc = gg_int(g, "llama.context_length", 0, 1, 1 << 24, &c->max_pos, err)) ||
+	    (rc = gg_int(g, "tokenizer.ggml.bos_token_id", 0, 0, 1 << 24, &c->bos, err)))
+		return rc;
+	rope_dim = c->head_dim;
+	if ((rc = gg_int(g, "llama.rope.dimension_count", 0, 1, LLAMA_MAX_HEAD_DIM, &rope_dim, err)))
+		return rc;
+	if (rope_dim != c->head_dim)
+		return ds_err_set(err, DS_EUNSUPPORTED, "%s: llama.rope.dimension_count %d differs from the head size %d",
+				  gguf_path(g), rope_dim, c->head_dim);
+	int eos = -1;
+	if ((rc = gg_int(g, "tokenizer.ggml.eos_token_id", 0, 0, 1 << 24, &eos, err)))
+		return rc;
+	if (eos >= 0)
+		c->eos[c->n_eos++] = eos;
+	c->rope_theta = 10000.0;
+	c->eps = 1e-5;
+	if ((gguf_find_key(g, "llama.rope.freq_base") >= 0 && (rc = gguf_get_float(g, "llama.rope.freq_base", &c->rope_theta, err))) ||
+	    (gguf_find_key(g, "llama.attention.layer_norm_rms_epsilon") >= 0 &&
+	     (rc = gguf_get_float(g, "llama.attention.layer_norm_rms_epsilon", &c->eps, err))))
+		return rc;
+	if (gguf_find_key(g, "llama.rope.scaling.type") >= 0) {
+		const char *type = NULL;
+		if ((rc = gguf_get_str(g, "llama.rope.scaling.type", &type, &len, err)))
+			return rc;
+		if (strcmp(type, "none") != 0) {
+			if (strcmp(type, "linear") != 0)
+				return ds_err_set(err, DS_EUNSUPPORTED, "%s: llama.rope.scaling.type \"%s\" is not supported (linear)",
+						  gguf_path(g), type);
+			c->scale_kind = 1;
+			if ((rc = gguf_get_float(g, "llama.rope.scaling.factor", &c->factor, err)))
+				return rc;
+		}
+	}
+	if (gguf_find_tensor(g, "rope_freqs.weight"))
+		return ds_err_set(err, DS_EUNSUPPORTED, "%s: per-frequency rope factors (rope_freqs.weight) are not supported",
+				  gguf_path(g));
+	const gguf_tensor *emb = gguf_find_tensor(g, "token_embd.weight");
+	if (!emb || emb->n_dims != 2)
+		return ds_err_set(err, DS_EFORMAT, "%s: token_embd.weight is missing or not 2-D", gguf_path(g));
+	c->vocab = (int)emb->shape[0];
+	c->tied = gguf_find_tensor(g, "output.weight") == NULL;
+	return DS_OK;
+}
+
+static void rope_freqs(const lcfg *c, float *out)
+{
+	const int half = c->head_dim / 2;
+	for (int i = 0; i < half; i++) {
+		double f = pow(c->rope_theta, -2.0 * i / c->head_dim);
+		if (c->scale_kind == 1) {
+			f /= c->factor;
+		} else if (c->scale_kind == 2) { /* Llama 3.1: blend by wavelength */
+			double wl = 2.0 * M_PI / f;
+			double low_wl = c->orig_max_pos / c->low_freq_factor;
+			double high_wl = c->orig_max_pos / c->high_freq_factor;
+			if (wl > low_wl) {
+				f /= c->factor;
+			} else if (wl >= high_wl) {
+				double s = (c->orig_max_pos / wl - c->low_freq_factor) /
+					   (c->high_freq_factor - c->low_freq_factor);
+				f = (1.0 - s) * f / c->factor + s * f;
+			}
+		}
+		out[i] = (float)f;
+	}
+}
+
+/* ---- tensors from either source ---- */
+
+static int get_w(llama_model *m, const char *name, int64_t n, int64_t k, lw *out, ds_err *err)
+{
+	int64_t shape[2] = {n, k};
+	if (m->st) {
+		const st_tensor *t = st_get(m->st, name, ST_DTYPE_ANY, 2, shape, err);
+		if (!t)
+			return err->code;
+		if (t->dtype == KB_F8_E4M3)
+			return ds_err_set(err, DS_EUNSUPPORTED, "tensor %s: FP8 llama weights are not supported", name);
+		*out = (lw){t->data, t->dtype, n, k};
+		return DS_OK;
+	}
+	const gguf_tensor *t = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 2, shape, err);
+	if (!t)
+		return err->code;
+	*out = (lw){t->data, t->dtype, n, k};
+	return DS_OK;
+}
+
+static int get_vec(llama_model *m, const char *name, int64_t n, float **out, ds_err *err)
+{
+	int64_t shape[1] = {n};
+	const void *data;
+	enum kb_dtype type;
+	if (m->st) {
+		const st_tensor *t = st_get(m->st, name, ST_DTYPE_ANY, 1, shape, err);
+		if (!t)
+			return err->code;
+		data = t->data;
+		type = t->dtype;
+	} else {
+		const gguf_tensor *t = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 1, shape, err);
+		if (!t)
+			return err->code;
+		data = t->data;
+		type = t->dtype;
+	}
+	if (!(*out = xalloc(m, (size_t)n, sizeof(float))))
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	kb_dequant_args a = {*out, data, NULL, type, 1, n, n, n, 0, 1, 0, 0};
+	int rc = m->be->dequant(&a);
+	return rc ? ds_err_set(err, rc, "tensor %s: cannot convert %s to f32", name, st_dtype_name(type)) : DS_OK;
+}
+
+static int load_weights(llama_model *m, int gguf, ds_err *err)
+{
+	const lcfg *c = &m->c;
+	char n1[256];
+	int rc;
+#define NM(hf, gg) (snprintf(n1, sizeof n1, gguf ? gg : hf, L), n1)
+	int L = 0;
+	if ((rc = get_w(m, gguf ? "token_embd.weight" : "model.embed_tokens.weight", c->vocab, c->dim, &m->embed, err)) ||
+	    (rc = get_vec(m, gguf ? "output_norm.weight" : "model.norm.weight", c->dim, &m->final_norm, err)))
+		return rc;
+	if (c->tied)
+		m->head = m->embed;
+	else if ((rc = get_w(m, gguf ? "output.weight" : "lm_head.weight", c->vocab, c->dim, &m->head, err)))
+		return rc;
+	for (L = 0; L < c->n_layers; L++) {
+		llayer *ly = &m->layers[L];
+		if ((rc = get_vec(m, NM("model.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight"), c->dim, &ly->attn_norm, err)) ||
+		    (rc = get_vec(m, NM("model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight"), c->dim, &ly->ffn_norm, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight"), m->qd, c->dim, &ly->q, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight"), m->kvd, c->dim, &ly->k, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight"), m->kvd, c->dim, &ly->v, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight"), c->dim, m->qd, &ly->o, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight"), c->ffn, c->dim, &ly->gate, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight"), c->ffn, c->dim, &ly->up, err)) ||
+		    (rc = get_w(m, NM("model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight"), c->dim, c->ffn, &ly->down, err)))
+			return rc;
+	}
+#undef NM
+	return DS_OK;
+}
+
+/* ---- forward ---- */
+
+static int linear(llama_model *m, const lw *w, const float *x, int64_t x_stride, float *y,
+		  int64_t y_stride, int64_t M, int accumulate)
+{
+	kb_matmul_args a = {y, x, w->w, NULL, w->type, M, w->n, w->k, x_stride, y_stride, w->k, 0, 0, accumulate};
+	return M ? m->be->matmul(&a) : DS_OK;
+}
+
+static int rmsnorm(llama_model *m, float *out, const float *x, const float *w, int64_t rows)
+{
+	kb_rmsnorm_args a = {out, x, w, rows, m->c.dim, m->c.dim, m->c.dim, (float)m->c.eps};
+	return rows ? m->be->rmsnorm(&a) : DS_OK;
+}
+
+static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err *err)
+{
+	llama_model *m = (llama_model *)base;
+	const lcfg *c = &m->c;
+	const int64_t n = b->n_tok, D = c->dim, qd = m->qd, kvd = m->kvd, F = c->ffn;
+	const kv_params *kp = kv_cache_params(base->kv);
+	int rc = model_check_batch(base, b, err);
+	if (rc)
+		return rc;
+	kb_embed_args e = {m->x, m->embed.w, m->embed.type, b->tokens, n, D, D, D};
+	if ((rc = m->be->embed(&e)))
+		goto out;
+	for (int L = 0; L < c->n_layers; L++) {
+		llayer *ly = &m->layers[L];
+		float *cache = kv_cache_layer(base->kv, L);
+		if ((rc = rmsnorm(m, m->h, m->x, ly->attn_norm, n)) ||
+		    (rc = linear(m, &ly->q, m->h, D, m->q, qd, n, 0)) ||
+		    (rc = linear(m, &ly->k, m->h, D, m->kvb, 2 * kvd, n, 0)) ||
+		    (rc = linear(m, &ly->v, m->h, D, m->kvb + kvd, 2 * kvd, n, 0)))
+			goto out;
+		kb_rope_args rq = {m->q, n, c->n_heads, qd, c->head_dim, c->head_dim, b->pos, m->inv_freq, 1.0f, c->interleaved};
+		kb_rope_args rk = {m->kvb, n, c->n_kv, 2 * kvd, c->head_dim, c->head_dim, b->pos, m->inv_freq, 1.0f, c->interleaved};
+		if ((rc = m->be->rope(&rq)) || (rc = m->be->rope(&rk)))
+			goto out;
+		for (int64_t t = 0; t < n; t++) {
+			int32_t page = b->block_tables[(int64_t)b->seq[t] * b->max_blocks + b->pos[t] / kp->page_size];
+			int64_t slot = (int64_t)page * kp->page_size + b->pos[t] % kp->page_size;
+			memcpy(cache + slot * kp->row_floats, m->kvb + t * 2 * kvd, (size_t)(2 * kvd) * sizeof(float));
+		}
+		kb_paged_attn_args pa = {m->o, m->q, n, c->n_heads, c->n_kv, c->head_dim, qd, qd, cache,
+					 kp->page_size, kp->row_floats, 0, kvd, b->block_tables, b->max_blocks,
+					 b->seq, b->pos, (float)(1.0 / sqrt((double)c->head_dim))};
+		if ((rc = m->be->paged_attn(&pa)) ||
+		    (rc = linear(m, &ly->o, m->o, qd, m->x, D, n, 1)) ||
+		    (rc = rmsnorm(m, m->h, m->x, ly->ffn_norm, n)) ||
+		    (rc = linear(m, &ly->gate, m->h, D, m->g, F, n, 0)) ||
+		    (rc = linear(m, &ly->up, m->h, D, m->u, F, n, 0)))
+			goto out;
+		kb_silu_mul_args sm = {m->g, m->g, m->u, n, F, F, F, F};
+		if ((rc = m->be->silu_mul(&sm)) || (rc = linear(m, &ly->down, m->g, F, m->x, D, n, 1)))
+			goto out;
+	}
+	int nl = 0;
+	for (int64_t t = 0; t < n; t++)
+		if (!b->want_logits || b->want_logits[t])
+			memcpy(m->lg + (nl++) * D, m->x + t * D, (size_t)D * sizeof(float));
+	if ((rc = rmsnorm(m, m->lg, m->lg, m->final_norm, nl)) ||
+	    (rc = linear(m, &m->head, m->lg, D, logits, c->vocab, nl, 0)))
+		goto out;
+out:
+	if (rc && err && err->code == DS_OK)
+		ds_err_set(err, rc, "forward step failed in the %s backend (%s)", m->be->name, ds_status_name(rc));
+	return rc;
+}
+
+static void llama_free(model *base)
+{
+	llama_model *m = (llama_model *)base;
+	if (!m)
+		return;
+	kv_cache_free(base->kv);
+	for (int L = 0; m->layers && L < m->c.n_layers; L++) {
+		free(m->layers[L].attn_norm);
+		free(m->layers[L].ffn_norm);
+	}
+	free(m->layers);
+	void *bufs[] = {m->final_norm, m->inv_freq, m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg, m->lrows};
+	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+		free(bufs[i]);
+	st_close(m->st);
+	gguf_close(m->gg);
+	free(m);
+}
+
+static const model_ops llama_ops = {llama_forward, NULL, llama_free};
+
+static int check_cfg(const lcfg *c, const char *what, ds_err *err)
+{
+	if (c->n_heads % c->n_kv != 0)
+		return ds_err_set(err, DS_EINVAL, "%s: %d attention heads do not divide into %d kv heads",
+				  what, c->n_heads, c->n_kv);
+	if (c->head_dim % 2 || c->head_dim > LLAMA_MAX_HEAD_DIM)
+		return ds_err_set(err, DS_EINVAL, "%s: head size %d must be even and <= %d", what,
+				  c->head_dim, LLAMA_MAX_HEAD_DIM);
+	return DS_OK;
+}
+
+model *llama_model_load(const model_params *p, ds_err *err)
+{
+	llama_model *m = calloc(1, sizeof *m);
+	int rc = DS_OK;
+	size_t plen = strlen(p->path);
+	int gguf = plen > 5 && strcmp(p->path + plen - 5, ".gguf") == 0;
+	if (!m) {
+		ds_err_set(err, DS_ENOMEM, "out of memory");
+		return NULL;
+	}
+	if (gguf) {
+		if (!(m->gg = gguf_open(p->path, err)) || (rc = cfg_from_gguf(m->gg, &m->c, err)))
+			goto fail;
+	} else if ((rc = cfg_from_hf(p->path, &m->c, err)) || !(m->st = st_open(p->path, err))) {
+		goto fail;
+	}
+	lcfg *c = &m->c;
+	c->interleaved = gguf; /* see the file comment */
+	if ((rc = check_cfg(c, p->path, err)))
+		goto fail;
+	if (!(m->be = eng_backend_choose(p->backend, err)))
+		goto fail;
+	if (m->be->set_threads)
+		m->be->set_threads(p->threads);
+	m->qd = (int64_t)c->n_heads * c->head_dim;
+	m->kvd = (int64_t)c->n_kv * c->head_dim;
+	m->bt = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
+	m->ctx = p->max_ctx > 0 ? p->max_ctx : (c->max_pos < 4096 ? c->max_pos : 4096);
+	if (m->ctx > c->max_pos) {
+		rc = ds_err_set(err, DS_EINVAL, "context %lld is longer than the model's %d positions",
+				(long long)m->ctx, c->max_pos);
+		goto fail;
+	}
+	m->layers = xalloc(m, (size_t)c->n_layers, sizeof(llayer));
+	m->inv_freq = xalloc(m, (size_t)c->head_dim / 2, sizeof(float));
+	if (!m->layers || !m->inv_freq) {
+		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+		goto fail;
+	}
+	rope_freqs(c, m->inv_freq);
+	if ((rc = load_weights(m, gguf, err)))
+		goto fail;
+	const size_t bt = (size_t)m->bt;
+	m->x = xalloc(m, bt * (size_t)c->dim, 4);
+	m->h = xalloc(m, bt * (size_t)c->dim, 4);
+	m->lg = xalloc(m, bt * (size_t)c->dim, 4);
+	m->q = xalloc(m, bt * (size_t)m->qd, 4);
+	m->o = xalloc(m, bt * (size_t)m->qd, 4);
+	m->kvb = xalloc(m, bt * 2 * (size_t)m->kvd, 4);
+	m->g = xalloc(m, bt * (size_t)c->ffn, 4);
+	m->u = xalloc(m, bt * (size_t)c->ffn, 4);
+	m->lrows = xalloc(m, bt, 4);
+	if (!m->x || !m->h || !m->lg || !m->q || !m->o || !m->kvb || !m->g || !m->u || !m->lrows) {
+		rc = ds_err_set(err, DS_ENOMEM, "out of memory for the activation buffers");
+		goto fail;
+	}
+	kv_params kp = {c->n_layers, 2 * m->kvd, p->page_size > 0 ? p->page_size : 64, p->n_pages};
+	if (kp.n_pages <= 0)
+		kp.n_pages = (int)(((m->ctx + kp.page_size - 1) / kp.page_size) * (p->max_seqs > 0 ? p->max_seqs : 1));
+	model *base = &m->base;
+	if (!(base->kv = kv_cache_new(&kp, err)))
+		goto fail;
+	base->ops = &llama_ops;
+	base->arch = "llama";
+	base->be = m->be;
+	base->vocab_size = c->vocab;
+	base->ctx = m->ctx;
+	base->bt = m->bt;
+	base->bos_id = c->bos;
+	base->n_eos = c->n_eos;
+	memcpy(base->eos_ids, c->eos, sizeof base->eos_ids);
+	base->weight_bytes = m->st ? st_total_bytes(m->st) : gguf_total_bytes(m->gg);
+	base->extra_bytes = m->extra;
+	return base;
+fail:
+	if (err && err->code == DS_OK)
+		ds_err_set(err, rc ? rc : DS_EINTERNAL, "model load failed");
+	llama_free(&m->base);
+	return NULL;
+}

@@ -1,0 +1,44 @@
+/*
+ * model_impl.h - what every architecture shares behind engine/model.h.
+ *
+ * An architecture's model struct starts with `struct model base` and fills its
+ * fields and ops at load; model.c answers the getters from the base and calls
+ * the ops.  Private to engine/ (model.c, deepseek.c, llama.c).
+ */
+#ifndef DS_ENGINE_MODEL_IMPL_H
+#define DS_ENGINE_MODEL_IMPL_H
+
+#include "engine/model.h"
+#include "kernels/backend.h"
+
+#define MODEL_MAX_EOS 8
+
+typedef struct model_ops {
+	int (*forward)(model *m, const eng_batch *b, float *logits, ds_err *err);
+	void (*set_attn)(model *m, enum model_attn attn); /* NULL: one attention form */
+	void (*free)(model *m);
+} model_ops;
+
+struct model {
+	const model_ops *ops;
+	const char *arch;          /* "deepseek_v3", "llama", ... (static string) */
+	const kb_backend *be;
+	kv_cache *kv;
+	int vocab_size;
+	int64_t ctx, bt;           /* max context, max tokens per step */
+	int bos_id;                /* -1 = none */
+	int n_eos;
+	int eos_ids[MODEL_MAX_EOS];
+	size_t weight_bytes;       /* checkpoint tensor bytes */
+	size_t extra_bytes;        /* engine allocations beside them */
+};
+
+/* Architecture loaders (model.c picks one from the checkpoint). */
+model *ds_model_load(const model_params *p, ds_err *err);
+model *llama_model_load(const model_params *p, ds_err *err);
+
+/* Shared checks of a step against the base (token ids, positions, block
+ * tables); every forward calls it first. */
+int model_check_batch(const model *m, const eng_batch *b, ds_err *err);
+
+#endif
