@@ -1,15 +1,18 @@
 /*
- * chat.c - DeepSeek-V3 / R1 prompt rendering and the R1 reasoning splitter (see chat.h).
+ * chat.c - prompt rendering (DeepSeek-V3 / R1, ChatML, SmolLM2, Llama 3) and
+ * the R1 reasoning splitter (see chat.h).
  *
  * Callers: the agent's OpenAI chat endpoint (render, then tok_encode with
  * TOK_PARSE_SPECIAL and no TOK_ADD_BOS; split streamed R1 output),
  * tests.  Calls common/buf (and tok.h for chat_params_for_tok).  No global state: thread-safe; a
  * chat_reasoning belongs to one request.
  *
- * Rendering is written from the spec's description (§6.3), not from template
- * source.  State while walking the messages: `in_tool` (a run of tool messages
- * is open: the next assistant turn opens with <｜tool▁outputs▁end｜>, any other
- * turn or the end closes it first).
+ * DeepSeek rendering is written from the spec's description (§6.3), not from
+ * template source; ChatML / SmolLM2 / Llama 3 from what their public
+ * templates render (checked against jinja2 by
+ * tests/integration/test_gguf_tokenizer.py).  State while walking DeepSeek
+ * messages: `in_tool` (a run of tool messages is open: the next assistant turn
+ * opens with <｜tool▁outputs▁end｜>, any other turn or the end closes it first).
  *
  * Splitter invariants: `hold` is always a proper prefix of the marker the
  * state looks for (START: whitespace then a prefix of "<think>"; THINK: a
@@ -18,6 +21,7 @@
  */
 #include "engine/chat.h"
 #include "engine/tok.h"
+#include "engine/unicode.h"
 
 #include <string.h>
 
@@ -37,11 +41,20 @@
 #define THINK_OPEN "<think>"
 #define THINK_CLOSE "</think>"
 
+#define IM_START "<|im_start|>"
+#define IM_END "<|im_end|>"
+#define L3_BOS "<|begin_of_text|>"
+#define L3_START "<|start_header_id|>"
+#define L3_END "<|end_header_id|>"
+#define L3_EOT "<|eot_id|>"
+#define L31_MARK "Cutting Knowledge Date"
+
+static const char *const role_names[] = { "system", "user", "assistant", "tool" };
+
 int chat_role_parse(const char *s, chat_role *out, ds_err *err)
 {
-	static const char *const names[] = { "system", "user", "assistant", "tool" };
-	for (size_t i = 0; s && i < sizeof names / sizeof names[0]; i++) {
-		if (strcmp(s, names[i]) == 0) {
+	for (size_t i = 0; s && i < sizeof role_names / sizeof role_names[0]; i++) {
+		if (strcmp(s, role_names[i]) == 0) {
 			*out = (chat_role)i;
 			return 0;
 		}
@@ -52,11 +65,16 @@ int chat_role_parse(const char *s, chat_role *out, ds_err *err)
 
 chat_template chat_template_detect(const char *jinja)
 {
-	if (!jinja || !strstr(jinja, M_USER) || !strstr(jinja, M_ASSISTANT))
+	if (!jinja)
 		return CHAT_TMPL_UNKNOWN;
-	if (strstr(jinja, THINK_CLOSE) || strstr(jinja, THINK_OPEN))
-		return CHAT_TMPL_DEEPSEEK_R1;
-	return CHAT_TMPL_DEEPSEEK_V3;
+	if (strstr(jinja, M_USER) && strstr(jinja, M_ASSISTANT))
+		return strstr(jinja, THINK_CLOSE) || strstr(jinja, THINK_OPEN) ? CHAT_TMPL_DEEPSEEK_R1
+									      : CHAT_TMPL_DEEPSEEK_V3;
+	if (strstr(jinja, L3_START) && strstr(jinja, L3_END) && strstr(jinja, L3_EOT))
+		return strstr(jinja, L31_MARK) ? CHAT_TMPL_UNKNOWN : CHAT_TMPL_LLAMA3;
+	if (strstr(jinja, IM_START) && strstr(jinja, IM_END))
+		return strstr(jinja, CHAT_SMOLLM2_SYSTEM) ? CHAT_TMPL_SMOLLM2 : CHAT_TMPL_CHATML;
+	return CHAT_TMPL_UNKNOWN;
 }
 
 const char *chat_template_name(chat_template t)
@@ -64,30 +82,44 @@ const char *chat_template_name(chat_template t)
 	switch (t) {
 	case CHAT_TMPL_DEEPSEEK_V3: return "deepseek-v3";
 	case CHAT_TMPL_DEEPSEEK_R1: return "deepseek-r1";
-	case CHAT_TMPL_UNKNOWN: break;
+	case CHAT_TMPL_CHATML: return "chatml";
+	case CHAT_TMPL_SMOLLM2: return "smollm2";
+	case CHAT_TMPL_LLAMA3: return "llama3";
+	case CHAT_TMPL_UNKNOWN:
+	case CHAT_TMPL_COUNT: break;
 	}
 	return "unknown";
 }
+
+#define KNOWN_NAMES "deepseek-v3, deepseek-r1, chatml, smollm2, llama3"
 
 int chat_template_choose(const char *override_name, const char *jinja, chat_template *out,
 			 ds_err *err)
 {
 	if (override_name && *override_name) {
-		for (int t = CHAT_TMPL_DEEPSEEK_V3; t <= CHAT_TMPL_DEEPSEEK_R1; t++) {
+		for (int t = CHAT_TMPL_UNKNOWN + 1; t < CHAT_TMPL_COUNT; t++) {
 			if (strcmp(override_name, chat_template_name((chat_template)t)) == 0) {
 				*out = (chat_template)t;
 				return 0;
 			}
 		}
-		return ds_err_set(err, DS_EINVAL,
-				  "chat template '%s' is not known (deepseek-v3, deepseek-r1)", override_name);
+		return ds_err_set(err, DS_EINVAL, "chat template '%s' is not known (" KNOWN_NAMES ")",
+				  override_name);
 	}
 	*out = chat_template_detect(jinja);
-	if (*out == CHAT_TMPL_UNKNOWN)
+	if (*out != CHAT_TMPL_UNKNOWN)
+		return 0;
+	if (!jinja)
 		return ds_err_set(err, DS_ENOTFOUND,
-				  jinja ? "unknown chat template (not the DeepSeek-V3 family); pass an override"
-					: "the tokenizer has no chat template; pass an override");
-	return 0;
+				  "the tokenizer has no chat template; pass an override (" KNOWN_NAMES ")");
+	if (strstr(jinja, L3_START) && strstr(jinja, L31_MARK))
+		return ds_err_set(err, DS_ENOTFOUND,
+				  "the chat template is a Llama 3.1+ one (dated system block, tools), "
+				  "which is not rendered here; pass the override 'llama3' for the Llama 3 "
+				  "format");
+	return ds_err_set(err, DS_ENOTFOUND,
+			  "unknown chat template (not DeepSeek-V3, ChatML or Llama 3); pass an override ("
+			  KNOWN_NAMES ")");
 }
 
 void chat_default_params(chat_params *p)
@@ -139,13 +171,85 @@ static const char *after_last_think(const char *s)
 	return last ? last + strlen(THINK_CLOSE) : s;
 }
 
+/* Python's str.isspace code points (what jinja's `trim` strips). */
+static int py_space(uint32_t c)
+{
+	return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
+	       c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 ||
+	       c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+/* The well-formed UTF-8 character at s[0..n): its code point and length, or 0. */
+static size_t utf8_at(const unsigned char *s, size_t n, uint32_t *cp)
+{
+	size_t len = 0;
+	if (uni_utf8_check(s, n, &len) != UNI_UTF8_OK)
+		return 0;
+	uni_utf8_decode(s, len, cp);
+	return len;
+}
+
+/* s trimmed like Python's str.strip(): *start and *len of what is left. */
+static void py_strip(const char *s, size_t *start, size_t *len)
+{
+	const unsigned char *u = (const unsigned char *)s;
+	size_t a = 0, z = strlen(s);
+	uint32_t cp;
+	size_t k;
+	while (a < z && (k = utf8_at(u + a, z - a, &cp)) && py_space(cp))
+		a += k;
+	while (z > a) {
+		/* the last character: step back over continuation bytes (at most 3) */
+		size_t b = z - 1;
+		while (b > a && z - b < 4 && (u[b] & 0xC0) == 0x80)
+			b--;
+		if ((k = utf8_at(u + b, z - b, &cp)) != z - b || !py_space(cp))
+			break;
+		z = b;
+	}
+	*start = a;
+	*len = z - a;
+}
+
+/* ChatML, SmolLM2 and Llama 3: one header + content + end marker per message. */
+static void render_headers(const chat_params *p, const chat_msg *msgs, size_t n, struct out *o)
+{
+	int llama3 = p->tmpl == CHAT_TMPL_LLAMA3;
+	if (p->tmpl == CHAT_TMPL_SMOLLM2 && n > 0 && msgs[0].role != CHAT_ROLE_SYSTEM)
+		put(o, IM_START "system\n" CHAT_SMOLLM2_SYSTEM IM_END "\n");
+	for (size_t i = 0; i < n; i++) {
+		const char *content = msgs[i].content ? msgs[i].content : "";
+		if (llama3) {
+			size_t a, len;
+			if (i == 0)
+				put(o, p->bos ? p->bos : L3_BOS);
+			put(o, L3_START);
+			put(o, role_names[msgs[i].role]);
+			put(o, L3_END "\n\n");
+			py_strip(content, &a, &len);
+			putn(o, content + a, len);
+			put(o, L3_EOT);
+		} else {
+			put(o, IM_START);
+			put(o, role_names[msgs[i].role]);
+			put(o, "\n");
+			put(o, content);
+			put(o, IM_END "\n");
+		}
+	}
+	if (p->add_generation_prompt)
+		put(o, llama3 ? L3_START "assistant" L3_END "\n\n" : IM_START "assistant\n");
+}
+
 int chat_render(const chat_params *p, const chat_msg *msgs, size_t n, buf *b, ds_err *err)
 {
 	struct out o = { b, 0 };
 	size_t len0 = b->len;
 	int in_tool = 0, r1 = p->tmpl == CHAT_TMPL_DEEPSEEK_R1;
+	int headers = p->tmpl == CHAT_TMPL_CHATML || p->tmpl == CHAT_TMPL_SMOLLM2 ||
+		      p->tmpl == CHAT_TMPL_LLAMA3;
 
-	if (p->tmpl != CHAT_TMPL_DEEPSEEK_V3 && p->tmpl != CHAT_TMPL_DEEPSEEK_R1)
+	if (p->tmpl != CHAT_TMPL_DEEPSEEK_V3 && p->tmpl != CHAT_TMPL_DEEPSEEK_R1 && !headers)
 		return ds_err_set(err, DS_EINVAL, "chat template %d is not known", (int)p->tmpl);
 	for (size_t i = 0; i < n; i++) {
 		const chat_msg *m = &msgs[i];
@@ -159,6 +263,13 @@ int chat_render(const chat_params *p, const chat_msg *msgs, size_t n, buf *b, ds
 				return ds_err_set(err, DS_EINVAL, "message %zu: tool call %zu needs a name and arguments",
 						  i, k);
 		}
+		if (headers && m->n_tool_calls)
+			return ds_err_set(err, DS_EINVAL, "message %zu: the %s template has no format for tool "
+					  "calls", i, chat_template_name(p->tmpl));
+	}
+	if (headers) {
+		render_headers(p, msgs, n, &o);
+		goto done;
 	}
 
 	put(&o, p->bos ? p->bos : M_BOS);
@@ -223,6 +334,7 @@ int chat_render(const chat_params *p, const chat_msg *msgs, size_t n, buf *b, ds
 		put(&o, M_OUTPUTS_END);
 	else if (p->add_generation_prompt)
 		put(&o, r1 ? M_ASSISTANT THINK_OPEN "\n" : M_ASSISTANT);
+done:
 	if (o.rc) {
 		b->len = len0;
 		if (b->data)

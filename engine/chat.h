@@ -1,19 +1,29 @@
 /*
- * chat.h - chat templates of the DeepSeek-V3 family, and the R1 reasoning splitter.
+ * chat.h - chat templates (DeepSeek-V3 / R1, ChatML, SmolLM2, Llama 3) and the
+ * R1 reasoning splitter.
  *
  * chat_render turns a list of messages into the prompt text the model was
- * trained on (spec §6.3).  The text starts with the BOS string, so encode it
- * with TOK_PARSE_SPECIAL and WITHOUT TOK_ADD_BOS (else BOS twice).
+ * trained on (spec §6.3 for DeepSeek).  DeepSeek and Llama 3 texts start with
+ * the BOS string, so encode the text with TOK_PARSE_SPECIAL and WITHOUT
+ * TOK_ADD_BOS (else BOS twice); ChatML texts carry no BOS (SmolLM2's GGUF
+ * says add_bos_token false, and HF's apply_chat_template adds none either).
  * Caution: message contents are pasted verbatim, so a user who types
- * "<｜Assistant｜>" produces that marker when the whole text is encoded with
- * parse_special; callers that must prevent it encode contents separately.
+ * "<｜Assistant｜>" or "<|im_end|>" produces that marker when the whole text is
+ * encoded with parse_special; callers that must prevent it encode contents
+ * separately.
  *
  * Which template (chat_template_choose):
- *   1. an explicit override name ("deepseek-v3" / "deepseek-r1") wins;
- *   2. else the tokenizer_config chat_template text is recognised: it must
- *      contain both "<｜User｜>" and "<｜Assistant｜>" (the V3 family markers);
- *      if it also mentions "</think>" or "<think>" it is R1 (R1 templates strip
- *      reasoning and/or open a <think> block), otherwise V3;
+ *   1. an explicit override name (chat_template_name of any template) wins;
+ *   2. else the model's chat_template text (tokenizer_config.json or GGUF
+ *      tokenizer.chat_template) is recognised by its markers:
+ *      - "<｜User｜>" and "<｜Assistant｜>" (the V3 family): R1 if it also
+ *        mentions "</think>" or "<think>" (R1 templates strip reasoning and/or
+ *        open a <think> block), otherwise V3;
+ *      - "<|start_header_id|>", "<|end_header_id|>" and "<|eot_id|>": Llama 3,
+ *        unless it has "Cutting Knowledge Date" (the Llama 3.1+ templates,
+ *        whose dated system block and tool formats are not rendered here);
+ *      - "<|im_start|>" and "<|im_end|>": ChatML; SmolLM2 when the text holds
+ *        SmolLM2's default system message (CHAT_SMOLLM2_SYSTEM);
  *   3. anything else is DS_ENOTFOUND ("unknown chat template; pass an override").
  *
  * chat_reasoning splits R1 output into reasoning_content and content while it
@@ -55,11 +65,18 @@ typedef enum chat_template {
 	CHAT_TMPL_UNKNOWN = 0,
 	CHAT_TMPL_DEEPSEEK_V3,
 	CHAT_TMPL_DEEPSEEK_R1,
+	CHAT_TMPL_CHATML,  /* <|im_start|>role\ncontent<|im_end|>\n */
+	CHAT_TMPL_SMOLLM2, /* ChatML + a default system message when the first is not one */
+	CHAT_TMPL_LLAMA3,  /* <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> */
+	CHAT_TMPL_COUNT
 } chat_template;
 
-/* The template a tokenizer_config chat_template text is (rule 2 above). */
+/* The system message SmolLM2's template inserts. */
+#define CHAT_SMOLLM2_SYSTEM "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+/* The template a chat_template text is (rule 2 above). */
 chat_template chat_template_detect(const char *jinja);
-/* "deepseek-v3", "deepseek-r1"; "unknown". */
+/* "deepseek-v3", "deepseek-r1", "chatml", "smollm2", "llama3"; "unknown". */
 const char *chat_template_name(chat_template t);
 /* Rules 1-3 above; override and jinja may be NULL. */
 int chat_template_choose(const char *override_name, const char *jinja, chat_template *out,
@@ -67,7 +84,8 @@ int chat_template_choose(const char *override_name, const char *jinja, chat_temp
 
 typedef struct chat_params {
 	chat_template tmpl;
-	const char *bos;           /* BOS text; NULL = "<｜begin▁of▁sentence｜>" */
+	const char *bos;           /* BOS text (DeepSeek, Llama 3); NULL = the template's own:
+				    * "<｜begin▁of▁sentence｜>" / "<|begin_of_text|>" */
 	int add_generation_prompt; /* end with the assistant prompt (not after tool output) */
 } chat_params;
 
@@ -75,11 +93,29 @@ void chat_default_params(chat_params *p); /* V3, default BOS, generation prompt 
 
 struct tok;
 /* Defaults, then the template of t (chat_template_choose with override_name and
- * the tokenizer_config chat_template) and t's BOS text (borrowed from t). */
+ * the chat template t was loaded with: tokenizer_config.json's or GGUF
+ * tokenizer.chat_template) and t's BOS text (borrowed from t). */
 int chat_params_for_tok(const struct tok *t, const char *override_name, chat_params *p,
 			ds_err *err);
 
-/* Appends the rendered prompt to out.  Per template (spec §6.3):
+/* Appends the rendered prompt to out.
+ *
+ * ChatML (the SmolLM2 template on the hub, rendered exactly):
+ *   [SmolLM2, and messages[0] is not system: <|im_start|>system\n
+ *    CHAT_SMOLLM2_SYSTEM<|im_end|>\n]
+ *   each message  <|im_start|>role\ncontent<|im_end|>\n   (role: system, user,
+ *                 assistant, tool; content verbatim)
+ *   generation    <|im_start|>assistant\n
+ * Llama 3 (the Meta-Llama-3-Instruct template):
+ *   BOS before the first message (none when there are no messages)
+ *   each message  <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>
+ *                 with content trimmed of leading and trailing whitespace as
+ *                 jinja's `trim` does (Python str.strip)
+ *   generation    <|start_header_id|>assistant<|end_header_id|>\n\n
+ * Both: a NULL content renders as empty; tool calls are DS_EINVAL (these
+ * templates have no tool-call format).
+ *
+ * DeepSeek V3 / R1 (spec §6.3):
  *   BOS, then every system content joined by "\n\n" (wherever they appear);
  *   user          <｜User｜>content
  *   assistant     <｜Assistant｜>content<｜end▁of▁sentence｜>

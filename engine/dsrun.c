@@ -2,6 +2,8 @@
  * dsrun.c - the single-process engine CLI (generate, tokenize, dump logits,
  * bench).  Every form the tests and the benchmarks use:
  *
+ * DIR is a checkpoint directory or a .gguf file.
+ *
  *   dsrun -m DIR -p TEXT [-n N] [--temp T] [--top-p P] [--top-k K] [--seed S] [--threads N]
  *   dsrun -m DIR --chat TEXT ...              (the model's chat template first)
  *   dsrun -m DIR --tokens 1,2,3 --dump-logits FILE   (f32 LE [n_tokens][vocab])
@@ -19,6 +21,7 @@
 #include "common/strutil.h"
 #include "engine/chat.h"
 #include "engine/engine.h"
+#include "engine/gguf.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/tok.h"
@@ -108,6 +111,13 @@ static int list_backends(void)
 static tok *load_tokenizer(const char *dir, ds_err *err)
 {
 	char path[4096], cfgpath[4096];
+	size_t n = strlen(dir);
+	if (n > 5 && strcmp(dir + n - 5, ".gguf") == 0) { /* tokenizer.ggml.* metadata */
+		gguf_file *g = gguf_open(dir, err);
+		tok *t = g ? tok_load_gguf(g, err) : NULL;
+		gguf_close(g);
+		return t;
+	}
 	snprintf(path, sizeof path, "%s/tokenizer.json", dir);
 	snprintf(cfgpath, sizeof cfgpath, "%s/tokenizer_config.json", dir);
 	FILE *f = fopen(cfgpath, "r");

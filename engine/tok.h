@@ -1,12 +1,12 @@
 /*
  * tok.h - byte-level BPE tokenizer (DeepSeek-V3 / GPT-2 family).
  *
- * Two ways to make one:
- *   tok_load_hf()  parses a Hugging Face tokenizer.json (+ optional
- *                  tokenizer_config.json for BOS/EOS and the chat template);
- *   tok_new()      builds from plain arrays (vocab, merges, added tokens,
- *                  pre-tokenizer patterns), so other formats (GGUF metadata)
- *                  reuse the same core without JSON.
+ * Three ways to make one:
+ *   tok_load_hf()   parses a Hugging Face tokenizer.json (+ optional
+ *                   tokenizer_config.json for BOS/EOS and the chat template);
+ *   tok_load_gguf() reads a GGUF file's tokenizer.ggml.* metadata (tok_gguf.c);
+ *   tok_new()       builds from plain arrays (vocab, merges, added tokens,
+ *                   pre-tokenizer patterns): the core both loaders share.
  *
  * Encoding follows the HF `tokenizers` library: added tokens are split out
  * first (leftmost-longest), the rest is pre-tokenized by the Split patterns
@@ -96,14 +96,56 @@ tok *tok_new(const tok_build_params *p, ds_err *err);
  * named; unreadable file DS_EIO or DS_ENOTFOUND; malformed JSON DS_EFORMAT. */
 tok *tok_load_hf(const char *path, const char *config_path, ds_err *err);
 
+struct gguf_file;
+
+/* What a GGUF file says about its tokenizer (tokenizer.ggml.*), read without
+ * building it.  Strings are borrowed from the gguf_file.  Ids are -1 when the
+ * key is absent; bos/eos/eot/eom outside [0, n_tokens) are an error,
+ * unk/pad outside it count as absent (converters write -1 as u32 there). */
+typedef struct tok_gguf_meta {
+	const char *model;         /* tokenizer.ggml.model: "gpt2", "llama" ... */
+	const char *pre;           /* tokenizer.ggml.pre, or NULL */
+	size_t n_tokens;           /* tokenizer.ggml.tokens entries */
+	int32_t bos, eos, unk, pad, eot, eom;
+	int add_bos;               /* tokenizer.ggml.add_bos_token; absent: 1 for the
+				    * llama-bpe (Llama 3) family, else 0 (as llama.cpp) */
+	int add_eos;               /* 0 when absent */
+	const char *chat_template; /* tokenizer.chat_template, or NULL */
+} tok_gguf_meta;
+
+/* 0, or DS_ENOTFOUND (no tokenizer.ggml.model / tokens), DS_EFORMAT (a key of
+ * the wrong type, an id out of range); messages name the file and the key. */
+int tok_gguf_meta_read(const struct gguf_file *g, tok_gguf_meta *m, ds_err *err);
+
+/* Builds the tokenizer of a GGUF file (g may be closed afterwards: the tok
+ * copies what it needs).  Supported: tokenizer.ggml.model "gpt2" (byte-level
+ * BPE) with a tokenizer.ggml.pre that tok_pretok_preset knows.  Token types:
+ * 1 normal, 2 unknown, 6 byte -> model tokens; 3 control -> model token plus
+ * an added token flagged special; 4 user-defined -> model token plus an added
+ * token not flagged special (both matched in text with TOK_PARSE_SPECIAL,
+ * skipped by TOK_SKIP_SPECIAL only when control); 5 unused -> no token.  A
+ * token text repeated later in the list keeps its first id.  BOS/EOS from
+ * tokenizer.ggml.bos/eos_token_id, add_bos as tok_gguf_meta, the chat
+ * template from tokenizer.chat_template; the llama-bpe family also sets
+ * ignore_merges (as Llama 3's tokenizer.json does).
+ * NULL with err filled: DS_EUNSUPPORTED (model "llama" = SentencePiece and
+ * other models, unknown pre names: the message lists the known ones),
+ * DS_EFORMAT (missing or mistyped keys, a merge that is not "a b" or names
+ * unknown tokens), DS_ENOMEM. */
+tok *tok_load_gguf(const struct gguf_file *g, ds_err *err);
+
 void tok_free(tok *t);
 
 /* Pre-tokenizer pattern registry.  Known patterns: GPT-2 (ByteLevel
- * use_regex), DeepSeek-V3's three.  tok_pretok_preset gives the Split list of
- * a named family ("deepseek-v3", "gpt2"), as GGUF `tokenizer.ggml.pre` names
- * them; DS_ENOTFOUND for others.  The arrays are static. */
+ * use_regex), DeepSeek-V3's three, Llama-3, Qwen2, single digits (\p{N}).
+ * tok_pretok_preset gives the Split list of a named family as GGUF
+ * `tokenizer.ggml.pre` names them ("deepseek-v3", "gpt-2" (alias "gpt2"),
+ * "llama-bpe" (alias "llama3"), "qwen2", "smollm" = single digits then
+ * GPT-2); DS_ENOTFOUND for others, with the known names in the message.  The
+ * arrays are static. */
 int tok_pretok_known(const char *pattern);
 int tok_pretok_preset(const char *name, const char *const **patterns, size_t *n, ds_err *err);
+extern const char tok_pretok_preset_names[]; /* "deepseek-v3, gpt2, ..." for messages */
 extern const char tok_pattern_gpt2[];
 
 /* Pre-tokenizes text (no added-token splitting) and calls fn for each piece

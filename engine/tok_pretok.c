@@ -109,6 +109,15 @@ static size_t alt_ws_tail(const uint8_t *cls, size_t i, size_t end)
 	return r - 1;
 }
 
+/* ---- single digits (llama.cpp's SMOLLM / StarCoder family, HF Digits with
+ * individual_digits) ------------------------------------------------------------ */
+
+/* \p{N} : one number character */
+static size_t m_digit1(const uint32_t *cp, const uint8_t *cls, size_t i, size_t end)
+{
+	return (cls[i] & UNI_N) ? 1 : 0;
+}
+
 /* ---- DeepSeek-V3 -------------------------------------------------------------- */
 
 /* \p{N}{1,3} */
@@ -213,7 +222,7 @@ static size_t m_gpt2(const uint32_t *cp, const uint8_t *cls, size_t i, size_t en
 	return alt_ws_tail(cls, i, end);
 }
 
-/* ---- Llama-3 / Qwen2 (not used by DeepSeek; here to show the table grows) ------ */
+/* ---- Llama-3 / Qwen2 ------------------------------------------------------------- */
 
 /* (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}
  * | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+                    */
@@ -261,6 +270,7 @@ static size_t m_qwen2(const uint32_t *cp, const uint8_t *cls, size_t i, size_t e
 const char tok_pattern_gpt2[] =
 	"'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
+static const char pat_digit1[] = "\\p{N}";
 static const char pat_ds3_digits[] = "\\p{N}{1,3}";
 static const char pat_ds3_cjk[] = "[一-龥぀-ゟ゠-ヿ]+"; /* U+4E00-9FA5 3040-309F 30A0-30FF */
 static const char pat_ds3_main[] =
@@ -282,6 +292,7 @@ static const struct {
 	tok_match_fn fn;
 } patterns[] = {
 	{ tok_pattern_gpt2, m_gpt2 },
+	{ pat_digit1, m_digit1 },
 	{ pat_ds3_digits, m_digits3 },
 	{ pat_ds3_cjk, m_cjk_kana },
 	{ pat_ds3_main, m_ds3_main },
@@ -293,17 +304,26 @@ static const char *const preset_ds3[] = { pat_ds3_digits, pat_ds3_cjk, pat_ds3_m
 static const char *const preset_gpt2[] = { tok_pattern_gpt2 };
 static const char *const preset_llama3[] = { pat_llama3 };
 static const char *const preset_qwen2[] = { pat_qwen2 };
+static const char *const preset_smollm[] = { pat_digit1, tok_pattern_gpt2 };
 
 static const struct {
 	const char *name;
 	const char *const *patterns;
 	size_t n;
 } presets[] = {
+	/* names as GGUF tokenizer.ggml.pre writes them (llama.cpp's converter);
+	 * "gpt2" and "llama3" are this project's names of "gpt-2" and "llama-bpe" */
 	{ "deepseek-v3", preset_ds3, 3 },
+	{ "gpt-2", preset_gpt2, 1 },
 	{ "gpt2", preset_gpt2, 1 },
+	{ "llama-bpe", preset_llama3, 1 },
 	{ "llama3", preset_llama3, 1 },
 	{ "qwen2", preset_qwen2, 1 },
+	{ "smollm", preset_smollm, 2 },
 };
+
+const char tok_pretok_preset_names[] =
+	"deepseek-v3, gpt-2, gpt2, llama-bpe, llama3, qwen2, smollm";
 
 /* Compares pattern a (raw CR/LF allowed) with table entry b (escaped form). */
 static int same_pattern(const char *a, const char *b)
@@ -346,9 +366,8 @@ int tok_pretok_preset(const char *name, const char *const **pats, size_t *n, ds_
 			return 0;
 		}
 	}
-	return ds_err_set(err, DS_ENOTFOUND,
-			  "pre-tokenizer '%s' is not supported (known: deepseek-v3, gpt2, llama3, qwen2)",
-			  name);
+	return ds_err_set(err, DS_ENOTFOUND, "pre-tokenizer '%s' is not supported (known: %s)", name,
+			  tok_pretok_preset_names);
 }
 
 /* ---- code point buffer and the cascade -------------------------------------------- */
