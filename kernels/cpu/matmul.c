@@ -10,7 +10,8 @@
  * Blocking (see matmul_impl.h for the tile contract):
  *   items   = m-blocks (mc rows of x) x chunks of W-row panels; the pool hands
  *             items to threads, each writes a disjoint block of y.
- *   panel   = nr rows of W (8 when M = 1, else 4).
+ *   panel   = nr rows of W (8 when M <= m_wide: 1 on AVX2, 3 on AVX-512;
+ *             else 4): more rows in flight, more memory streams per tile.
  *   M <= mr_max (decode): one tile of x rows; each panel is streamed once,
  *             K chunk by K chunk (KC_MM_KC elements), converted in registers,
  *             the vector accumulators parked between chunks: every W byte
@@ -146,6 +147,18 @@ static void mm_block_decode(const mm_job *j, int64_t n0, int64_t n1)
 			t.acc_load = k0 > 0;
 			t.acc_keep = k0 + t.nk < a->K;
 			t.w = (const char *)a->w + (size_t)(n * a->w_stride + k0) * es;
+			/* the next tile: this panel's next K chunk, else the next panel */
+			int64_t pn = n, pk = k0 + KC_MM_KC;
+			if (pk >= a->K) {
+				pn = n + j->nr;
+				pk = 0;
+			}
+			t.pf = NULL;
+			if (pn < n1) {
+				t.pf = (const char *)a->w + (size_t)(pn * a->w_stride + pk) * es;
+				t.pf_nr = (int)(n1 - pn < j->nr ? n1 - pn : j->nr);
+				t.pf_nk = a->K - pk < KC_MM_KC ? a->K - pk : KC_MM_KC;
+			}
 			t.x = a->x + k0;
 			j->kn->tile(&t);
 		}
@@ -217,7 +230,7 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
 static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
 {
 	mm_job j = {.a = a, .kn = kn};
-	j.nr = a->M == 1 ? kn->nr_m1 : kn->nr;
+	j.nr = a->M <= kn->m_wide ? kn->nr_m1 : kn->nr;
 	j.pack = a->M > kn->mr_max;
 	j.mc = a->M > kn->mr_max ? 16 * (int64_t)kn->mr_max : a->M;
 	const int64_t m_blocks = (a->M + j.mc - 1) / j.mc;

@@ -170,13 +170,19 @@ INL void tile_fixed(const int MR, const int NR, const int DT, const kc_mm_tile *
 		wp[r] = (const char *)t->w + (size_t)r * (size_t)t->w_stride * esize(DT);
 
 	if (DT != KB_F8_E4M3) {
-		steps(MR, NR, DT, 0, acc, xp, wp, 0, nk, NULL);
+		/* stretches of 128 elements, each asking for its share of t->pf */
+		for (int64_t s0 = 0; s0 < nk; s0 += 128) {
+			int64_t s1 = s0 + 128 < nk ? s0 + 128 : nk;
+			kc_mm_prefetch(t, esize(DT), s0, s1);
+			steps(MR, NR, DT, 0, acc, xp, wp, s0, s1, NULL);
+		}
 	} else {
 		int uni = 1;
 		for (int r = 1; r < NR; r++)
 			uni &= t->scale[r] == t->scale[0];
 		for (int64_t s0 = 0, kb = t->kabs / t->block; s0 < nk; kb++) {
 			int64_t end = (kb + 1) * t->block - t->kabs, s1 = end < nk ? end : nk;
+			kc_mm_prefetch(t, 1, s0, s1);
 			float sc[KC_MM_NR_MAX];
 			if (uni) {
 				sc[0] = t->scale[0][kb] * 256.0f;
@@ -254,6 +260,8 @@ TGT static void tile(const kc_mm_tile *t)
 			s.scale[r] = t->scale[r0 + r];
 		s.y = t->y + r0;
 		s.acc = t->acc ? t->acc + r0 * KC_MM_ACC_R : NULL;
+		s.pf_nr = t->pf_nr - r0 < nr ? t->pf_nr - r0 : nr;
+		s.pf = t->pf && s.pf_nr > 0 ? t->pf + (size_t)r0 * (size_t)t->w_stride * esize(t->dt) : NULL;
 		tile_shape(&s);
 		r0 += nr;
 	}
@@ -308,6 +316,7 @@ static const kc_mm_kernels kernels = {
 	.mr_max = MR_CAP,
 	.nr = 4,
 	.nr_m1 = 8,
+	.m_wide = 1,
 	.tile = tile,
 	.pack = pack,
 };

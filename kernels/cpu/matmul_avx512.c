@@ -156,13 +156,19 @@ INL void tile_fixed(const int MR, const int NR, const int DT, const kc_mm_tile *
 		wp[r] = (const char *)t->w + (size_t)r * (size_t)t->w_stride * esize(DT);
 
 	if (DT != KB_F8_E4M3) {
-		steps(MR, NR, DT, 0, acc, xp, wp, 0, nk, NULL);
+		/* stretches of 128 elements, each asking for its share of t->pf */
+		for (int64_t s0 = 0; s0 < nk; s0 += 128) {
+			int64_t s1 = s0 + 128 < nk ? s0 + 128 : nk;
+			kc_mm_prefetch(t, esize(DT), s0, s1);
+			steps(MR, NR, DT, 0, acc, xp, wp, s0, s1, NULL);
+		}
 	} else {
 		int uni = 1; /* all rows in one scale block row (always when nr divides block) */
 		for (int r = 1; r < NR; r++)
 			uni &= t->scale[r] == t->scale[0];
 		for (int64_t s0 = 0, kb = t->kabs / t->block; s0 < nk; kb++) {
 			int64_t end = (kb + 1) * t->block - t->kabs, s1 = end < nk ? end : nk;
+			kc_mm_prefetch(t, 1, s0, s1);
 			__m512 sc[KC_MM_NR_MAX];
 			if (uni) {
 				sc[0] = _mm512_set1_ps(t->scale[0][kb] * 256.0f);
@@ -212,14 +218,16 @@ INL void tile_fixed(const int MR, const int NR, const int DT, const kc_mm_tile *
 	case 1 * 16 + 8: tile_fixed(1, 8, DT, t); break;                         \
 	case 2 * 16 + 1: tile_fixed(2, 1, DT, t); break;                         \
 	case 2 * 16 + 4: tile_fixed(2, 4, DT, t); break;                         \
+	case 2 * 16 + 8: tile_fixed(2, 8, DT, t); break;                         \
 	case 3 * 16 + 1: tile_fixed(3, 1, DT, t); break;                         \
 	case 3 * 16 + 4: tile_fixed(3, 4, DT, t); break;                         \
+	case 3 * 16 + 8: tile_fixed(3, 8, DT, t); break;                         \
 	case 4 * 16 + 1: tile_fixed(4, 1, DT, t); break;                         \
 	case 4 * 16 + 4: tile_fixed(4, 4, DT, t); break;                         \
 	default: break;                                                          \
 	}
 
-/* t->nr is 1, 4 or (mr = 1 only) 8 here. */
+/* t->nr is 1, 4 or (mr <= 3 only) 8 here. */
 TGT static void tile_shape(const kc_mm_tile *t)
 {
 	switch (t->dt) {
@@ -230,20 +238,23 @@ TGT static void tile_shape(const kc_mm_tile *t)
 	}
 }
 
-/* Any nr: split into instantiated widths (8 for one x row, else 4, then 1s). */
+/* Any nr: split into instantiated widths (8 for up to three x rows (24
+ * accumulators of the 32 registers), else 4, then 1s). */
 TGT static void tile(const kc_mm_tile *t)
 {
 	kc_mm_tile s = *t;
 	int r0 = 0;
 	while (r0 < t->nr) {
 		int left = t->nr - r0;
-		int nr = t->mr == 1 && left >= 8 ? 8 : left >= 4 ? 4 : 1;
+		int nr = t->mr <= 3 && left >= 8 ? 8 : left >= 4 ? 4 : 1;
 		s.nr = nr;
 		s.w = (const char *)t->w + (size_t)r0 * (size_t)t->w_stride * esize(t->dt);
 		for (int r = 0; r < nr; r++)
 			s.scale[r] = t->scale[r0 + r];
 		s.y = t->y + r0;
 		s.acc = t->acc ? t->acc + r0 * KC_MM_ACC_R : NULL;
+		s.pf_nr = t->pf_nr - r0 < nr ? t->pf_nr - r0 : nr;
+		s.pf = t->pf && s.pf_nr > 0 ? t->pf + (size_t)r0 * (size_t)t->w_stride * esize(t->dt) : NULL;
 		tile_shape(&s);
 		r0 += nr;
 	}
@@ -297,6 +308,7 @@ static const kc_mm_kernels kernels = {
 	.mr_max = 4,
 	.nr = 4,
 	.nr_m1 = 8,
+	.m_wide = 3,
 	.tile = tile,
 	.pack = pack,
 };

@@ -17,7 +17,11 @@
  *             ratio is against the avx2 path instead.
  * Weights are cycled through enough copies (>= 4x a 64 MiB last-level cache)
  * that decode timings come from memory, not cache.
- * Usage: bench_kernels [--json] [--quick] [--threads N] [--only DTYPE]
+ *   decode    (--decode, alone) the decode shapes of the v3shape bench model,
+ *             M = 1..4: us per call and fraction of the read bandwidth;
+ *             --decode-hot: the same with N cut down until two copies fit
+ *             in L2 (the kernels' compute bound).
+ * Usage: bench_kernels [--json] [--quick] [--decode|--decode-hot] [--threads N] [--only DTYPE]
  *   --quick: one shape, fewer repetitions; --threads: pool size (default one
  *   per CPU); --only bf16|fp8|f16|f32: one weight dtype.
  */
@@ -239,6 +243,82 @@ static void bench_matmul(int quick, const char *only)
 	probe_bandwidth();
 }
 
+/* --decode: the decode shapes of the v3shape bench model (FP8 attention,
+ * dense MLP and expert projections, the BF16 lm_head), M = 1..4, avx512 (or
+ * the best ISA) only.  Each figure is the mean over a run of back-to-back
+ * calls, each on a different copy of the weights (as the engine calls one
+ * expert after another), best of 5 runs: per-call overheads count. */
+static void bench_decode(int hot, const char *only)
+{
+	static const struct { enum kb_dtype dt; int64_t N, K; } shp[] = {
+		{KB_F8_E4M3, 512, 2048},  {KB_F8_E4M3, 2048, 512},  {KB_F8_E4M3, 768, 2048},
+		{KB_F8_E4M3, 3072, 768},  {KB_F8_E4M3, 576, 2048},  {KB_F8_E4M3, 2048, 2048},
+		{KB_F8_E4M3, 5632, 2048}, {KB_F8_E4M3, 2048, 5632}, {KB_F8_E4M3, 2048, 7168},
+		{KB_F8_E4M3, 7168, 2048}, {KB_BF16, 32000, 2048},
+	};
+	enum kc_isa isa = kc_isa_detect() >= KC_ISA_AVX512 ? KC_ISA_AVX512 : kc_isa_detect();
+	if (isa == KC_ISA_AVX512BF16)
+		isa = KC_ISA_AVX512;
+	probe_bandwidth();
+	probe_bandwidth();
+	printf("decode shapes, %s, %d threads, read bw %.1f GB/s\n", kc_isa_name(isa), kc_pool_threads(),
+	       bw_best / 1e9);
+	for (size_t s = 0; s < sizeof shp / sizeof shp[0]; s++) {
+		if (only && strcmp(only, dt_name(shp[s].dt)) != 0)
+			continue;
+		mm_bench b = {.dt = shp[s].dt, .N = shp[s].N, .K = shp[s].K};
+		while (hot && b.N > 64 && (size_t)(b.N * b.K) * kb_dtype_size(b.dt) > ((size_t)192 << 10))
+			b.N /= 2; /* two copies in a 1 MiB L2 */
+		size_t es = kb_dtype_size(b.dt), nel = (size_t)(b.N * b.K);
+		size_t n_sc = (size_t)(((b.N + 127) / 128) * ((b.K + 127) / 128));
+		b.w_bytes = nel * es + (b.dt == KB_F8_E4M3 ? n_sc * 4 : 0);
+		b.copies = hot ? 1 : (int)((((size_t)256 << 20) + b.w_bytes - 1) / b.w_bytes);
+		if (b.copies < 2)
+			b.copies = 2;
+		b.w = calloc((size_t)b.copies, sizeof *b.w);
+		for (int c = 0; c < b.copies; c++) {
+			b.w[c] = malloc(nel * es);
+			fill_weights(b.dt, b.w[c], nel);
+		}
+		b.scale = malloc(n_sc * 4);
+		for (size_t i = 0; i < n_sc; i++)
+			b.scale[i] = 1e-3f * (float)(1 + i % 7);
+		b.x = malloc((size_t)(4 * b.K) * 4);
+		b.y = malloc((size_t)(4 * b.N) * 4);
+		for (int64_t i = 0; i < 4 * b.K; i++)
+			b.x[i] = (float)((int64_t)(fill_next() >> 41) - (1 << 22)) * 0x1p-22f;
+		printf("%-4s N=%-5lld K=%-5lld (%6.2f MB)", dt_name(b.dt), (long long)b.N, (long long)b.K,
+		       (double)b.w_bytes / 1e6);
+		for (int64_t M = 1; M <= 4; M++) {
+			kb_matmul_args a = {
+				.y = b.y, .x = b.x, .w_scale = b.scale, .wtype = b.dt, .M = M, .N = b.N,
+				.K = b.K, .x_stride = b.K, .y_stride = b.N, .w_stride = b.K,
+				.scale_stride = (b.K + 127) / 128, .block = 128, .accumulate = 0,
+			};
+			double best = 1e30;
+			for (int rep = 0; rep < 6; rep++) {
+				double t0 = ds_now_s();
+				for (int c = 0; c < b.copies; c++) {
+					a.w = b.w[c];
+					kc_matmul_isa(isa, &a);
+				}
+				double dt = (ds_now_s() - t0) / b.copies;
+				if (rep > 0 && dt < best)
+					best = dt;
+			}
+			printf("  M=%lld %7.1f us %4.2f", (long long)M, best * 1e6,
+			       (double)b.w_bytes / best / bw_best);
+		}
+		printf("\n");
+		for (int c = 0; c < b.copies; c++)
+			free(b.w[c]);
+		free(b.w);
+		free(b.scale);
+		free(b.x);
+		free(b.y);
+	}
+}
+
 static void print_matmul(int json)
 {
 	for (int i = 0; i < n_results; i++) {
@@ -267,7 +347,7 @@ static void print_matmul(int json)
 
 int main(int argc, char **argv)
 {
-	int json = 0, quick = 0, nthreads = 0, membw_only = 0;
+	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0;
 	const char *only = NULL;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--json") == 0) {
@@ -276,6 +356,10 @@ int main(int argc, char **argv)
 			quick = 1;
 		} else if (strcmp(argv[i], "--membw") == 0) {
 			membw_only = 1;
+		} else if (strcmp(argv[i], "--decode") == 0) {
+			decode = 1;
+		} else if (strcmp(argv[i], "--decode-hot") == 0) {
+			decode = 2;
 		} else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
 			only = argv[++i];
 		} else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
@@ -284,7 +368,7 @@ int main(int argc, char **argv)
 				return 2;
 			}
 		} else {
-			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--threads N] [--only DTYPE]\n");
+			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--decode] [--decode-hot] [--threads N] [--only DTYPE]\n");
 			return 2;
 		}
 	}
@@ -296,6 +380,10 @@ int main(int argc, char **argv)
 		for (int i = 0; i < 3; i++)
 			probe_bandwidth();
 		printf("read bandwidth (%d threads): %.2f GB/s\n", kc_pool_threads(), bw_best / 1e9);
+		return 0;
+	}
+	if (decode) {
+		bench_decode(decode == 2, only);
 		return 0;
 	}
 	if (json)
