@@ -10,6 +10,7 @@
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/quant.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -78,8 +79,17 @@ static int cpu_matmul(const kb_matmul_args *a)
 	if (!a->y || !a->x || !a->w || a->x_stride < a->K || a->y_stride < a->N ||
 	    a->w_stride < a->K)
 		return DS_EINVAL;
-	if (kb_dtype_is_quant(a->wtype))
-		return DS_EUNSUPPORTED; /* block-quantized matmul: not on this backend yet */
+	if (kb_dtype_is_quant(a->wtype)) {
+		/* block-quantized weights (quant.h): whole blocks only; batched
+		 * items run one after another, each threaded */
+		const int64_t blk = kb_dtype_block(a->wtype);
+		if (a->K % blk || a->w_stride % blk)
+			return DS_EINVAL;
+		if (a->batch < 0 || (a->batch > 1 && (a->x_bstride < 0 || a->y_bstride < 0 ||
+						      a->w_bstride < 0 || a->w_bstride % blk)))
+			return DS_EINVAL;
+		return kc_qmatmul_isa(kc_isa_active(), a);
+	}
 	if (a->wtype == KB_F8_E4M3 &&
 	    (!a->w_scale || a->block < 1 || a->scale_stride < (a->K + a->block - 1) / a->block))
 		return DS_EINVAL;
@@ -102,8 +112,14 @@ static int cpu_embed(const kb_embed_args *a)
 	if (a->n == 0 || a->dim == 0)
 		return DS_OK;
 	if (!a->out || !a->table || !a->ids || a->out_stride < a->dim || a->table_stride < a->dim ||
-	    (a->type != KB_F32 && a->type != KB_F16 && a->type != KB_BF16))
+	    (unsigned)a->type >= (unsigned)KB_DTYPE_COUNT || a->type == KB_F8_E4M3)
 		return DS_EINVAL;
+	if (kb_dtype_is_quant(a->type)) { /* rows dequantized block by block */
+		const int64_t blk = kb_dtype_block(a->type);
+		if (a->dim % blk || a->table_stride % blk)
+			return DS_EINVAL;
+		return kc_qembed(a);
+	}
 	return kc_embed_isa(kc_isa_active(), a);
 }
 

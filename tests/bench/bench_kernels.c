@@ -21,14 +21,18 @@
  *             M = 1..4: us per call and fraction of the read bandwidth;
  *             --decode-hot: the same with N cut down until two copies fit
  *             in L2 (the kernels' compute bound).
- * Usage: bench_kernels [--json] [--quick] [--decode|--decode-hot] [--threads N] [--only DTYPE]
+ *   quant     GGUF block-quantized weights (kernels/cpu/quant.h) at the
+ *             default model's shapes, M = 1 and 512, and Q4_K / Q6_K at
+ *             2048 x 7168, M = 1 (end of the default run; --quant alone).
+ * Usage: bench_kernels [--json] [--quick] [--decode|--decode-hot|--quant] [--threads N] [--only DTYPE]
  *   --quick: one shape, fewer repetitions; --threads: pool size (default one
- *   per CPU); --only bf16|fp8|f16|f32: one weight dtype.
+ *   per CPU); --only bf16|fp8|f16|f32|q4_1|q8_0|q4_k|q6_k: one weight dtype.
  */
 #include "common/strutil.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/membw.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/quant.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -345,9 +349,129 @@ static void print_matmul(int json)
 	}
 }
 
+/* ---- block-quantized (GGUF) weights: --quant, and a section of the default run ----
+ * The default model's shapes (SmolLM2-135M: Q4_1 projections 1536x576 and
+ * 576x1536, the Q8_0 tied embedding 49152x576 as the output matrix) at M = 1
+ * (decode: weights from memory, cycled through >= 256 MiB of copies; against
+ * the scalar kernels) and M = 512 (prefill; against the avx2 path), and
+ * DeepSeek's 2048x7168 in Q4_K and Q6_K at M = 1.  Activations are quantized
+ * inside each call (part of the time). */
+
+static const char *qt_name(enum kb_dtype t)
+{
+	return t == KB_Q8_0 ? "q8_0" : t == KB_Q4_0 ? "q4_0" : t == KB_Q4_1 ? "q4_1" : t == KB_Q4_K ? "q4_k"
+	       : t == KB_Q5_K ? "q5_k" : "q6_k";
+}
+
+/* Random blocks with plausible f16 scales (2^-9 .. 2^-8). */
+static void fill_qblocks(enum kb_dtype t, uint8_t *w, size_t bytes)
+{
+	const size_t bb = kb_dtype_block_bytes(t);
+	for (size_t i = 0; i + 8 <= bytes; i += 8) {
+		uint64_t r = fill_next();
+		memcpy(w + i, &r, 8);
+	}
+	for (size_t o = 0; o + bb <= bytes; o += bb) {
+		uint16_t h = (uint16_t)(0x1800 | (fill_next() & 0x03FF));
+		uint8_t hb[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
+		memcpy(w + o + (t == KB_Q6_K ? 208 : 0), hb, 2);
+		if (t == KB_Q4_1 || t == KB_Q4_K || t == KB_Q5_K)
+			memcpy(w + o + 2, hb, 2);
+	}
+}
+
+static double time_qmatmul(enum kc_isa isa, kb_matmul_args *a, uint8_t **w, int copies, int reps)
+{
+	double best = 1e30;
+	for (int rep = 0; rep < reps + 1; rep++) {
+		double t0 = ds_now_s();
+		for (int c = 0; c < copies; c++) {
+			a->w = w[c];
+			kc_qmatmul_isa(isa, a);
+		}
+		double dt = (ds_now_s() - t0) / copies;
+		if (rep > 0 && dt < best) /* rep 0 warms up */
+			best = dt;
+	}
+	return best;
+}
+
+static void bench_quant(int quick, int json, const char *only)
+{
+	static const struct { enum kb_dtype t; int64_t N, K, M; } cases[] = {
+		{KB_Q4_1, 1536, 576, 1},  {KB_Q4_1, 576, 1536, 1},  {KB_Q4_1, 49152, 576, 1},
+		{KB_Q8_0, 1536, 576, 1},  {KB_Q8_0, 576, 1536, 1},  {KB_Q8_0, 49152, 576, 1},
+		{KB_Q4_1, 1536, 576, 512}, {KB_Q4_1, 576, 1536, 512}, {KB_Q4_1, 49152, 576, 512},
+		{KB_Q8_0, 1536, 576, 512}, {KB_Q8_0, 576, 1536, 512}, {KB_Q8_0, 49152, 576, 512},
+		{KB_Q4_K, 2048, 7168, 1},  {KB_Q6_K, 2048, 7168, 1},
+	};
+	probe_bandwidth();
+	if (json)
+		printf(",\"quant\":[");
+	else
+		printf("quantized matmul (GGUF blocks), %d threads, read bw %.1f GB/s, activations "
+		       "quantized in the call%s\n",
+		       kc_pool_threads(), bw_best / 1e9, kc_quant_uses_vnni() ? ", avx512 with VNNI" : "");
+	int first = 1;
+	for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+		const enum kb_dtype t = cases[ci].t;
+		const int64_t N = cases[ci].N, K = cases[ci].K, M = cases[ci].M;
+		if (only && strcmp(only, qt_name(t)) != 0)
+			continue;
+		if (quick && M > 1 && N > 4096)
+			continue;
+		const size_t wb = (size_t)N * kb_dtype_bytes(t, K);
+		int copies = M == 1 ? (int)((((size_t)256 << 20) + wb - 1) / wb) : 1;
+		if (copies < 1)
+			copies = 1;
+		uint8_t **w = calloc((size_t)copies, sizeof *w);
+		float *x = malloc((size_t)(M * K) * sizeof(float)), *y = malloc((size_t)(M * N) * sizeof(float));
+		for (int c = 0; c < copies; c++) {
+			w[c] = malloc(wb);
+			fill_qblocks(t, w[c], wb);
+		}
+		for (int64_t i = 0; i < M * K; i++)
+			x[i] = (float)((int64_t)(fill_next() >> 41) - (1 << 22)) * 0x1p-22f;
+		kb_matmul_args a = {.y = y, .x = x, .wtype = t, .M = M, .N = N, .K = K, .x_stride = K,
+				    .y_stride = N, .w_stride = K};
+		const int reps = quick ? 2 : M == 1 ? 8 : N > 4096 ? 3 : 6;
+		const enum kc_isa base_isa = M == 1 || kc_isa_detect() < KC_ISA_AVX2 ? KC_ISA_SCALAR : KC_ISA_AVX2;
+		/* the scalar baseline on fewer copies (it is slow); still from memory */
+		const int base_copies = base_isa == KC_ISA_SCALAR ? (copies < 4 ? copies : 4) : copies;
+		const double base = time_qmatmul(base_isa, &a, w, base_copies, 1);
+		for (int i = 1; i <= (int)kc_isa_detect(); i++) {
+			if (i == KC_ISA_AVX512BF16)
+				continue; /* same kernels as avx512 */
+			const double tt = time_qmatmul((enum kc_isa)i, &a, w, copies, reps);
+			const double gbs = (double)wb / tt / 1e9, frac = bw_best > 0 ? gbs * 1e9 / bw_best : 0.0;
+			const double gflops = 2.0 * (double)(M * N) * (double)K / tt / 1e9;
+			if (json) {
+				printf("%s{\"dtype\":\"%s\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"isa\":\"%s\",\"us\":%.2f,"
+				       "\"weight_gbs\":%.2f,\"bw_fraction\":%.3f,\"gflops\":%.2f,\"baseline\":\"%s\","
+				       "\"speedup\":%.2f}",
+				       first ? "" : ",", qt_name(t), (long long)M, (long long)N, (long long)K,
+				       kc_isa_name(i), tt * 1e6, gbs, frac, gflops, kc_isa_name(base_isa), base / tt);
+				first = 0;
+			} else {
+				printf("  %s M=%-3lld N=%-5lld K=%-5lld %-7s %10.1f us  %6.1f GB/s (%4.2f of bw)  "
+				       "%7.1f GFLOP/s  %6.1fx vs %s\n",
+				       qt_name(t), (long long)M, (long long)N, (long long)K, kc_isa_name(i), tt * 1e6,
+				       gbs, frac, gflops, base / tt, kc_isa_name(base_isa));
+			}
+		}
+		for (int c = 0; c < copies; c++)
+			free(w[c]);
+		free(w);
+		free(x);
+		free(y);
+	}
+	if (json)
+		printf("]");
+}
+
 int main(int argc, char **argv)
 {
-	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0;
+	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0, quant_only = 0;
 	const char *only = NULL;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--json") == 0) {
@@ -360,6 +484,8 @@ int main(int argc, char **argv)
 			decode = 1;
 		} else if (strcmp(argv[i], "--decode-hot") == 0) {
 			decode = 2;
+		} else if (strcmp(argv[i], "--quant") == 0) {
+			quant_only = 1;
 		} else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
 			only = argv[++i];
 		} else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
@@ -368,7 +494,7 @@ int main(int argc, char **argv)
 				return 2;
 			}
 		} else {
-			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--decode] [--decode-hot] [--threads N] [--only DTYPE]\n");
+			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--decode] [--decode-hot] [--quant] [--threads N] [--only DTYPE]\n");
 			return 2;
 		}
 	}
@@ -386,6 +512,10 @@ int main(int argc, char **argv)
 		bench_decode(decode == 2, only);
 		return 0;
 	}
+	if (quant_only) {
+		bench_quant(quick, json, only);
+		return 0;
+	}
 	if (json)
 		printf("{");
 	bench_rmsnorm(json);
@@ -401,6 +531,9 @@ int main(int argc, char **argv)
 		       bw_best / 1e9, threads, bw1_best / 1e9);
 	print_matmul(json);
 	if (json)
-		printf("]}\n");
+		printf("]");
+	bench_quant(quick, json, only);
+	if (json)
+		printf("}\n");
 	return 0;
 }

@@ -19,6 +19,11 @@
  *   matmul_*       1e-5     (|d| / (sum_k |x||W| + |y_before|)): f32 lanes
  *                           accumulate K/16 or K/8 terms each; random-sign
  *                           rounding errors grow like sqrt(K) u ~ 1e-6 here
+ *   matmul_q*      2e-6     (|d| / (sum_k |x||W| + |y_before|), |W| without
+ *                           scale/min cancellation): GGUF block types against
+ *                           kc_qmatmul_ref, the same activation quantization
+ *                           and exact integer block dots; only the f32 (vs
+ *                           double) sums of block results differ
  *   embed          0        (exact conversions)
  *   rope           1e-6     (|d| / (amp (|x_a| + |x_b|)) per pair)
  *   silu_mul       1e-6     (|d| / (|ref| + 1e-30)): exp ~1 ulp + 3 roundings
@@ -31,6 +36,7 @@
 #include "common/strutil.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/quant.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -394,6 +400,214 @@ static result test_matmul_fp8(const target *t)
 	return test_matmul_dtype(t, KB_F8_E4M3);
 }
 
+/* --- block-quantized matmul (GGUF types) ---
+ * Random blocks: f16 scales per row class (normal 2^-10..2^-2, tiny: f16
+ * subnormals and 2^-14.., huge 2^7..65504, with some blocks of another class),
+ * random quant bytes, all 12 / 16 packed scale bytes random.  x: rows of
+ * different magnitude, some all-zero blocks.  W is a column slice of a wider
+ * matrix (w_stride > K) in some cases; K spans one and two K chunks of the
+ * GEMM (2080, 2304 > 2048).  The reference is kc_qmatmul_ref (same activation
+ * quantization, exact integer block dots, double sums); the error measure is
+ * |d| / (sum_k |x_k| |W|_k + |y_before|), where |W| is the dequantized
+ * magnitude without cancellation between the scale and min terms (d and
+ * dmin/m taken with signs that add).  AVX-512 targets run with and without
+ * VNNI (kc_quant_allow_vnni). */
+
+static uint16_t rand_f16_class(int cls)
+{
+	uint16_t e, m = (uint16_t)(rand_u64() & 1023);
+	switch (cls) {
+	case 0: e = (uint16_t)(5 + rand_u64() % 9); break;                /* 2^-10 .. 2^-2 */
+	case 1: e = (uint16_t)(rand_u64() % 2 ? 0 : 1 + rand_u64() % 3); break; /* tiny, subnormals */
+	default: e = (uint16_t)(22 + rand_u64() % 9); break;              /* 2^7 .. 65504 */
+	}
+	if (e == 0 && m == 0)
+		m = 1;
+	return (uint16_t)((rand_u64() & 1) << 15 | e << 10 | m);
+}
+
+static void put_u16(uint8_t *p, uint16_t v)
+{
+	p[0] = (uint8_t)v;
+	p[1] = (uint8_t)(v >> 8);
+}
+
+static void rand_qblock(enum kb_dtype t, uint8_t *b, int cls)
+{
+	const size_t bb = kb_dtype_block_bytes(t);
+	for (size_t i = 0; i < bb; i++)
+		b[i] = (uint8_t)rand_u64();
+	if (rand_u64() % 5 == 0)
+		cls = (int)(rand_u64() % 3);
+	if (t == KB_Q6_K) {
+		put_u16(b + 208, rand_f16_class(cls));
+		return;
+	}
+	put_u16(b, rand_f16_class(cls));
+	if (t == KB_Q4_1 || t == KB_Q4_K || t == KB_Q5_K)
+		put_u16(b + 2, rand_f16_class(cls));
+}
+
+/* The block with the signs that make |W| free of scale/min cancellation. */
+static void abs_qblock(enum kb_dtype t, uint8_t *b)
+{
+	if (t == KB_Q4_1) {
+		b[1] &= 0x7F;
+		b[3] &= 0x7F;
+	} else if (t == KB_Q4_K || t == KB_Q5_K) {
+		b[1] &= 0x7F;
+		b[3] |= 0x80;
+	}
+}
+
+static int run_qmatmul_on(const target *t, mm_case *c)
+{
+	if (!t->dev)
+		return kc_qmatmul_isa(t->isa, &c->a);
+	return run_matmul_on(t, c);
+}
+
+static const int64_t qm_ms[] = {1, 3, 17, 64};
+/* N, K in blocks */
+static const int64_t qm_nk32[][2] = {{1, 1}, {5, 3}, {16, 18}, {17, 65}, {40, 7}};
+static const int64_t qm_nk256[][2] = {{1, 1}, {5, 3}, {16, 2}, {17, 9}, {40, 1}};
+
+static void qmatmul_case(const target *t, enum kb_dtype dt, int64_t M, int64_t N, int64_t K, int idx,
+			 result *res)
+{
+	const int64_t blk = kb_dtype_block(dt);
+	const int slice = idx % 3 == 1;
+	const int64_t col0 = slice ? blk : 0;
+	const int64_t k_full = K + col0 + (slice ? blk : 0);
+	const int64_t x_stride = K + (idx % 3) * 5, y_stride = N + (idx % 2) * 3;
+	const size_t row_bytes = kb_dtype_bytes(dt, k_full), bb = kb_dtype_block_bytes(dt);
+	mm_case c;
+	memset(&c, 0, sizeof c);
+	c.w_bytes = (size_t)N * row_bytes;
+	c.w_base = malloc(c.w_bytes);
+	c.x_bytes = (size_t)(M * x_stride) * sizeof(float);
+	c.y_bytes = (size_t)(M * y_stride) * sizeof(float);
+	float *x = malloc(c.x_bytes), *y0 = malloc(c.y_bytes), *ref = malloc(c.y_bytes);
+	float *got = malloc(c.y_bytes), *wrow = malloc((size_t)k_full * sizeof(float));
+	double *bound = malloc((size_t)(M * N) * sizeof(double));
+	uint8_t *wabs = malloc(c.w_bytes);
+	for (int64_t n = 0; n < N; n++) {
+		int cls = (int)(rand_u64() % 4 == 0 ? 1 + rand_u64() % 2 : 0);
+		for (int64_t b = 0; b < k_full / blk; b++)
+			rand_qblock(dt, (uint8_t *)c.w_base + (size_t)n * row_bytes + (size_t)b * bb, cls);
+	}
+	memcpy(wabs, c.w_base, c.w_bytes);
+	for (size_t o = 0; o < c.w_bytes; o += bb)
+		abs_qblock(dt, wabs + o);
+	for (int64_t m = 0; m < M; m++) {
+		float lo = frand(-3.0f, 2.0f);
+		for (int64_t k = 0; k < x_stride; k++)
+			x[m * x_stride + k] = k < K ? frand_mag(lo, lo + 1.0f) : NAN; /* padding unread */
+		if (K > blk && rand_u64() % 3 == 0) { /* an all-zero block */
+			int64_t b = (int64_t)(rand_u64() % (uint64_t)(K / blk));
+			for (int64_t k = 0; k < blk; k++)
+				x[m * x_stride + b * blk + k] = 0.0f;
+		}
+	}
+	const int acc = idx % 2;
+	for (int64_t i = 0; i < M * y_stride; i++)
+		y0[i] = (i % y_stride) < N ? frand_mag(-2.0f, 1.0f) : SENTINEL;
+	for (int64_t n = 0; n < N; n++) {
+		kc_dequant_row_ref(dt, wabs + (size_t)n * row_bytes, wrow, k_full);
+		for (int64_t m = 0; m < M; m++) {
+			double s = acc ? fabs((double)y0[m * y_stride + n]) : 0.0;
+			for (int64_t k = 0; k < K; k++)
+				s += fabs((double)x[m * x_stride + k]) * fabs((double)wrow[col0 + k]);
+			bound[m * N + n] = s;
+		}
+	}
+	c.a = (kb_matmul_args){
+		.y = ref, .x = x, .w = (const char *)c.w_base + kb_dtype_bytes(dt, col0), .wtype = dt,
+		.M = M, .N = N, .K = K, .x_stride = x_stride, .y_stride = y_stride, .w_stride = k_full,
+		.accumulate = acc,
+	};
+	memcpy(ref, y0, c.y_bytes);
+	kc_qmatmul_ref(&c.a);
+	const int passes = !t->dev && t->isa >= KC_ISA_AVX512 ? 2 : 1; /* VNNI on and off */
+	for (int pass = 0; pass < passes; pass++) {
+		int prev = kc_quant_allow_vnni(pass == 0);
+		memcpy(got, y0, c.y_bytes);
+		c.a.y = got;
+		int rc = run_qmatmul_on(t, &c);
+		kc_quant_allow_vnni(prev);
+		if (rc) {
+			res->rc = rc;
+			continue;
+		}
+		for (int64_t m = 0; m < M; m++) {
+			for (int64_t n = 0; n < y_stride; n++) {
+				int64_t i = m * y_stride + n;
+				if (n >= N) {
+					note(res, got[i] == SENTINEL ? 0.0 : INFINITY);
+					continue;
+				}
+				double e = fabs((double)got[i] - (double)ref[i]) / (bound[m * N + n] + 1e-30);
+				if (e > 1e-6 && getenv("DS_CONF_VERBOSE"))
+					printf("  qmatmul dt=%d M=%lld N=%lld K=%lld acc=%d vnni=%d y[%lld][%lld]"
+					       " got %.9g ref %.9g\n",
+					       (int)dt, (long long)M, (long long)N, (long long)K, acc, pass == 0,
+					       (long long)m, (long long)n, got[i], ref[i]);
+				note(res, e);
+			}
+		}
+	}
+	free(c.w_base);
+	free(x);
+	free(y0);
+	free(ref);
+	free(got);
+	free(wrow);
+	free(bound);
+	free(wabs);
+}
+
+static result test_qmatmul_dtype(const target *t, enum kb_dtype dt)
+{
+	result res = {0, 0, 0};
+	const int64_t blk = kb_dtype_block(dt);
+	const int64_t(*nk)[2] = blk == 32 ? qm_nk32 : qm_nk256;
+	int idx = 0;
+	for (size_t mi = 0; mi < sizeof qm_ms / sizeof qm_ms[0]; mi++)
+		for (size_t si = 0; si < 5; si++, idx++)
+			qmatmul_case(t, dt, qm_ms[mi], nk[si][0], nk[si][1] * blk, idx, &res);
+	return res;
+}
+
+static result test_matmul_q8_0(const target *t)
+{
+	return test_qmatmul_dtype(t, KB_Q8_0);
+}
+
+static result test_matmul_q4_0(const target *t)
+{
+	return test_qmatmul_dtype(t, KB_Q4_0);
+}
+
+static result test_matmul_q4_1(const target *t)
+{
+	return test_qmatmul_dtype(t, KB_Q4_1);
+}
+
+static result test_matmul_q4_k(const target *t)
+{
+	return test_qmatmul_dtype(t, KB_Q4_K);
+}
+
+static result test_matmul_q5_k(const target *t)
+{
+	return test_qmatmul_dtype(t, KB_Q5_K);
+}
+
+static result test_matmul_q6_k(const target *t)
+{
+	return test_qmatmul_dtype(t, KB_Q6_K);
+}
+
 /* --- embed --- */
 
 static const int64_t emb_shapes[][2] = {{1, 1}, {3, 7}, {17, 16}, {5, 33}, {64, 100}, {4, 7168}, {9, 129}};
@@ -703,6 +917,12 @@ static const struct {
 	{"matmul_f16", test_matmul_f16, has_matmul, 1e-5},
 	{"matmul_bf16", test_matmul_bf16, has_matmul, 1e-5},
 	{"matmul_fp8", test_matmul_fp8, has_matmul, 1e-5},
+	{"matmul_q8_0", test_matmul_q8_0, has_matmul, 2e-6},
+	{"matmul_q4_0", test_matmul_q4_0, has_matmul, 2e-6},
+	{"matmul_q4_1", test_matmul_q4_1, has_matmul, 2e-6},
+	{"matmul_q4_k", test_matmul_q4_k, has_matmul, 2e-6},
+	{"matmul_q5_k", test_matmul_q5_k, has_matmul, 2e-6},
+	{"matmul_q6_k", test_matmul_q6_k, has_matmul, 2e-6},
 	{"embed", test_embed, has_embed, 0},
 	{"rope", test_rope, has_rope, 1e-6},
 	{"silu_mul", test_silu_mul, has_silu_mul, 1e-6},

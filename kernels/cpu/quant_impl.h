@@ -1,0 +1,135 @@
+/*
+ * quant_impl.h - private interface between the quantized-matmul driver
+ * (quant.c) and its per-ISA kernels (quant_avx2.c, quant_avx512.c).
+ *
+ * The driver quantizes the activations once per call into a kc_qact (per
+ * calling thread scratch), then either
+ *   GEMV (M below the ISA's gemm_min_m): each weight row is decoded straight
+ *     from its blocks and dotted with up to KC_QGEMV_M activation rows at a
+ *     time; work is split over weight rows;
+ *   GEMM: the weights are repacked, KC_Q_KC elements at a time, into a panel
+ *     of nr weight rows (columns of y) whose quantized values are interleaved
+ *     four bytes per column, so one 4-byte dot instruction lane is one y
+ *     column (vpdpbusd, or pmaddubsw + pmaddwd), and the panel is reused by
+ *     tiles of up to mr activation rows; work is split over panels (and over
+ *     rows when there are few panels).
+ *
+ * Packed panel of one K chunk (the weight block structure made uniform):
+ *   sub-blocks of S elements (S = 16 for Q6_K, else 32), for each sub-block s
+ *     wp[s * S * nr + (g * nr + c) * 4 + e] = unsigned value of element 4g + e
+ *                                             of column c   (g < S / 4)
+ *     sc[s * nr + c]  f32 scale of the sub-block   (Q4_0/Q4_1/Q8_0: d,
+ *                     Q4_K/Q5_K: d * s_j, Q6_K: d * sc_g; exact in f32)
+ *     mn[s * nr + c]  f32 min coefficient          (Q4_1: m, Q4_K/Q5_K:
+ *                     -dmin * m_j; others unused)
+ *   the stored value is q for Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K and q ^ 0x80
+ *   (= q + 128 as unsigned) for Q8_0 on VNNI; the signed offset is undone
+ *   through the activation side: the integer accumulator of (row r,
+ *   sub-block s) starts at ioff[r][s] = off * sum(qx over s), off = -8 (Q4_0),
+ *   -128 (Q8_0 on VNNI), -32 (Q6_K), 0 otherwise.  The maddubs kernels keep
+ *   Q8_0 signed (off 0) and use |w| with sign(x, w).
+ *   Columns past the matrix edge are packed as zeros.
+ * A tile then computes, per x block (32 or 256 elements) with scale dx:
+ *   t = sum_s (float)(iacc_s) * sc_s + mn_s * fsum_s;   y += dx * t
+ *
+ * Thread rule: kernels touch only their own y tile / rows and read shared
+ * inputs; no state.
+ */
+#ifndef DS_KERNELS_CPU_QUANT_IMPL_H
+#define DS_KERNELS_CPU_QUANT_IMPL_H
+
+#include "kernels/backend.h"
+
+#include <stdint.h>
+#include <string.h>
+
+#define KC_Q_KC 2048      /* GEMM K chunk (elements): a multiple of 256 */
+#define KC_Q_NR_MAX 16    /* panel width, at most */
+#define KC_Q_MR_MAX 8     /* x rows per GEMM tile, at most */
+#define KC_QGEMV_M 4      /* activation rows per GEMV pass, at most */
+
+/* Quantized activations of a chunk of x rows (row i of the chunk). */
+typedef struct kc_qact {
+	int8_t *q;       /* [rows][ldq] quantized values (ldq >= K, multiple of 64) */
+	float *d;        /* [rows][ldb] scale per x block (32 or 256 elements) */
+	float *ds;       /* [rows][2 * ldb] Q8 32 only: per block the pair d, d * (float)(sum of q) */
+	int16_t *bs;     /* [rows][lds] sum of each 16 q's */
+	int32_t *ioff;   /* GEMM only: [rows][ldsub] off * (sum of the sub-block's q) */
+	float *fsum;     /* GEMM only: [rows][ldsub] (float)(sum of the sub-block's q) */
+	int64_t ldq, ldb, lds, ldsub;
+} kc_qact;
+
+/* One GEMV pass: weight rows [n0, n1) against act rows [0, m) (m <= KC_QGEMV_M). */
+typedef struct kc_qgemv {
+	enum kb_dtype wt;
+	const uint8_t *w;   /* row n starts at w + n * w_row_bytes */
+	size_t w_row_bytes;
+	int64_t K;
+	int m;
+	kc_qact act;        /* pointing at the pass's first row */
+	float *y;           /* y[0][0] of the pass; row i at y + i * y_stride */
+	int64_t y_stride;
+	int accumulate;
+} kc_qgemv;
+
+/* One GEMM tile over one K chunk. */
+typedef struct kc_qtile {
+	enum kb_dtype wt;
+	const uint8_t *wp;  /* packed panel (see the top comment) */
+	const float *sc, *mn;
+	int64_t nxb;        /* x blocks in the chunk */
+	const int8_t *xq;   /* row 0 of the tile at the chunk's first element */
+	const float *dx;    /* row 0, the chunk's first x block */
+	const int32_t *ioff;
+	const float *fsum;  /* row 0, the chunk's first sub-block */
+	int64_t ldq, ldb, ldsub;
+	float *y;           /* y[0][0] of the tile */
+	int64_t y_stride;
+	int mr, nr;         /* rows (<= mr_max), valid columns (<= panel width) */
+	int store;          /* 1: y = result, 0: y += result */
+} kc_qtile;
+
+typedef struct kc_qkernels {
+	const char *name;
+	/* Quantizes one x row (K elements) into act row 0 (q, d, s, bs), bit for
+	 * bit as the scalar quantizer; a256: Q8 256 (K-quant weights) else Q8 32. */
+	void (*quantize)(const float *x, int64_t K, int a256, const kc_qact *act);
+	void (*gemv)(const kc_qgemv *g, int64_t n0, int64_t n1);
+	/* GEMM (nr == 0: none): panel width, rows per tile, smallest M worth it. */
+	int nr, mr_max;
+	int64_t gemm_min_m;
+	int q8_off;        /* ioff multiplier of Q8_0 (-128 or 0, see the top comment) */
+	/* Packs nblk weight blocks of nr rows (row c at w + c * w_row_bytes) into a panel. */
+	void (*pack)(enum kb_dtype wt, const uint8_t *w, size_t w_row_bytes, int nr, int64_t nblk,
+		     uint8_t *wp, float *sc, float *mn);
+	void (*tile)(const kc_qtile *t);
+} kc_qkernels;
+
+const kc_qkernels *kc_qkernels_avx2(void);
+const kc_qkernels *kc_qkernels_avx512(int vnni);
+
+/* Shared scalar helpers (quant.c) for the kernels' edges. */
+float kc_q_f16(const uint8_t *p); /* little-endian f16 at p */
+/* Q4_K / Q5_K 6-bit scale and min of sub-block j from the 12 packed bytes. */
+static inline void kc_q_scale_min_k4(const uint8_t *sc, int j, int *s, int *m)
+{
+	if (j < 4) {
+		*s = sc[j] & 63;
+		*m = sc[j + 4] & 63;
+	} else {
+		*s = (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4;
+		*m = (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
+	}
+}
+/* Sub-block size (elements) of the packed panel for wt. */
+static inline int kc_q_sub(enum kb_dtype wt)
+{
+	return wt == KB_Q6_K ? 16 : 32;
+}
+/* Activation block size for wt: the weight block's (Q8 32 or Q8 256). */
+static inline int kc_q_xblock(enum kb_dtype wt)
+{
+	return (int)kb_dtype_block(wt);
+}
+
+#endif
