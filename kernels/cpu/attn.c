@@ -2,10 +2,12 @@
  * attn.c - attention kernels on the CPU: MLA absorbed over a paged cache, and
  * plain multi-head / grouped-query attention over materialised K/V.
  *
- * Both use an online (running max) softmax, so they need no scratch memory:
- * for each key j, with running max m, normaliser l and accumulator acc:
+ * Both use an online (running max) softmax, so they need no scratch memory
+ * beyond a chunk of scores on the stack: with running max m, normaliser l
+ * and accumulator acc, for each key j
  *     m' = max(m, s_j); acc = acc * e^(m - m') + e^(s_j - m') * V_j; l likewise
- * and out = acc / l at the end.  Work is split over (token, head) pairs with
+ * and out = acc / l at the end (the paged kernels take the max over a chunk
+ * of keys at once).  Work is split over (token, head) pairs with
  * the CPU thread pool; each pair writes only its own output row.  The dot
  * products and accumulations use AVX2 or AVX-512 when kc_isa_active() allows
  * (f32 throughout; the scalar loops are the same arithmetic in another order).
@@ -118,6 +120,10 @@ static vec_ops pick_ops(void)
 	return o;
 }
 
+/* Keys are scored ATT_CHUNK at a time: one exp per key, and the running max
+ * (and the sum under it) is rescaled once per chunk instead of once per key. */
+#define ATT_CHUNK 128
+
 typedef struct mla_job {
 	const kb_mla_attn_args *a;
 	vec_ops v;
@@ -143,18 +149,31 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 		const float *qp = a->q_pe + t * a->q_pe_stride + h * a->rope_dim;
 		float *out = a->out + t * a->out_stride + h * a->kv_lora;
 		const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
-		float m = -INFINITY, l = 0.0f;
+		float m = -INFINITY, l = 0.0f, sc[ATT_CHUNK];
+		const float *rows[ATT_CHUNK];
 		memset(out, 0, (size_t)a->kv_lora * sizeof *out);
-		for (int64_t j = 0; j <= a->tok_pos[t]; j++) {
-			int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
-			const float *row = a->cache + slot * a->row_stride;
-			float s = a->scale * (v.dot(ql, row, a->kv_lora) +
-					      v.dot(qp, row + a->kv_lora, a->rope_dim));
-			float mn = s > m ? s : m;
-			float c = expf(m - mn), w = expf(s - mn);
-			v.scale_add(out, c, w, row, a->kv_lora);
-			l = l * c + w;
-			m = mn;
+		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
+			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
+			float cmax = -INFINITY;
+			for (int64_t i = 0; i < n; i++) {
+				int64_t j = j0 + i;
+				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
+				rows[i] = a->cache + slot * a->row_stride;
+				sc[i] = a->scale * (v.dot(ql, rows[i], a->kv_lora) +
+						    v.dot(qp, rows[i] + a->kv_lora, a->rope_dim));
+				cmax = sc[i] > cmax ? sc[i] : cmax;
+			}
+			if (cmax > m) { /* the running max grows: rescale what is summed */
+				float c = expf(m - cmax);
+				v.scale_add(out, c, 0.0f, out, a->kv_lora);
+				l *= c;
+				m = cmax;
+			}
+			for (int64_t i = 0; i < n; i++) {
+				float w = expf(sc[i] - m);
+				v.scale_add(out, 1.0f, w, rows[i], a->kv_lora);
+				l += w;
+			}
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < a->kv_lora; i++)
@@ -218,17 +237,30 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 		const float *q = a->q + t * a->q_stride + h * hd;
 		float *out = a->out + t * a->out_stride + h * hd;
 		const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
-		float m = -INFINITY, l = 0.0f;
+		float m = -INFINITY, l = 0.0f, sc[ATT_CHUNK];
+		const float *rows[ATT_CHUNK];
 		memset(out, 0, (size_t)hd * sizeof *out);
-		for (int64_t j = 0; j <= a->tok_pos[t]; j++) {
-			int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
-			const float *row = a->cache + slot * a->row_stride;
-			float s = a->scale * v.dot(q, row + a->k_off + kh * hd, hd);
-			float mn = s > m ? s : m;
-			float c = expf(m - mn), w = expf(s - mn);
-			v.scale_add(out, c, w, row + a->v_off + kh * hd, hd);
-			l = l * c + w;
-			m = mn;
+		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
+			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
+			float cmax = -INFINITY;
+			for (int64_t i = 0; i < n; i++) {
+				int64_t j = j0 + i;
+				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
+				rows[i] = a->cache + slot * a->row_stride;
+				sc[i] = a->scale * v.dot(q, rows[i] + a->k_off + kh * hd, hd);
+				cmax = sc[i] > cmax ? sc[i] : cmax;
+			}
+			if (cmax > m) {
+				float c = expf(m - cmax);
+				v.scale_add(out, c, 0.0f, out, hd);
+				l *= c;
+				m = cmax;
+			}
+			for (int64_t i = 0; i < n; i++) {
+				float w = expf(sc[i] - m);
+				v.scale_add(out, 1.0f, w, rows[i] + a->v_off + kh * hd, hd);
+				l += w;
+			}
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < hd; i++)

@@ -17,7 +17,12 @@ num_experts_per_tok routed experts of each MoE layer, final norm, lm_head and
 one embedding row).  Resident memory is compared with the checkpoint's bytes
 plus the KV cache.
 
-Usage: python tests/bench/bench_engine.py [--threads N] [--quick]
+Then the default model (models/default.gguf, SmolLM2-135M-Instruct Q4_1):
+prompt processing of 512 tokens and generation of 128, peak RSS; and when
+LLAMA_BENCH=/path/to/llama-bench is set, llama.cpp's pp512/tg128 on the same
+file with the same threads, measured in the same run, and the ratios.
+
+Usage: python tests/bench/bench_engine.py [--threads N] [--quick] [--only v3|default]
 """
 import argparse
 import json
@@ -104,11 +109,40 @@ def run_bench(d, batch, threads, prompt_len, n):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def bench_default(threads):
+    model = ROOT / "models" / "default.gguf"
+    if not model.exists():
+        sys.exit("bench: models/default.gguf is missing: run `make model`")
+    r = run_bench(model, 1, threads, 512, 128)
+    print(f"\ndefault model {model.relative_to(ROOT)} ({threads} threads): pp512 "
+          f"{r['prefill_tok_s']:.1f} tok/s, tg128 {r['decode_tok_s']:.1f} tok/s, peak RSS "
+          f"{r['peak_rss_bytes'] / 2**20:.1f} MiB", flush=True)
+    lb = os.environ.get("LLAMA_BENCH")
+    if not lb:
+        print("(set LLAMA_BENCH=/path/to/llama-bench to compare with llama.cpp in the same run)")
+        return
+    cmd = [lb, "-m", str(model), "-t", str(threads), "-p", "512", "-n", "128", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        sys.exit(f"bench: {' '.join(cmd)} failed: {out.stderr}")
+    rows = json.loads(out.stdout)
+    pp = next(x["avg_ts"] for x in rows if x.get("n_prompt") == 512 and x.get("n_gen") == 0)
+    tg = next(x["avg_ts"] for x in rows if x.get("n_gen") == 128 and x.get("n_prompt") == 0)
+    print(f"llama.cpp ({lb}): pp512 {pp:.1f} tok/s, tg128 {tg:.1f} tok/s")
+    print(f"ratio dsrun / llama.cpp: pp512 {r['prefill_tok_s'] / pp:.2f}x, "
+          f"tg128 {r['decode_tok_s'] / tg:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true", help="a smaller model, fewer tokens")
+    ap.add_argument("--only", choices=("v3", "default"))
     a = ap.parse_args()
+    if a.only != "v3":
+        bench_default(a.threads)
+    if a.only == "default":
+        return
     shape, tag = (QUICK, "quick") if a.quick else (SHAPE, "v3shape")
     prompt_len, n = (128, 32) if a.quick else (512, 128)
     bw = read_bandwidth(a.threads)
