@@ -369,8 +369,12 @@ static int cmd_generate(const struct run_cfg *c, model *m, runner *r, tok *tk,
 	int32_t *out = malloc((size_t)(c->n_predict + 1) * sizeof *out);
 	float *last = malloc((size_t)V * sizeof *last);
 	smp_state *smp = smp_new(&sp, V, err);
-	tok_stream *ts = tk ? tok_stream_new(tk) : NULL;
-	if (!out || !last || !smp || (tk && !ts)) {
+	tok_stream tstream, *ts = NULL;
+	if (tk) { /* special tokens (EOS, end-of-turn markers) are not printed */
+		tok_stream_init(&tstream, tk, TOK_SKIP_SPECIAL);
+		ts = &tstream;
+	}
+	if (!out || !last || !smp) {
 		rc = err->code ? err->code : ds_err_set(err, DS_ENOMEM, "out of memory");
 		goto out;
 	}
@@ -411,7 +415,6 @@ out:
 	kv_seq_free(model_kv(m), &s.kv);
 	free(stop);
 	buf_free(&piece);
-	tok_stream_free(ts);
 	smp_free(smp);
 	free(out);
 	free(last);
