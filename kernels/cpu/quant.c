@@ -14,11 +14,13 @@
  *
  * Invariants:
  *  1. Every quantizer (scalar here, SIMD in the ISA files) produces the same
- *     bits: amax exact, dx = amax / 127 and 127 / amax in f32, q by
- *     round-to-nearest-even of x * (127 / amax), sums exact integers.
+ *     bits: level 1 with amax exact, d1 = amax / 127 and 127 / amax in f32,
+ *     q1 by round-to-nearest-even of x * (127 / amax); level 2 as
+ *     quant_level2 (f32 operations in the same order, no FMA); sums exact
+ *     integers.  Each x row becomes act rows 2r, 2r + 1 (quant_impl.h).
  *  2. The reference quantizes each block on the fly and never allocates; the
- *     scalar ISA runs the same block dot products through the driver, so it
- *     matches the reference bit for bit.
+ *     scalar ISA runs the same block dot products (level 1 then level 2 per
+ *     block) through the driver, so it matches the reference bit for bit.
  *  3. The driver allocates only when the thread's scratch is too small
  *     (capped at KC_QUANT_SCRATCH_MAX; larger M runs in row chunks).  A GEMM
  *     work item keeps its packed panel on its thread's stack (about 80 KiB
@@ -181,6 +183,36 @@ static void quantize_scalar(const float *x, int64_t K, int a256, const kc_qact *
 	}
 }
 
+/* Level 2 of one activation block (n = 32 or 256 values, level 1 q1 with
+ * scale d1): the residual x - d1 q1 (f32) on the fixed scale d2 = d1 / 256,
+ *   q2 = clamp(round-to-nearest-even((x - d1 q1) * (256 / d1)), -127, 127)
+ * (|x - d1 q1| <= d1 / 2 up to f32 rounding, so the clamp only trims that;
+ * d1 = 0 or 256 / d1 not finite gives q2 = 0), and its 16-sums.  Returns d2.
+ * Shared by the reference and the driver, so both produce the same bits. */
+static float quant_level2(const float *x, const int8_t *q1, float d1, int n, int8_t *q2, int16_t *bs)
+{
+	float id = d1 > 0.0f ? 256.0f / d1 : 0.0f;
+	if (!isfinite(id))
+		id = 0.0f;
+	for (int i = 0; i < n; i++) {
+		const float p = d1 * (float)q1[i];
+		const float r = (x[i] - p) * id;
+		const long v = lrintf(r);
+		q2[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+	}
+	for (int i = 0; i < n / 16; i++)
+		bs[i] = sum16(q2 + 16 * i);
+	return d1 * (1.0f / 256.0f);
+}
+
+static int32_t sum_bs(const int16_t *bs, int n16)
+{
+	int32_t s = 0;
+	for (int i = 0; i < n16; i++)
+		s += bs[i];
+	return s;
+}
+
 /* ---- block dot products (exact integers, combined in double) ---- */
 
 /* Contribution of weight block wb against the activation block (q: the
@@ -250,17 +282,23 @@ static void ref_one(const kb_matmul_args *a)
 	const enum kb_dtype t = a->wtype;
 	const int blk = kc_q_xblock(t); /* = the weight block */
 	const size_t row_bytes = kb_dtype_bytes(t, a->w_stride), bb = kb_dtype_block_bytes(t);
-	int8_t q[256];
-	int16_t bs[16];
-	float dx = 0.0f, sx = 0.0f;
+	int8_t q[2][256];
+	int16_t bs[2][16];
+	float dx[2] = {0.0f, 0.0f}, sx[2] = {0.0f, 0.0f};
 	for (int64_t m = 0; m < a->M; m++) {
 		const float *x = a->x + m * a->x_stride;
 		for (int64_t n = 0; n < a->N; n++) {
 			const uint8_t *w = (const uint8_t *)a->w + (size_t)n * row_bytes;
 			double acc = 0.0;
 			for (int64_t b = 0; b < a->K / blk; b++) {
-				quant_block(x + b * blk, blk, q, &dx, blk == 32 ? &sx : NULL, bs);
-				acc += blk_dot(t, w + (size_t)b * bb, q, dx, sx, bs);
+				const float *xb = x + b * blk;
+				quant_block(xb, blk, q[0], &dx[0], blk == 32 ? &sx[0] : NULL, bs[0]);
+				dx[1] = quant_level2(xb, q[0], dx[0], blk, q[1], bs[1]);
+				/* the whole sum (both levels) rides on level 2 */
+				sx[1] = sx[0] + dx[1] * (float)sum_bs(bs[1], blk / 16);
+				sx[0] = 0.0f;
+				for (int lv = 0; lv < 2; lv++)
+					acc += blk_dot(t, w + (size_t)b * bb, q[lv], dx[lv], sx[lv], bs[lv]);
 			}
 			float *y = a->y + m * a->y_stride + n;
 			*y = a->accumulate ? (float)((double)*y + acc) : (float)acc;
@@ -293,24 +331,37 @@ static void gemv_scalar(const kc_qgemv *g, int64_t n0, int64_t n1)
 	const int64_t nb = g->K / blk;
 	for (int64_t n = n0; n < n1; n++) {
 		const uint8_t *w = g->w + (size_t)n * g->w_row_bytes;
-		for (int m = 0; m < g->m; m++) {
-			const int8_t *q = g->act.q + m * g->act.ldq;
-			const float *d = g->act.d + m * g->act.ldb;
-			const float *ds = g->act.ds ? g->act.ds + 2 * m * g->act.ldb : NULL;
-			const int16_t *bs = g->act.bs + m * g->act.lds;
+		for (int m = 0; m < g->m / 2; m++) {
 			double acc = 0.0;
-			for (int64_t b = 0; b < nb; b++)
-				acc += blk_dot(g->wt, w + (size_t)b * bb, q + b * blk, d[b],
-					       blk == 32 ? ds[2 * b + 1] : 0.0f, bs + b * (blk / 16));
+			for (int64_t b = 0; b < nb; b++) {
+				for (int lv = 0; lv < 2; lv++) { /* act rows 2m, 2m + 1 */
+					const int ar = 2 * m + lv;
+					const int8_t *q = g->act.q + ar * g->act.ldq;
+					const float *d = g->act.d + ar * g->act.ldb;
+					const float *ds = g->act.ds ? g->act.ds + 2 * ar * g->act.ldb : NULL;
+					const int16_t *bs = g->act.bs + ar * g->act.lds;
+					acc += blk_dot(g->wt, w + (size_t)b * bb, q + b * blk, d[b],
+						       blk == 32 ? ds[2 * b + 1] : 0.0f, bs + b * (blk / 16));
+				}
+			}
 			float *y = g->y + m * g->y_stride + n;
 			*y = g->accumulate ? (float)((double)*y + acc) : (float)acc;
 		}
 	}
 }
 
+static void quantize2_scalar(const float *x, int64_t K, int a256, const kc_qact *l1, const kc_qact *l2)
+{
+	const int blk = a256 ? 256 : 32;
+	for (int64_t b = 0; b < K / blk; b++)
+		l2->d[b] = quant_level2(x + b * blk, l1->q + b * blk, l1->d[b], blk, l2->q + b * blk,
+					l2->bs + b * (blk / 16));
+}
+
 static const kc_qkernels scalar_kernels = {
 	.name = "scalar",
 	.quantize = quantize_scalar,
+	.quantize2 = quantize2_scalar,
 	.gemv = gemv_scalar,
 };
 
@@ -449,20 +500,32 @@ typedef struct job {
 	int64_t mparts, mpart_rows;
 } job;
 
+/* x rows [b, e) of the chunk -> act rows 2r (level 1) and 2r + 1 (level 2),
+ * with the pair sums of quant_impl.h. */
 static void quant_rows(void *ctx, int64_t b, int64_t e)
 {
 	const job *j = ctx;
 	const kb_matmul_args *a = j->a;
-	const int a256 = kc_q_xblock(a->wtype) == 256;
+	const int xb = kc_q_xblock(a->wtype), a256 = xb == 256;
 	for (int64_t r = b; r < e; r++) {
-		kc_qact act = act_at(j->l, j->base, r, !a256);
-		j->k->quantize(a->x + (j->m0 + r) * a->x_stride, a->K, a256, &act);
-		if (act.ioff) { /* GEMM: per sub-block sums and offsets */
+		const float *x = a->x + (j->m0 + r) * a->x_stride;
+		kc_qact act[2] = {act_at(j->l, j->base, 2 * r, !a256), act_at(j->l, j->base, 2 * r + 1, !a256)};
+		j->k->quantize(x, a->K, a256, &act[0]);
+		j->k->quantize2(x, a->K, a256, &act[0], &act[1]);
+		/* Q8 32: the whole sum (both levels) rides on level 2's pair */
+		for (int64_t i = 0; i < a->K / xb && !a256; i++) {
+			act[1].ds[2 * i] = act[1].d[i];
+			act[1].ds[2 * i + 1] = act[0].ds[2 * i + 1] + act[1].d[i] * (float)sum_bs(act[1].bs + 2 * i, 2);
+			act[0].ds[2 * i + 1] = 0.0f;
+		}
+		if (act[0].ioff) { /* GEMM: per sub-block sums and offsets */
 			const int per = kc_q_sub(a->wtype) / 16;
-			for (int64_t s = 0; s < act.ldsub; s++) {
-				int32_t sum = per == 1 ? act.bs[s] : act.bs[2 * s] + act.bs[2 * s + 1];
-				act.ioff[s] = j->off * sum;
-				act.fsum[s] = (float)sum;
+			for (int64_t s = 0; s < act[0].ldsub; s++) {
+				const int32_t s1 = sum_bs(act[0].bs + per * s, per), s2 = sum_bs(act[1].bs + per * s, per);
+				act[0].ioff[s] = j->off * s1;
+				act[1].ioff[s] = j->off * s2;
+				act[0].fsum[s] = (float)s1;
+				act[1].fsum[s] = (float)(256 * s1 + s2); /* exact: |.| < 2^24 */
 			}
 		}
 	}
@@ -472,12 +535,12 @@ static void gemv_rows(void *ctx, int64_t n0, int64_t n1)
 {
 	const job *j = ctx;
 	const kb_matmul_args *a = j->a;
-	const int a32 = kc_q_xblock(a->wtype) == 32;
-	for (int64_t m = 0; m < j->rows; m += KC_QGEMV_M) {
+	const int a32 = kc_q_xblock(a->wtype) == 32, per = KC_QGEMV_M / 2;
+	for (int64_t m = 0; m < j->rows; m += per) { /* x rows, two act rows each */
 		kc_qgemv g = {
 			.wt = a->wtype, .w = a->w, .w_row_bytes = j->w_row_bytes, .K = a->K,
-			.m = (int)(j->rows - m < KC_QGEMV_M ? j->rows - m : KC_QGEMV_M),
-			.act = act_at(j->l, j->base, m, a32),
+			.m = 2 * (int)(j->rows - m < per ? j->rows - m : per),
+			.act = act_at(j->l, j->base, 2 * m, a32),
 			.y = a->y + (j->m0 + m) * a->y_stride, .y_stride = a->y_stride,
 			.accumulate = a->accumulate,
 		};
@@ -492,6 +555,7 @@ static void gemm_items(void *ctx, int64_t b, int64_t e)
 	const kc_qkernels *k = j->k;
 	const enum kb_dtype t = a->wtype;
 	const int nrp = k->nr, sub = kc_q_sub(t), xb = kc_q_xblock(t), a32 = xb == 32;
+	const int tr = k->mr_max / 2; /* x rows per tile (two act rows each) */
 	const int64_t blk = kb_dtype_block(t);
 	_Alignas(64) uint8_t wp[KC_Q_KC * KC_Q_NR_MAX];
 	_Alignas(64) float sc[KC_Q_KC / 16 * KC_Q_NR_MAX];
@@ -506,15 +570,15 @@ static void gemm_items(void *ctx, int64_t b, int64_t e)
 		for (int64_t k0 = 0; k0 < a->K; k0 += KC_Q_KC) {
 			const int64_t nk = a->K - k0 < KC_Q_KC ? a->K - k0 : KC_Q_KC;
 			k->pack(t, w + kb_dtype_bytes(t, k0), j->w_row_bytes, nr, nk / blk, wp, sc, mn);
-			for (int64_t r = r0; r < r1; r += k->mr_max) {
-				kc_qact act = act_at(j->l, j->base, r, a32);
+			for (int64_t r = r0; r < r1; r += tr) {
+				kc_qact act = act_at(j->l, j->base, 2 * r, a32);
 				kc_qtile tl = {
 					.wt = t, .wp = wp, .sc = sc, .mn = mn, .nxb = nk / xb,
 					.xq = act.q + k0, .dx = act.d + k0 / xb, .ioff = act.ioff + k0 / sub,
 					.fsum = act.fsum + k0 / sub, .ldq = act.ldq, .ldb = act.ldb,
 					.ldsub = act.ldsub,
 					.y = a->y + (j->m0 + r) * a->y_stride + n0, .y_stride = a->y_stride,
-					.mr = (int)(r1 - r < k->mr_max ? r1 - r : k->mr_max), .nr = nr,
+					.mr = 2 * (int)(r1 - r < tr ? r1 - r : tr), .nr = nr,
 					.store = k0 == 0 && !a->accumulate,
 				};
 				k->tile(&tl);
@@ -527,15 +591,15 @@ static int qmatmul_one(const kc_qkernels *k, const kb_matmul_args *a)
 {
 	const enum kb_dtype t = a->wtype;
 	const int gemm = k->nr > 0 && a->M >= k->gemm_min_m;
-	layout l1;
-	layout_for(t, a->K, gemm, 1, &l1);
+	layout l1; /* one x row: two act rows */
+	layout_for(t, a->K, gemm, 2, &l1);
 	int64_t chunk = (int64_t)(KC_QUANT_SCRATCH_MAX / (l1.row_bytes + 64 * 6));
 	if (chunk < 1)
 		chunk = 1;
 	if (chunk > a->M)
 		chunk = a->M;
 	layout l;
-	layout_for(t, a->K, gemm, chunk, &l);
+	layout_for(t, a->K, gemm, 2 * chunk, &l);
 	char *base = scratch_get(l.row_bytes);
 	if (!base)
 		return DS_ENOMEM;
@@ -564,16 +628,17 @@ static int qmatmul_one(const kc_qkernels *k, const kb_matmul_args *a)
 		}
 		const int64_t panels = (a->N + k->nr - 1) / k->nr;
 		/* few panels: split the rows too, in parts of whole tiles */
+		const int64_t tr = k->mr_max / 2; /* x rows per tile */
 		j.mparts = 1;
 		if (panels < 4 * threads) {
 			int64_t want = (4 * threads + panels - 1) / panels;
-			int64_t max_parts = (rows + 4 * k->mr_max - 1) / (4 * k->mr_max);
+			int64_t max_parts = (rows + 4 * tr - 1) / (4 * tr);
 			j.mparts = want < max_parts ? want : max_parts;
 			if (j.mparts < 1)
 				j.mparts = 1;
 		}
 		j.mpart_rows = (rows + j.mparts - 1) / j.mparts;
-		j.mpart_rows = (j.mpart_rows + k->mr_max - 1) / k->mr_max * k->mr_max;
+		j.mpart_rows = (j.mpart_rows + tr - 1) / tr * tr;
 		j.mparts = (rows + j.mpart_rows - 1) / j.mpart_rows;
 		kc_parallel_for(panels * j.mparts, 1, gemm_items, &j);
 	}

@@ -32,23 +32,34 @@
  *         x[e] = (d * sc[e / 16]) * (q - 32)
  * Dequantization evaluates these in f32 in the order written.
  *
- * The quantized matmul (like ggml) quantizes the activations on the fly and
- * multiplies integers inside each block:
- *   Q4_0, Q4_1, Q8_0 weights: x in blocks of 32 ("Q8 32"): dx = amax / 127,
- *     q = round-to-nearest-even(x * (127 / amax)) (both divisions in f32; an
- *     all-zero block gives dx = 0, q = 0), plus the integer sum of each 16 q's
- *     and, per 32, sx = dx * (float)sum (f32).
- *   Q4_K, Q5_K, Q6_K weights: x in super-blocks of 256 ("Q8 256"), the same
- *     formula over 256 elements, plus the integer sum of each 16 q's.
- * Per weight block the integer dot products are exact (int32), then
+ * The quantized matmul quantizes the activations on the fly, in two 8-bit
+ * levels (x ~ d1 q1 + d2 q2, about 16 bits), and multiplies integers inside
+ * each block:
+ *   Q4_0, Q4_1, Q8_0 weights: x in blocks of 32 ("Q8 32"); Q4_K, Q5_K, Q6_K
+ *   weights: x in super-blocks of 256 ("Q8 256").  Per x block:
+ *   level 1 (as ggml): d1 = amax / 127, q1 = round-to-nearest-even(x * (127 /
+ *     amax)) (both divisions in f32; an all-zero block gives d1 = 0, q1 = 0);
+ *   level 2, the residual on a fixed finer scale: d2 = d1 / 256,
+ *     q2 = clamp(round-to-nearest-even((x - d1 q1) * (256 / d1)), -127, 127)
+ *     (x - d1 q1 and the products in f32, no fused multiply-add; |x - d1 q1|
+ *     <= d1 / 2, so q2 fits; q2 = 0 when d1 = 0 or 256 / d1 overflows);
+ *   plus, per level, the integer sum of each 16 q's, and for Q8 32 the sum of
+ *   the reconstructed block sx = d1 (float)sum(q1) + d2 (float)sum(q2) (f32).
+ * Per weight block and level the integer dot products are exact (int32); with
+ * (dx, qx) = (d1, q1) and (d2, q2) in turn and the two results added:
  *   Q8_0: dw dx sum(qw qx)          Q4_0: dw dx sum((qw - 8) qx)
- *   Q4_1: dw dx sum(qw qx) + mw sx
+ *   Q4_1: dw dx sum(qw qx), plus mw sx once per block
  *   Q4_K, Q5_K: dx (d sum_j s_j sum(qw qx) - dmin sum_j m_j sum_j(qx))
  *   Q6_K: d dx sum_g sc_g sum((qw - 32) qx)            (g: sub-blocks of 16)
- * and the block results are summed in f32 (SIMD) or double (reference), so
- * every implementation agrees with kc_qmatmul_ref up to summation order.
- * Against an f32 product of the dequantized weights the error is that of the
- * 8-bit activations: about 0.5 / 127 of each block's amax per element.
+ * The SIMD kernels may join the levels exactly in one integer, 256 dot(qw, q1)
+ * + dot(qw, q2) scaled by d2 (< 2^28 in magnitude per sub-block).  Block
+ * results are summed in f32 (SIMD) or double (reference), so every
+ * implementation agrees with kc_qmatmul_ref up to rounding.
+ * Against an f32 product of the dequantized weights the activation error is
+ * at most one step d2 = amax / 32512 per element (half a step by rounding; a
+ * residual of exactly d1 / 2 is clamped from 128 to 127) plus f32 rounding:
+ * about 128 times smaller than 8-bit activations, for twice the integer work
+ * on the same weight loads.
  *
  * Every value an ISA computes for one y element comes from the same sequence
  * of operations whatever the thread count; decode-sized M (below the ISA's

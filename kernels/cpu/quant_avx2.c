@@ -1,7 +1,8 @@
 /*
  * quant_avx2.c - AVX2 kernels of the quantized matmul (quant_impl.h): the
  * 256-bit template of quant_simd.h with pmaddubsw + pmaddwd as the integer
- * dot, and a GEMM tile of up to 4 x rows by an 8-column panel.
+ * dot, and a GEMM tile of up to 4 act rows (2 x rows, two levels each) by an
+ * 8-column panel.
  *
  * Integer dots: pmaddubsw multiplies unsigned weight bytes by signed
  * activation bytes and adds pairs into i16 without overflow here (|pair| <=
@@ -28,16 +29,16 @@
 #define MR 4
 #define INL QS_TGT __attribute__((always_inline)) static inline
 
-/* One tile: MR_ x rows by the 8-column panel over one K chunk.
+/* One tile: MR_ act rows (MR_ / 2 x rows) by the 8-column panel over one K chunk.
  * S: sub-block, XB: x block, has_min: Q4_1/Q4_K/Q5_K, sgn: Q8_0 (signed). */
 INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, const int has_min,
 		   const int sgn)
 {
-	const int nsub = XB / S;
+	const int nsub = XB / S, RX = MR_ / 2; /* x rows: act rows 2r (level 1), 2r + 1 */
 	const __m256i ones = _mm256_set1_epi16(1);
-	__m256 facc[MR], sub[MR];
+	__m256 facc[MR / 2], sub[MR / 2];
 	_Pragma("GCC unroll 8")
-	for (int r = 0; r < MR_; r++)
+	for (int r = 0; r < RX; r++)
 		facc[r] = sub[r] = _mm256_setzero_ps();
 	for (int64_t xb = 0; xb < t->nxb; xb++) {
 		_Pragma("GCC unroll 8")
@@ -66,21 +67,23 @@ INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, 
 			const __m256 scv = _mm256_load_ps(t->sc + s * NR);
 			const __m256 mnv = has_min ? _mm256_load_ps(t->mn + s * NR) : _mm256_setzero_ps();
 			_Pragma("GCC unroll 8")
-			for (int r = 0; r < MR_; r++) {
-				const __m256 v = _mm256_cvtepi32_ps(ia[r]);
+			for (int r = 0; r < RX; r++) {
+				/* 256 dot(w, q1) + dot(w, q2), exact (|.| < 2^28) */
+				const __m256i c = _mm256_add_epi32(_mm256_slli_epi32(ia[2 * r], 8), ia[2 * r + 1]);
+				const __m256 v = _mm256_cvtepi32_ps(c);
 				sub[r] = j == 0 ? _mm256_mul_ps(v, scv) : _mm256_fmadd_ps(v, scv, sub[r]);
-				if (has_min)
-					sub[r] = _mm256_fmadd_ps(mnv, _mm256_set1_ps(t->fsum[r * t->ldsub + s]), sub[r]);
+				if (has_min) /* level 2's fsum: 256 sum(q1) + sum(q2) */
+					sub[r] = _mm256_fmadd_ps(mnv, _mm256_set1_ps(t->fsum[(2 * r + 1) * t->ldsub + s]), sub[r]);
 			}
 		}
 		_Pragma("GCC unroll 8")
-		for (int r = 0; r < MR_; r++)
-			facc[r] = _mm256_fmadd_ps(sub[r], _mm256_set1_ps(t->dx[r * t->ldb + xb]), facc[r]);
+		for (int r = 0; r < RX; r++) /* scaled by d2 = d1 / 256 */
+			facc[r] = _mm256_fmadd_ps(sub[r], _mm256_set1_ps(t->dx[(2 * r + 1) * t->ldb + xb]), facc[r]);
 	}
 	const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
 	const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(t->nr), lane);
 	_Pragma("GCC unroll 8")
-	for (int r = 0; r < MR_; r++) {
+	for (int r = 0; r < RX; r++) {
 		float *y = t->y + r * t->y_stride;
 		__m256 v = facc[r];
 		if (!t->store)
@@ -91,9 +94,7 @@ INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, 
 
 #define TILE_ROWS(S, XB, MIN, SGN)                                 \
 	switch (t->mr) {                                           \
-	case 1: tile_impl(t, 1, S, XB, MIN, SGN); break;            \
 	case 2: tile_impl(t, 2, S, XB, MIN, SGN); break;            \
-	case 3: tile_impl(t, 3, S, XB, MIN, SGN); break;            \
 	default: tile_impl(t, 4, S, XB, MIN, SGN); break;           \
 	}
 
@@ -119,6 +120,7 @@ static void pack(enum kb_dtype t, const uint8_t *w, size_t w_row_bytes, int nr, 
 static const kc_qkernels kernels = {
 	.name = "avx2",
 	.quantize = qa2_quantize,
+	.quantize2 = qa2_quantize2,
 	.gemv = qa2_gemv,
 	.nr = NR,
 	.mr_max = MR,

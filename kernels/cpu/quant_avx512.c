@@ -65,6 +65,7 @@ static void pack_maddubs(enum kb_dtype t, const uint8_t *w, size_t w_row_bytes, 
 static const kc_qkernels kernels_vnni = {
 	.name = "avx512vnni",
 	.quantize = qv_quantize,
+	.quantize2 = qv_quantize2,
 	.gemv = qv_gemv,
 	.nr = 16,
 	.mr_max = 8,
@@ -77,6 +78,7 @@ static const kc_qkernels kernels_vnni = {
 static const kc_qkernels kernels_maddubs = {
 	.name = "avx512",
 	.quantize = qm_quantize,
+	.quantize2 = qm_quantize2,
 	.gemv = qm_gemv,
 	.nr = 16,
 	.mr_max = 8,

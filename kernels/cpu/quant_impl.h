@@ -3,16 +3,18 @@
  * (quant.c) and its per-ISA kernels (quant_avx2.c, quant_avx512.c).
  *
  * The driver quantizes the activations once per call into a kc_qact (per
- * calling thread scratch), then either
+ * calling thread scratch), each x row r as two activation ("act") rows:
+ * 2r = level 1 (q1, d1) and 2r + 1 = level 2 (q2, d2 = d1 / 256), see
+ * quant.h; then either
  *   GEMV (M below the ISA's gemm_min_m): each weight row is decoded straight
- *     from its blocks and dotted with up to KC_QGEMV_M activation rows at a
- *     time; work is split over weight rows;
+ *     from its blocks and dotted with up to KC_QGEMV_M act rows (KC_QGEMV_M / 2
+ *     x rows) at a time; work is split over weight rows;
  *   GEMM: the weights are repacked, KC_Q_KC elements at a time, into a panel
  *     of nr weight rows (columns of y) whose quantized values are interleaved
  *     four bytes per column, so one 4-byte dot instruction lane is one y
  *     column (vpdpbusd, or pmaddubsw + pmaddwd), and the panel is reused by
- *     tiles of up to mr activation rows; work is split over panels (and over
- *     rows when there are few panels).
+ *     tiles of up to mr act rows (mr / 2 x rows); work is split over panels
+ *     (and over rows when there are few panels).
  *
  * Packed panel of one K chunk (the weight block structure made uniform):
  *   sub-blocks of S elements (S = 16 for Q6_K, else 32), for each sub-block s
@@ -29,8 +31,10 @@
  *   -128 (Q8_0 on VNNI), -32 (Q6_K), 0 otherwise.  The maddubs kernels keep
  *   Q8_0 signed (off 0) and use |w| with sign(x, w).
  *   Columns past the matrix edge are packed as zeros.
- * A tile then computes, per x block (32 or 256 elements) with scale dx:
- *   t = sum_s (float)(iacc_s) * sc_s + mn_s * fsum_s;   y += dx * t
+ * A tile then computes, per x row, x block (32 or 256 elements) and
+ * sub-block s, from the integer accumulators i1_s, i2_s of its two act rows:
+ *   t = sum_s (float)(256 i1_s + i2_s) * sc_s + mn_s * fsum2_s;   y += d2 * t
+ * (256 i1 + i2 is exact: |i| < 2^28), fsum2 being level 2's fsum below.
  *
  * Thread rule: kernels touch only their own y tile / rows and read shared
  * inputs; no state.
@@ -45,21 +49,25 @@
 
 #define KC_Q_KC 2048      /* GEMM K chunk (elements): a multiple of 256 */
 #define KC_Q_NR_MAX 16    /* panel width, at most */
-#define KC_Q_MR_MAX 8     /* x rows per GEMM tile, at most */
-#define KC_QGEMV_M 4      /* activation rows per GEMV pass, at most */
+#define KC_Q_MR_MAX 8     /* act rows per GEMM tile, at most */
+#define KC_QGEMV_M 4      /* act rows per GEMV pass, at most (even) */
 
-/* Quantized activations of a chunk of x rows (row i of the chunk). */
+/* Quantized activations of a chunk of x rows: act rows 2r (level 1) and
+ * 2r + 1 (level 2) of x row r.  Per act row: */
 typedef struct kc_qact {
 	int8_t *q;       /* [rows][ldq] quantized values (ldq >= K, multiple of 64) */
-	float *d;        /* [rows][ldb] scale per x block (32 or 256 elements) */
-	float *ds;       /* [rows][2 * ldb] Q8 32 only: per block the pair d, d * (float)(sum of q) */
+	float *d;        /* [rows][ldb] scale per x block (32 or 256 elements): d1, d2 */
+	float *ds;       /* [rows][2 * ldb] Q8 32 only, per block a pair: level 1 (d1, 0),
+			  * level 2 (d2, sx of the block, both levels: quant.h) */
 	int16_t *bs;     /* [rows][lds] sum of each 16 q's */
 	int32_t *ioff;   /* GEMM only: [rows][ldsub] off * (sum of the sub-block's q) */
-	float *fsum;     /* GEMM only: [rows][ldsub] (float)(sum of the sub-block's q) */
+	float *fsum;     /* GEMM only: [rows][ldsub] level 1: (float)sum(q1), level 2:
+			  * (float)(256 sum(q1) + sum(q2)) over the sub-block (exact) */
 	int64_t ldq, ldb, lds, ldsub;
 } kc_qact;
 
-/* One GEMV pass: weight rows [n0, n1) against act rows [0, m) (m <= KC_QGEMV_M). */
+/* One GEMV pass: weight rows [n0, n1) against act rows [0, m) (m = 2 or 4 <=
+ * KC_QGEMV_M: one or two x rows); y row i / 2 gets both levels of act rows i, i + 1. */
 typedef struct kc_qgemv {
 	enum kb_dtype wt;
 	const uint8_t *w;   /* row n starts at w + n * w_row_bytes */
@@ -85,7 +93,7 @@ typedef struct kc_qtile {
 	int64_t ldq, ldb, ldsub;
 	float *y;           /* y[0][0] of the tile */
 	int64_t y_stride;
-	int mr, nr;         /* rows (<= mr_max), valid columns (<= panel width) */
+	int mr, nr;         /* act rows (even, <= mr_max; x rows mr / 2), valid columns (<= panel width) */
 	int store;          /* 1: y = result, 0: y += result */
 } kc_qtile;
 
@@ -94,8 +102,11 @@ typedef struct kc_qkernels {
 	/* Quantizes one x row (K elements) into act row 0 (q, d, s, bs), bit for
 	 * bit as the scalar quantizer; a256: Q8 256 (K-quant weights) else Q8 32. */
 	void (*quantize)(const float *x, int64_t K, int a256, const kc_qact *act);
+	/* The level 2 of the same row (the residual, see quant.c quant_level2),
+	 * bit for bit as the scalar: q, d, bs of l2 from x and l1's q, d. */
+	void (*quantize2)(const float *x, int64_t K, int a256, const kc_qact *l1, const kc_qact *l2);
 	void (*gemv)(const kc_qgemv *g, int64_t n0, int64_t n1);
-	/* GEMM (nr == 0: none): panel width, rows per tile, smallest M worth it. */
+	/* GEMM (nr == 0: none): panel width, act rows per tile (even), smallest M worth it. */
 	int nr, mr_max;
 	int64_t gemm_min_m;
 	int q8_off;        /* ioff multiplier of Q8_0 (-128 or 0, see the top comment) */

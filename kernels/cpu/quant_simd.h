@@ -1,9 +1,9 @@
 /*
  * quant_simd.h - 256-bit kernels of the quantized matmul, written once and
  * compiled by quant_avx2.c (pmaddubsw + pmaddwd) and quant_avx512.c (VNNI
- * vpdpbusd / vpdpwssd on ymm): the activation quantizer, the GEMV kernels
- * (one weight row at a time, decoded straight from its blocks, against up to
- * KC_QGEMV_M activation rows) and the panel packing of the GEMM.
+ * vpdpbusd / vpdpwssd on ymm): the activation quantizer (both levels), the
+ * GEMV kernels (one weight row at a time, decoded straight from its blocks,
+ * against up to KC_QGEMV_M act rows) and the panel packing of the GEMM.
  *
  * The includer defines before including:
  *   QS_TGT             function attribute selecting the ISA
@@ -97,6 +97,42 @@ static QS_TGT void QS_FN(quantize)(const float *x, int64_t K, int a256, const kc
 	}
 }
 
+/* 32 residuals (x - d1 q1) * id as int8, clamped to [-127, 127], in order. */
+QS_INL __m256i QS_FN(quant32r)(const float *x, const int8_t *q1, __m256 d1, __m256 id)
+{
+	__m256i v[4];
+	_Pragma("GCC unroll 4")
+	for (int i = 0; i < 4; i++) {
+		const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q1 + 8 * i))));
+		const __m256 p = _mm256_mul_ps(d1, q); /* no contraction: as the scalar */
+		const __m256 r = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * i), p);
+		v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(r, id));
+	}
+	__m256i ab = _mm256_packs_epi32(v[0], v[1]), cd = _mm256_packs_epi32(v[2], v[3]);
+	__m256i q = _mm256_max_epi8(_mm256_packs_epi16(ab, cd), _mm256_set1_epi8(-127));
+	return _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Level 2 of one x row (quant.c's quant_level2, bit for bit): q, d, bs of l2. */
+static QS_TGT void QS_FN(quantize2)(const float *x, int64_t K, int a256, const kc_qact *l1, const kc_qact *l2)
+{
+	const int blk = a256 ? 256 : 32;
+	for (int64_t b = 0; b < K / blk; b++) {
+		const float d1 = l1->d[b];
+		float idf = d1 > 0.0f ? 256.0f / d1 : 0.0f;
+		if (!(idf <= 3.40282347e38f))
+			idf = 0.0f;
+		const __m256 dv = _mm256_set1_ps(d1), id = _mm256_set1_ps(idf);
+		for (int i = 0; i < blk; i += 32) {
+			const int64_t e = b * blk + i;
+			__m256i v = QS_FN(quant32r)(x + e, l1->q + e, dv, id);
+			_mm256_storeu_si256((__m256i *)(l2->q + e), v);
+			QS_FN(sums16)(v, l2->bs + e / 16);
+		}
+		l2->d[b] = d1 * (1.0f / 256.0f);
+	}
+}
+
 /* ---- GEMV: one weight row at a time against M activation rows ----
  * Blocks are walked in address order, so each thread reads one ascending
  * stream that the hardware prefetchers follow (interleaving several rows
@@ -126,31 +162,37 @@ QS_INL __m128 QS_FN(halves)(const uint8_t *p, const int two)
 	return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
 }
 
-QS_INL void QS_FN(put)(const kc_qgemv *g, int m, int64_t n, float v)
+/* y element (x row m / 2, column n) from act rows m (level 1, value v0) and
+ * m + 1 (level 2, v1); m even. */
+QS_INL void QS_FN(put)(const kc_qgemv *g, int m, int64_t n, float v0, float v1)
 {
-	float *y = g->y + m * g->y_stride + n;
+	float *y = g->y + (m / 2) * g->y_stride + n;
+	const float v = v0 + v1;
 	*y = g->accumulate ? *y + v : v;
 }
 
 #define QS_RMAX 4 /* accumulator sets per x row, at most */
 
-/* Q4_0, Q4_1, Q8_0: weight rows n .. n + R - 1. */
 /* Q4_0, Q4_1, Q8_0: weight row n, blocks walked in order (one ascending
  * stream, which the hardware prefetchers follow), U blocks per step into U
- * accumulators per x row. */
+ * accumulators per x row.  M act rows = M / 2 x rows; per x row and block the
+ * two levels share one integer accumulator, 256 * dot(w, q1) + dot(w, q2)
+ * (exact: |.| < 2^28, and < 2^24 for Q4_0 / Q4_1, so its f32 conversion is
+ * exact there), scaled by dw * d2 (quant_impl.h). */
 QS_INL void QS_FN(a32_row)(const kc_qgemv *g, int64_t n, const int U, const int M, const enum kb_dtype t)
 {
+	const int P = M / 2;
 	const int64_t nb = g->K / 32;
 	const size_t bb = kb_dtype_block_bytes(t);
 	const uint8_t *w = g->w + (size_t)n * g->w_row_bytes;
-	__m256 acc[QS_RMAX][KC_QGEMV_M];
-	__m128 accm[QS_RMAX][KC_QGEMV_M]; /* Q4_1: lane 1 sums mw * sx */
+	__m256 acc[QS_RMAX][KC_QGEMV_M / 2];
+	__m128 accm[QS_RMAX][KC_QGEMV_M / 2]; /* Q4_1: lane 1 sums mw * sx */
 	_Pragma("GCC unroll 8")
 	for (int u = 0; u < U; u++) {
 		_Pragma("GCC unroll 8")
-		for (int m = 0; m < M; m++) {
-			acc[u][m] = _mm256_setzero_ps();
-			accm[u][m] = _mm_setzero_ps();
+		for (int p = 0; p < P; p++) {
+			acc[u][p] = _mm256_setzero_ps();
+			accm[u][p] = _mm_setzero_ps();
 		}
 	}
 	for (int64_t b0 = 0; b0 < nb; b0 += U) {
@@ -169,36 +211,44 @@ QS_INL void QS_FN(a32_row)(const kc_qgemv *g, int64_t n, const int U, const int 
 				uq = QS_FN(nibbles32)(wb + (t == KB_Q4_1 ? 4 : 2));
 			}
 			_Pragma("GCC unroll 8")
-			for (int m = 0; m < M; m++) {
-				const __m256i xv = QS_FN(load32)(g->act.q + m * g->act.ldq + 32 * b);
-				const __m128 ds = _mm_castpd_ps(_mm_load_sd((const double *)(g->act.ds + 2 * (m * g->act.ldb + b))));
-				__m256i p;
+			for (int p = 0; p < P; p++) {
+				const int8_t *x1 = g->act.q + 2 * p * g->act.ldq + 32 * b;
+				const __m256i xv1 = QS_FN(load32)(x1), xv2 = QS_FN(load32)(x1 + g->act.ldq);
+				/* level 2's pair [d2, sx of both levels] */
+				const __m128 ds = _mm_castpd_ps(
+					_mm_load_sd((const double *)(g->act.ds + 2 * ((2 * p + 1) * g->act.ldb + b))));
+				__m256i i1, i2;
 				if (t == KB_Q8_0) {
-					p = QS_DOT(_mm256_setzero_si256(), uq, _mm256_sign_epi8(xv, sgn));
+					i1 = QS_DOT(_mm256_setzero_si256(), uq, _mm256_sign_epi8(xv1, sgn));
+					i2 = QS_DOT(_mm256_slli_epi32(i1, 8), uq, _mm256_sign_epi8(xv2, sgn));
 				} else if (t == KB_Q4_0) {
-					const int16_t *bs = g->act.bs + m * g->act.lds + 2 * b;
-					p = QS_DOT(_mm256_setr_epi32(-8 * (bs[0] + bs[1]), 0, 0, 0, 0, 0, 0, 0), uq, xv);
+					const int16_t *bs1 = g->act.bs + 2 * p * g->act.lds + 2 * b, *bs2 = bs1 + g->act.lds;
+					const int off = -8 * (256 * (bs1[0] + bs1[1]) + bs2[0] + bs2[1]);
+					i1 = QS_DOT(_mm256_setzero_si256(), uq, xv1);
+					i2 = QS_DOT(_mm256_add_epi32(_mm256_slli_epi32(i1, 8), _mm256_setr_epi32(off, 0, 0, 0, 0, 0, 0, 0)),
+						    uq, xv2);
 				} else {
-					p = QS_DOT(_mm256_setzero_si256(), uq, xv);
+					i1 = QS_DOT(_mm256_setzero_si256(), uq, xv1);
+					i2 = QS_DOT(_mm256_slli_epi32(i1, 8), uq, xv2);
 				}
-				const __m128 prod = _mm_mul_ps(dm, ds); /* [dw dx, mw sx] */
+				const __m128 prod = _mm_mul_ps(dm, ds); /* [dw d2, mw sx] */
 				if (t == KB_Q4_1)
-					accm[u][m] = _mm_add_ps(accm[u][m], prod);
-				acc[u][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[u][m]);
+					accm[u][p] = _mm_add_ps(accm[u][p], prod);
+				acc[u][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), _mm256_broadcastss_ps(prod), acc[u][p]);
 			}
 		}
 	}
 	_Pragma("GCC unroll 8")
-	for (int m = 0; m < M; m++) {
-		__m256 a = acc[0][m];
-		__m128 am = accm[0][m];
+	for (int p = 0; p < P; p++) {
+		__m256 a = acc[0][p];
+		__m128 am = accm[0][p];
 		_Pragma("GCC unroll 8")
 		for (int u = 1; u < U; u++) {
-			a = _mm256_add_ps(a, acc[u][m]);
-			am = _mm_add_ps(am, accm[u][m]);
+			a = _mm256_add_ps(a, acc[u][p]);
+			am = _mm_add_ps(am, accm[u][p]);
 		}
 		const float mins = t == KB_Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(am)) : 0.0f;
-		QS_FN(put)(g, m, n, QS_FN(hsum8)(a) + mins);
+		QS_FN(put)(g, 2 * p, n, QS_FN(hsum8)(a) + mins, 0.0f);
 	}
 }
 
@@ -212,8 +262,9 @@ QS_INL __m256i QS_FN(scale16)(__m256i s, int j)
 						       lo, hi, lo, hi));
 }
 
-/* Q4_K, Q5_K: weight rows n .. n + R - 1; two integer accumulators per
- * (row, x row): even and odd sub-blocks. */
+/* Q4_K, Q5_K: weight rows n .. n + R - 1 against M act rows (each level on
+ * its own scale, the pair added at the end); two integer accumulators per
+ * (row, act row): even and odd sub-blocks. */
 QS_INL void QS_FN(k45_rows)(const kc_qgemv *g, int64_t n, const int R, const int M, const int five)
 {
 	const int64_t nb = g->K / 256;
@@ -291,17 +342,22 @@ QS_INL void QS_FN(k45_rows)(const kc_qgemv *g, int64_t n, const int R, const int
 	}
 	_Pragma("GCC unroll 8")
 	for (int r = 0; r < R; r++) {
+		float v[KC_QGEMV_M];
 		_Pragma("GCC unroll 8")
 		for (int m = 0; m < M; m++) {
 			__m128 s = accm[r][m];
 			s = _mm_add_ps(s, _mm_movehl_ps(s, s));
 			s = _mm_add_ss(s, _mm_movehdup_ps(s));
-			QS_FN(put)(g, m, n + r, QS_FN(hsum8)(acc[r][m]) + _mm_cvtss_f32(s));
+			v[m] = QS_FN(hsum8)(acc[r][m]) + _mm_cvtss_f32(s);
 		}
+		_Pragma("GCC unroll 8")
+		for (int m = 0; m < M; m += 2)
+			QS_FN(put)(g, m, n + r, v[m], v[m + 1]);
 	}
 }
 
-/* Q6_K: weight rows n .. n + R - 1; two integer accumulators per (row, x row). */
+/* Q6_K: weight rows n .. n + R - 1 against M act rows (levels as Q4_K); two
+ * integer accumulators per (row, act row). */
 QS_INL void QS_FN(q6k_rows)(const kc_qgemv *g, int64_t n, const int R, const int M)
 {
 	const int64_t nb = g->K / 256;
@@ -371,34 +427,33 @@ QS_INL void QS_FN(q6k_rows)(const kc_qgemv *g, int64_t n, const int R, const int
 	_Pragma("GCC unroll 8")
 	for (int r = 0; r < R; r++)
 		_Pragma("GCC unroll 8")
-		for (int m = 0; m < M; m++)
-			QS_FN(put)(g, m, n + r, QS_FN(hsum8)(acc[r][m]));
+		for (int m = 0; m < M; m += 2)
+			QS_FN(put)(g, m, n + r, QS_FN(hsum8)(acc[r][m]), QS_FN(hsum8)(acc[r][m + 1]));
 }
 
+/* g->m is 2 or 4 act rows (one or two x rows, two levels each) */
 #define QS_GEMV_CASES(call)                                                   \
 	switch (g->m) {                                                       \
-	case 1: for (int64_t n = n0; n < n1; n++) call(n, 1); break;          \
 	case 2: for (int64_t n = n0; n < n1; n++) call(n, 2); break;          \
-	case 3: for (int64_t n = n0; n < n1; n++) call(n, 3); break;          \
 	default: for (int64_t n = n0; n < n1; n++) call(n, 4); break;         \
 	}
 
 static QS_TGT void QS_FN(gemv)(const kc_qgemv *g, int64_t n0, int64_t n1)
 {
-	/* U = 4, 2, 1 blocks in flight for M = 1, 2, >= 3 (accumulator chains) */
+	/* U = 4, 2 blocks in flight for M = 2, 4 act rows (accumulator chains) */
 	switch (g->wt) {
 	case KB_Q4_0:
-#define QS_C(n, M) QS_FN(a32_row)(g, n, (M) == 1 ? 4 : (M) == 2 ? 2 : 1, M, KB_Q4_0)
+#define QS_C(n, M) QS_FN(a32_row)(g, n, (M) == 2 ? 4 : 2, M, KB_Q4_0)
 		QS_GEMV_CASES(QS_C)
 #undef QS_C
 		break;
 	case KB_Q4_1:
-#define QS_C(n, M) QS_FN(a32_row)(g, n, (M) == 1 ? 4 : (M) == 2 ? 2 : 1, M, KB_Q4_1)
+#define QS_C(n, M) QS_FN(a32_row)(g, n, (M) == 2 ? 4 : 2, M, KB_Q4_1)
 		QS_GEMV_CASES(QS_C)
 #undef QS_C
 		break;
 	case KB_Q8_0:
-#define QS_C(n, M) QS_FN(a32_row)(g, n, (M) == 1 ? 4 : (M) == 2 ? 2 : 1, M, KB_Q8_0)
+#define QS_C(n, M) QS_FN(a32_row)(g, n, (M) == 2 ? 4 : 2, M, KB_Q8_0)
 		QS_GEMV_CASES(QS_C)
 #undef QS_C
 		break;

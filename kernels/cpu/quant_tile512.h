@@ -1,7 +1,8 @@
 /*
- * quant_tile512.h - the AVX-512 GEMM tile of the quantized matmul: up to 8 x
- * rows by a 16-column packed panel (quant_impl.h), one zmm of 16 i32 (one per
- * column) per row; compiled twice by quant_avx512.c:
+ * quant_tile512.h - the AVX-512 GEMM tile of the quantized matmul: up to 8 act
+ * rows (4 x rows, two levels each) by a 16-column packed panel
+ * (quant_impl.h), one zmm of 16 i32 (one per column) per act row, the two
+ * levels joined as 256 i1 + i2 per sub-block; compiled twice by quant_avx512.c:
  *   QT_VNNI 1: vpdpbusd (u8 panel bytes x the row's 4 broadcast s8 values);
  *   QT_VNNI 0: vpmaddubsw + vpmaddwd by ones (Q8_0: |w| x sign(x, w)).
  * The includer defines QT_TGT (function attribute), QT_FN(name) and QT_VNNI.
@@ -23,10 +24,10 @@
 QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, const int XB, const int has_min,
 			     const int sgn)
 {
-	const int nsub = XB / S;
-	__m512 facc[QT_MR], sub[QT_MR];
+	const int nsub = XB / S, RX = MR_ / 2; /* x rows: act rows 2r (level 1), 2r + 1 */
+	__m512 facc[QT_MR / 2], sub[QT_MR / 2];
 	_Pragma("GCC unroll 8")
-	for (int r = 0; r < MR_; r++)
+	for (int r = 0; r < RX; r++)
 		facc[r] = sub[r] = _mm512_setzero_ps();
 	for (int64_t xb = 0; xb < t->nxb; xb++) {
 		_Pragma("GCC unroll 8")
@@ -66,20 +67,22 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 			const __m512 scv = _mm512_load_ps(t->sc + s * QT_NR);
 			const __m512 mnv = has_min ? _mm512_load_ps(t->mn + s * QT_NR) : _mm512_setzero_ps();
 			_Pragma("GCC unroll 8")
-			for (int r = 0; r < MR_; r++) {
-				const __m512 v = _mm512_cvtepi32_ps(ia[r]);
+			for (int r = 0; r < RX; r++) {
+				/* 256 dot(w, q1) + dot(w, q2), exact (|.| < 2^28) */
+				const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(ia[2 * r], 8), ia[2 * r + 1]);
+				const __m512 v = _mm512_cvtepi32_ps(c);
 				sub[r] = j == 0 ? _mm512_mul_ps(v, scv) : _mm512_fmadd_ps(v, scv, sub[r]);
-				if (has_min)
-					sub[r] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(t->fsum[r * t->ldsub + s]), sub[r]);
+				if (has_min) /* level 2's fsum: 256 sum(q1) + sum(q2) */
+					sub[r] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(t->fsum[(2 * r + 1) * t->ldsub + s]), sub[r]);
 			}
 		}
 		_Pragma("GCC unroll 8")
-		for (int r = 0; r < MR_; r++)
-			facc[r] = _mm512_fmadd_ps(sub[r], _mm512_set1_ps(t->dx[r * t->ldb + xb]), facc[r]);
+		for (int r = 0; r < RX; r++) /* scaled by d2 = d1 / 256 */
+			facc[r] = _mm512_fmadd_ps(sub[r], _mm512_set1_ps(t->dx[(2 * r + 1) * t->ldb + xb]), facc[r]);
 	}
 	const __mmask16 mask = (__mmask16)((1u << t->nr) - 1u);
 	_Pragma("GCC unroll 8")
-	for (int r = 0; r < MR_; r++) {
+	for (int r = 0; r < RX; r++) {
 		float *y = t->y + r * t->y_stride;
 		__m512 v = facc[r];
 		if (!t->store)
@@ -90,13 +93,9 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 
 #define QT_ROWS(S, XB, MIN, SGN)                                          \
 	switch (t->mr) {                                                  \
-	case 1: QT_FN(tile_impl)(t, 1, S, XB, MIN, SGN); break;            \
 	case 2: QT_FN(tile_impl)(t, 2, S, XB, MIN, SGN); break;            \
-	case 3: QT_FN(tile_impl)(t, 3, S, XB, MIN, SGN); break;            \
 	case 4: QT_FN(tile_impl)(t, 4, S, XB, MIN, SGN); break;            \
-	case 5: QT_FN(tile_impl)(t, 5, S, XB, MIN, SGN); break;            \
 	case 6: QT_FN(tile_impl)(t, 6, S, XB, MIN, SGN); break;            \
-	case 7: QT_FN(tile_impl)(t, 7, S, XB, MIN, SGN); break;            \
 	default: QT_FN(tile_impl)(t, 8, S, XB, MIN, SGN); break;           \
 	}
 
