@@ -1,6 +1,6 @@
 """Independent float64 numpy reference of the DeepSeek-V2/V3 forward pass.
 
-Written straight from /work/shared/docs/deepseek_v3_spec.md (sections 3-5);
+Written straight from the design docs' deepseek_v3_spec.md (sections 3-5);
 it shares no code with the C engine.  Tests only.
 
     forward(model_dir, token_ids) -> logits float64 [T, vocab]   (positions 0..T-1)
