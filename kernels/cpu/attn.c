@@ -16,6 +16,7 @@
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/vmath.h"
 
 #include <math.h>
 #include <string.h>
@@ -29,7 +30,17 @@
 typedef struct vec_ops {
 	float (*dot)(const float *a, const float *b, int64_t n);
 	void (*scale_add)(float *acc, float c, float w, const float *v, int64_t n);
+	/* x[i] = exp(x[i] - m) for i < n; returns the sum of the results */
+	float (*exp_sub)(float *x, float m, int64_t n);
 } vec_ops;
+
+static float exp_sub_scalar(float *x, float m, int64_t n)
+{
+	float s = 0.0f;
+	for (int64_t i = 0; i < n; i++)
+		s += (x[i] = expf(x[i] - m));
+	return s;
+}
 
 static float dot_scalar(const float *a, const float *b, int64_t n)
 {
@@ -78,6 +89,39 @@ __attribute__((target("avx2,fma"))) static void scale_add_avx2(float *acc, float
 		acc[i] = acc[i] * c + w * v[i];
 }
 
+__attribute__((target("avx2,fma"))) static float exp_sub_avx2(float *x, float m, int64_t n)
+{
+	const __m256 vm = _mm256_set1_ps(m);
+	__m256 acc = _mm256_setzero_ps();
+	int64_t i = 0;
+	for (; i + 8 <= n; i += 8) {
+		__m256 e = kc_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+		_mm256_storeu_ps(x + i, e);
+		acc = _mm256_add_ps(acc, e);
+	}
+	__m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_add_ss(h, _mm_movehdup_ps(h));
+	float s = _mm_cvtss_f32(h);
+	for (; i < n; i++)
+		s += (x[i] = expf(x[i] - m));
+	return s;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float
+exp_sub_avx512(float *x, float m, int64_t n)
+{
+	const __m512 vm = _mm512_set1_ps(m);
+	__m512 acc = _mm512_setzero_ps();
+	for (int64_t i = 0; i < n; i += 16) {
+		__mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (unsigned)(n - i)) - 1u);
+		__m512 e = kc_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm));
+		_mm512_mask_storeu_ps(x + i, k, e);
+		acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+	}
+	return _mm512_reduce_add_ps(acc);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float
 dot_avx512(const float *a, const float *b, int64_t n)
 {
@@ -109,13 +153,13 @@ scale_add_avx512(float *acc, float c, float w, const float *v, int64_t n)
 
 static vec_ops pick_ops(void)
 {
-	vec_ops o = {dot_scalar, scale_add_scalar};
+	vec_ops o = {dot_scalar, scale_add_scalar, exp_sub_scalar};
 #if defined(__x86_64__)
 	enum kc_isa isa = kc_isa_active();
 	if (isa >= KC_ISA_AVX512)
-		o = (vec_ops){dot_avx512, scale_add_avx512};
+		o = (vec_ops){dot_avx512, scale_add_avx512, exp_sub_avx512};
 	else if (isa >= KC_ISA_AVX2)
-		o = (vec_ops){dot_avx2, scale_add_avx2};
+		o = (vec_ops){dot_avx2, scale_add_avx2, exp_sub_avx2};
 #endif
 	return o;
 }
@@ -169,11 +213,9 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 				l *= c;
 				m = cmax;
 			}
-			for (int64_t i = 0; i < n; i++) {
-				float w = expf(sc[i] - m);
-				v.scale_add(out, 1.0f, w, rows[i], a->kv_lora);
-				l += w;
-			}
+			l += v.exp_sub(sc, m, n);
+			for (int64_t i = 0; i < n; i++)
+				v.scale_add(out, 1.0f, sc[i], rows[i], a->kv_lora);
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < a->kv_lora; i++)
@@ -256,11 +298,9 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 				l *= c;
 				m = cmax;
 			}
-			for (int64_t i = 0; i < n; i++) {
-				float w = expf(sc[i] - m);
-				v.scale_add(out, 1.0f, w, rows[i] + a->v_off + kh * hd, hd);
-				l += w;
-			}
+			l += v.exp_sub(sc, m, n);
+			for (int64_t i = 0; i < n; i++)
+				v.scale_add(out, 1.0f, sc[i], rows[i] + a->v_off + kh * hd, hd);
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < hd; i++)
