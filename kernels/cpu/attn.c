@@ -32,7 +32,32 @@ typedef struct vec_ops {
 	void (*scale_add)(float *acc, float c, float w, const float *v, int64_t n);
 	/* x[i] = exp(x[i] - m) for i < n; returns the sum of the results */
 	float (*exp_sub)(float *x, float m, int64_t n);
+	/* sc[i] (+)= scale * q . (rows[i] + off)[0..dim), i < n */
+	void (*scores)(float *sc, const float *q, const float *const *rows, int64_t off, int64_t n,
+		       int64_t dim, float scale, int accumulate);
+	/* out[0..dim) += sum_i w[i] * (rows[i] + off)[0..dim) */
+	void (*wsum)(float *out, const float *w, const float *const *rows, int64_t off, int64_t n,
+		     int64_t dim);
 } vec_ops;
+
+static void scores_scalar(float *sc, const float *q, const float *const *rows, int64_t off, int64_t n,
+			  int64_t dim, float scale, int accumulate)
+{
+	for (int64_t i = 0; i < n; i++) {
+		float d = 0.0f;
+		for (int64_t k = 0; k < dim; k++)
+			d += q[k] * rows[i][off + k];
+		sc[i] = (accumulate ? sc[i] : 0.0f) + scale * d;
+	}
+}
+
+static void wsum_scalar(float *out, const float *w, const float *const *rows, int64_t off, int64_t n,
+			int64_t dim)
+{
+	for (int64_t i = 0; i < n; i++)
+		for (int64_t k = 0; k < dim; k++)
+			out[k] += w[i] * rows[i][off + k];
+}
 
 static float exp_sub_scalar(float *x, float m, int64_t n)
 {
@@ -151,15 +176,88 @@ scale_add_avx512(float *acc, float c, float w, const float *v, int64_t n)
 }
 #endif
 
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static void scores_avx2(float *sc, const float *q,
+							    const float *const *rows, int64_t off,
+							    int64_t n, int64_t dim, float scale,
+							    int accumulate)
+{
+	for (int64_t i = 0; i < n; i++) {
+		float d = dot_avx2(q, rows[i] + off, dim);
+		sc[i] = (accumulate ? sc[i] : 0.0f) + scale * d;
+	}
+}
+
+__attribute__((target("avx2,fma"))) static void wsum_avx2(float *out, const float *w,
+							  const float *const *rows, int64_t off,
+							  int64_t n, int64_t dim)
+{
+	int64_t d = 0;
+	for (; d + 32 <= dim; d += 32) {
+		__m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out + d + 8);
+		__m256 a2 = _mm256_loadu_ps(out + d + 16), a3 = _mm256_loadu_ps(out + d + 24);
+		for (int64_t i = 0; i < n; i++) {
+			const float *r = rows[i] + off + d;
+			__m256 wi = _mm256_set1_ps(w[i]);
+			a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r), a0);
+			a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r + 8), a1);
+			a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r + 16), a2);
+			a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r + 24), a3);
+		}
+		_mm256_storeu_ps(out + d, a0);
+		_mm256_storeu_ps(out + d + 8, a1);
+		_mm256_storeu_ps(out + d + 16, a2);
+		_mm256_storeu_ps(out + d + 24, a3);
+	}
+	for (; d < dim; d++)
+		for (int64_t i = 0; i < n; i++)
+			out[d] += w[i] * rows[i][off + d];
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void
+scores_avx512(float *sc, const float *q, const float *const *rows, int64_t off, int64_t n, int64_t dim,
+	      float scale, int accumulate)
+{
+	for (int64_t i = 0; i < n; i++) {
+		float d = dot_avx512(q, rows[i] + off, dim);
+		sc[i] = (accumulate ? sc[i] : 0.0f) + scale * d;
+	}
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void
+wsum_avx512(float *out, const float *w, const float *const *rows, int64_t off, int64_t n, int64_t dim)
+{
+	for (int64_t d = 0; d < dim; d += 64) { /* 4 accumulators stay in registers over the keys */
+		__mmask16 k[4];
+		__m512 a[4];
+		for (int j = 0; j < 4; j++) {
+			int64_t left = dim - d - 16 * j;
+			k[j] = left >= 16 ? (__mmask16)0xffff
+			       : left > 0  ? (__mmask16)((1u << (unsigned)left) - 1u)
+					   : (__mmask16)0;
+			a[j] = _mm512_maskz_loadu_ps(k[j], out + d + 16 * j);
+		}
+		for (int64_t i = 0; i < n; i++) {
+			const float *r = rows[i] + off + d;
+			__m512 wi = _mm512_set1_ps(w[i]);
+			for (int j = 0; j < 4; j++)
+				a[j] = _mm512_fmadd_ps(wi, _mm512_maskz_loadu_ps(k[j], r + 16 * j), a[j]);
+		}
+		for (int j = 0; j < 4; j++)
+			_mm512_mask_storeu_ps(out + d + 16 * j, k[j], a[j]);
+	}
+}
+#endif
+
 static vec_ops pick_ops(void)
 {
-	vec_ops o = {dot_scalar, scale_add_scalar, exp_sub_scalar};
+	vec_ops o = {dot_scalar, scale_add_scalar, exp_sub_scalar, scores_scalar, wsum_scalar};
 #if defined(__x86_64__)
 	enum kc_isa isa = kc_isa_active();
 	if (isa >= KC_ISA_AVX512)
-		o = (vec_ops){dot_avx512, scale_add_avx512, exp_sub_avx512};
+		o = (vec_ops){dot_avx512, scale_add_avx512, exp_sub_avx512, scores_avx512, wsum_avx512};
 	else if (isa >= KC_ISA_AVX2)
-		o = (vec_ops){dot_avx2, scale_add_avx2, exp_sub_avx2};
+		o = (vec_ops){dot_avx2, scale_add_avx2, exp_sub_avx2, scores_avx2, wsum_avx2};
 #endif
 	return o;
 }
@@ -203,10 +301,11 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 				int64_t j = j0 + i;
 				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
 				rows[i] = a->cache + slot * a->row_stride;
-				sc[i] = a->scale * (v.dot(ql, rows[i], a->kv_lora) +
-						    v.dot(qp, rows[i] + a->kv_lora, a->rope_dim));
-				cmax = sc[i] > cmax ? sc[i] : cmax;
 			}
+			v.scores(sc, ql, rows, 0, n, a->kv_lora, a->scale, 0);
+			v.scores(sc, qp, rows, a->kv_lora, n, a->rope_dim, a->scale, 1);
+			for (int64_t i = 0; i < n; i++)
+				cmax = sc[i] > cmax ? sc[i] : cmax;
 			if (cmax > m) { /* the running max grows: rescale what is summed */
 				float c = expf(m - cmax);
 				v.scale_add(out, c, 0.0f, out, a->kv_lora);
@@ -214,8 +313,7 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 				m = cmax;
 			}
 			l += v.exp_sub(sc, m, n);
-			for (int64_t i = 0; i < n; i++)
-				v.scale_add(out, 1.0f, sc[i], rows[i], a->kv_lora);
+			v.wsum(out, sc, rows, 0, n, a->kv_lora);
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < a->kv_lora; i++)
@@ -289,9 +387,10 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 				int64_t j = j0 + i;
 				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
 				rows[i] = a->cache + slot * a->row_stride;
-				sc[i] = a->scale * v.dot(q, rows[i] + a->k_off + kh * hd, hd);
-				cmax = sc[i] > cmax ? sc[i] : cmax;
 			}
+			v.scores(sc, q, rows, a->k_off + kh * hd, n, hd, a->scale, 0);
+			for (int64_t i = 0; i < n; i++)
+				cmax = sc[i] > cmax ? sc[i] : cmax;
 			if (cmax > m) {
 				float c = expf(m - cmax);
 				v.scale_add(out, c, 0.0f, out, hd);
@@ -299,8 +398,7 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 				m = cmax;
 			}
 			l += v.exp_sub(sc, m, n);
-			for (int64_t i = 0; i < n; i++)
-				v.scale_add(out, 1.0f, sc[i], rows[i] + a->v_off + kh * hd, hd);
+			v.wsum(out, sc, rows, a->v_off + kh * hd, n, hd);
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < hd; i++)
