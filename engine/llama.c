@@ -238,11 +238,20 @@ static int cfg_from_gguf(const gguf_file *g, lcfg *c, ds_err *err)
 	if (rope_dim != c->head_dim)
 		return ds_err_set(err, DS_EUNSUPPORTED, "%s: llama.rope.dimension_count %d differs from the head size %d",
 				  gguf_path(g), rope_dim, c->head_dim);
-	int eos = -1;
-	if ((rc = gg_int(g, "tokenizer.ggml.eos_token_id", 0, 0, 1 << 24, &eos, err)))
-		return rc;
-	if (eos >= 0)
-		c->eos[c->n_eos++] = eos;
+	/* generation stops at EOS and at the end-of-turn / end-of-message tokens
+	 * that Llama 3 style GGUFs declare beside it */
+	static const char *stop_keys[] = {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+					  "tokenizer.ggml.eom_token_id"};
+	for (size_t i = 0; i < sizeof stop_keys / sizeof stop_keys[0]; i++) {
+		int id = -1;
+		if ((rc = gg_int(g, stop_keys[i], 0, 0, 1 << 24, &id, err)))
+			return rc;
+		int dup = 0;
+		for (int j = 0; j < c->n_eos; j++)
+			dup |= c->eos[j] == id;
+		if (id >= 0 && !dup && c->n_eos < MODEL_MAX_EOS)
+			c->eos[c->n_eos++] = id;
+	}
 	c->rope_theta = 10000.0;
 	c->eps = 1e-5;
 	if ((gguf_find_key(g, "llama.rope.freq_base") >= 0 && (rc = gguf_get_float(g, "llama.rope.freq_base", &c->rope_theta, err))) ||

@@ -57,3 +57,19 @@ def test_hf_llama_rejects_unsupported_fields(tmp_path):
     r = subprocess.run([binary("dsrun"), "-m", str(d), "--tokens", "1,2"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "gelu" in r.stderr
+
+
+def test_gguf_end_of_turn_token_stops_generation(tmp_path):
+    import json
+    d, cfg, w = write_hf(tmp_path / "hf")
+    g = write_gguf(tmp_path / "a.gguf", cfg, w)
+    base = ["--tokens", "1,17,250,3", "-n", "12", "--temp", "0", "--ids", "--ignore-eos"]
+    run = lambda m, *extra: subprocess.run([binary("dsrun"), "-m", str(m), *base, *extra],  # noqa: E731
+                                           capture_output=True, text=True, timeout=60)
+    full = json.loads(run(g).stdout)
+    assert len(full) == 12
+    stop = full[4]
+    g2 = write_gguf(tmp_path / "b.gguf", cfg, w, eot=stop)
+    r = subprocess.run([binary("dsrun"), "-m", str(g2), "--tokens", "1,17,250,3", "-n", "12",
+                        "--temp", "0", "--ids"], capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout) == full[:full.index(stop) + 1]
