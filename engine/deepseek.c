@@ -92,7 +92,6 @@ typedef struct ds_model {
 	float *rlog, *rw;                   /* [bt][E], [bt][K] */
 	int32_t *ridx, *ecount, *eoff, *etok;
 	float *ew, *xe, *ye;
-	int32_t *lrows;
 	int32_t *seq_ntok;                 /* [bt]: tokens of each sequence in the step */
 } ds_model;
 
@@ -401,13 +400,12 @@ static int alloc_buffers(ds_model *m, ds_err *err)
 	m->ew = xalloc(m, bt * K, 4);
 	m->xe = xalloc(m, bt * D, 4);
 	m->ye = xalloc(m, bt * D, 4);
-	m->lrows = xalloc(m, bt, 4);
 	m->seq_ntok = xalloc(m, bt, 4);
 	if (!m->x || !m->h || !m->cq || !m->q || !m->kva || !m->o || !m->lg || !m->qa ||
 	    !m->qlat || !m->qpe || !m->u || !m->oa || !m->a_idx || !m->a_seq || !m->a_pos ||
 	    !m->nlat || !m->nkv || !m->nk || !m->nv || !m->nq || !m->no || !m->n_idx ||
 	    !m->n_pos || !m->g || !m->up || !m->act || !m->rlog || !m->rw || !m->ridx ||
-	    !m->ecount || !m->eoff || !m->etok || !m->ew || !m->xe || !m->ye || !m->lrows ||
+	    !m->ecount || !m->eoff || !m->etok || !m->ew || !m->xe || !m->ye ||
 	    !m->seq_ntok)
 		return bad_alloc(err);
 	return DS_OK;
@@ -531,7 +529,7 @@ static void ds_free(model *base)
 			m->qa, m->qlat, m->qpe, m->u, m->oa, m->a_idx, m->a_seq, m->a_pos, m->nlat,
 			m->nkv, m->nk, m->nv, m->nq, m->no, m->n_idx, m->n_pos, m->g, m->up, m->act,
 			m->rlog, m->rw, m->ridx, m->ecount, m->eoff, m->etok, m->ew, m->xe, m->ye,
-			m->lrows, m->seq_ntok};
+			m->seq_ntok};
 	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
 		free(bufs[i]);
 	st_close(m->st);

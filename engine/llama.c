@@ -67,7 +67,6 @@ typedef struct llama_model {
 	size_t extra;
 	int64_t bt, ctx, qd, kvd;
 	float *x, *h, *q, *kvb, *o, *g, *u, *lg;
-	int32_t *lrows;
 } llama_model;
 
 static void *xalloc(llama_model *m, size_t n, size_t size)
@@ -463,7 +462,7 @@ static void llama_free(model *base)
 		free(m->layers[L].ffn_norm);
 	}
 	free(m->layers);
-	void *bufs[] = {m->final_norm, m->inv_freq, m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg, m->lrows};
+	void *bufs[] = {m->final_norm, m->inv_freq, m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg};
 	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
 		free(bufs[i]);
 	st_close(m->st);
@@ -535,8 +534,7 @@ model *llama_model_load(const model_params *p, ds_err *err)
 	m->kvb = xalloc(m, bt * 2 * (size_t)m->kvd, 4);
 	m->g = xalloc(m, bt * (size_t)c->ffn, 4);
 	m->u = xalloc(m, bt * (size_t)c->ffn, 4);
-	m->lrows = xalloc(m, bt, 4);
-	if (!m->x || !m->h || !m->lg || !m->q || !m->o || !m->kvb || !m->g || !m->u || !m->lrows) {
+	if (!m->x || !m->h || !m->lg || !m->q || !m->o || !m->kvb || !m->g || !m->u) {
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory for the activation buffers");
 		goto fail;
 	}
