@@ -21,10 +21,10 @@
  *   logits = lm_head rmsnorm(x, model.norm)
  *
  * Weights stay in their checkpoint dtype in the mmap (FP8 with block scales
- * included).  The engine keeps f32 copies only of the norm vectors and of
- * kv_b_proj in two layouts for the absorbed form (W_UK^T per head and the
- * W_UV rows), which is what lets the latent-space products run at any head
- * size; those bytes are reported by model_extra_bytes.
+ * included).  The engine keeps f32 copies only of the norm vectors and the
+ * router bias, plus the absorbed form's W_UK^T per head (a transposed copy of
+ * part of kv_b_proj, in the checkpoint's dtype; for FP8 with its own block
+ * grid, see load_absorbed); those bytes are reported by model_extra_bytes.
  *
  * Buffers: allocated once in model_load from max_batch_tokens (bt) and
  * max_ctx; model_forward never allocates.  Thread rule: one step at a time.
