@@ -39,13 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* A Linear weight W [n][k] as stored in the checkpoint (borrowed from the mmap). */
-typedef struct wmat {
-	const void *w;
-	const float *scale; /* FP8 block scales [ceil(n/block)][scale_stride] */
-	enum kb_dtype type;
-	int64_t n, k, scale_stride, block;
-} wmat;
+typedef model_weight wmat; /* a Linear weight as stored (model_impl.h) */
 
 typedef struct ds_layer {
 	float *attn_norm, *ffn_norm, *q_a_norm, *kv_a_norm; /* f32 copies */
@@ -99,10 +93,7 @@ typedef struct ds_model {
 
 static void *xalloc(ds_model *m, size_t n, size_t size)
 {
-	void *p = calloc(n ? n : 1, size);
-	if (p)
-		m->extra_bytes += n * size;
-	return p;
+	return model_calloc(&m->extra_bytes, n, size);
 }
 
 static int bad_alloc(ds_err *err)
@@ -113,9 +104,7 @@ static int bad_alloc(ds_err *err)
 static int linear(ds_model *m, const wmat *w, const float *x, int64_t x_stride, float *y,
 		  int64_t y_stride, int64_t M, int accumulate)
 {
-	kb_matmul_args a = {y, x, w->w, w->scale, w->type, M, w->n, w->k, x_stride, y_stride,
-			    w->k, w->scale_stride, w->block, accumulate};
-	return M ? m->be->matmul(&a) : DS_OK;
+	return model_linear(m->be, w, x, x_stride, y, y_stride, M, accumulate);
 }
 
 /* One product per head: head h uses the weight h steps of (w1 - w0) past w0
@@ -123,13 +112,13 @@ static int linear(ds_model *m, const wmat *w, const float *x, int64_t x_stride, 
 static int linear_heads(ds_model *m, const wmat *w0, const wmat *w1, const float *x, int64_t x_head,
 			int64_t x_stride, float *y, int64_t y_head, int64_t y_stride, int64_t M)
 {
-	const size_t esz = kb_dtype_size(w0->type);
+	const ptrdiff_t wbytes = (const char *)w1->w - (const char *)w0->w;
 	kb_matmul_args a = {y, x, w0->w, w0->scale, w0->type, M, w0->n, w0->k, x_stride, y_stride,
 			    w0->k, w0->scale_stride, w0->block, 0};
 	a.batch = m->H;
 	a.x_bstride = x_head;
 	a.y_bstride = y_head;
-	a.w_bstride = (int64_t)(((const char *)w1->w - (const char *)w0->w) / (ptrdiff_t)esz);
+	a.w_bstride = (int64_t)(wbytes / (ptrdiff_t)kb_dtype_block_bytes(w0->type)) * kb_dtype_block(w0->type);
 	a.s_bstride = w0->scale ? (int64_t)(w1->scale - w0->scale) : 0;
 	return M ? m->be->matmul(&a) : DS_OK;
 }
@@ -261,7 +250,7 @@ static int load_absorbed(ds_model *m, ds_layer *ly, ds_err *err)
 static wmat head_ukt(const ds_model *m, const ds_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, nope = m->nope, g = ly->absorbed_block;
-	wmat w = {(const uint8_t *)ly->ukt_w + (size_t)(h * lora * nope) * kb_dtype_size(ly->kv_b.type),
+	wmat w = {(const uint8_t *)ly->ukt_w + kb_dtype_bytes(ly->kv_b.type, h * lora * nope),
 		  NULL, ly->kv_b.type, lora, nope, 0, 0};
 	if (g) {
 		int64_t ur = (lora + g - 1) / g, uc = (nope + g - 1) / g;
@@ -276,7 +265,7 @@ static wmat head_uv(const ds_model *m, const ds_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, vd = m->vd, g = ly->absorbed_block;
 	const int64_t row_step = g ? vd : m->nope + vd; /* the FP8 copy is packed per head */
-	wmat w = {(const uint8_t *)ly->uv_w + (size_t)(h * row_step * lora) * kb_dtype_size(ly->kv_b.type),
+	wmat w = {(const uint8_t *)ly->uv_w + kb_dtype_bytes(ly->kv_b.type, h * row_step * lora),
 		  NULL, ly->kv_b.type, vd, lora, 0, 0};
 	if (g) {
 		int64_t vr = (vd + g - 1) / g, vc = (lora + g - 1) / g;

@@ -43,12 +43,7 @@ typedef struct lcfg {
 	int bos, n_eos, eos[MODEL_MAX_EOS];
 } lcfg;
 
-/* A weight as the checkpoint stores it: [n][k] row-major. */
-typedef struct lw {
-	const void *w;
-	enum kb_dtype type;
-	int64_t n, k;
-} lw;
+typedef model_weight lw; /* a Linear weight as stored (model_impl.h) */
 
 typedef struct llayer {
 	float *attn_norm, *ffn_norm;
@@ -71,10 +66,7 @@ typedef struct llama_model {
 
 static void *xalloc(llama_model *m, size_t n, size_t size)
 {
-	void *p = calloc(n ? n : 1, size);
-	if (p)
-		m->extra += n * size;
-	return p;
+	return model_calloc(&m->extra, n, size);
 }
 
 /* ---- configuration ---- */
@@ -315,13 +307,13 @@ static int get_w(llama_model *m, const char *name, int64_t n, int64_t k, lw *out
 			return err->code;
 		if (t->dtype == KB_F8_E4M3)
 			return ds_err_set(err, DS_EUNSUPPORTED, "tensor %s: FP8 llama weights are not supported", name);
-		*out = (lw){t->data, t->dtype, n, k};
+		*out = (lw){.w = t->data, .type = t->dtype, .n = n, .k = k};
 		return DS_OK;
 	}
 	const gguf_tensor *t = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 2, shape, err);
 	if (!t)
 		return err->code;
-	*out = (lw){t->data, t->dtype, n, k};
+	*out = (lw){.w = t->data, .type = t->dtype, .n = n, .k = k};
 	return DS_OK;
 }
 
@@ -386,8 +378,7 @@ static int load_weights(llama_model *m, int gguf, ds_err *err)
 static int linear(llama_model *m, const lw *w, const float *x, int64_t x_stride, float *y,
 		  int64_t y_stride, int64_t M, int accumulate)
 {
-	kb_matmul_args a = {y, x, w->w, NULL, w->type, M, w->n, w->k, x_stride, y_stride, w->k, 0, 0, accumulate};
-	return M ? m->be->matmul(&a) : DS_OK;
+	return model_linear(m->be, w, x, x_stride, y, y_stride, M, accumulate);
 }
 
 static int rmsnorm(llama_model *m, float *out, const float *x, const float *w, int64_t rows)

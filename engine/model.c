@@ -117,6 +117,22 @@ int model_check_batch(const model *m, const eng_batch *b, ds_err *err)
 	return DS_OK;
 }
 
+int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
+		 float *y, int64_t y_stride, int64_t M, int accumulate)
+{
+	kb_matmul_args a = {y, x, w->w, w->scale, w->type, M, w->n, w->k, x_stride, y_stride,
+			    w->k, w->scale_stride, w->block, accumulate};
+	return M ? be->matmul(&a) : DS_OK;
+}
+
+void *model_calloc(size_t *counter, size_t n, size_t size)
+{
+	void *p = calloc(n ? n : 1, size);
+	if (p)
+		*counter += n * size;
+	return p;
+}
+
 kv_cache *model_kv(model *m)
 {
 	return m->kv;

@@ -33,6 +33,22 @@ struct model {
 	size_t extra_bytes;        /* engine allocations beside them */
 };
 
+/* A Linear weight W [n][k] as the checkpoint stores it (borrowed from the
+ * mapping); scale/scale_stride/block only for FP8 block scales. */
+typedef struct model_weight {
+	const void *w;
+	const float *scale;
+	enum kb_dtype type;
+	int64_t n, k, scale_stride, block;
+} model_weight;
+
+/* y[M][n] (+)= x[M][k] W^T through be->matmul; M = 0 is a no-op. */
+int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
+		 float *y, int64_t y_stride, int64_t M, int accumulate);
+
+/* calloc that adds the bytes to *counter (a model's extra_bytes). */
+void *model_calloc(size_t *counter, size_t n, size_t size);
+
 /* Architecture loaders (model.c picks one from the checkpoint). */
 model *ds_model_load(const model_params *p, ds_err *err);
 model *llama_model_load(const model_params *p, ds_err *err);
