@@ -20,16 +20,29 @@
  *     x += dense MLP(h)  |  sum_k w_k expert_k(h) + shared(h)
  *   logits = lm_head rmsnorm(x, model.norm)
  *
+ * Checkpoints: a Hugging Face directory (config.json + safetensors, names
+ * "model.layers.L.self_attn.q_a_proj.weight" ...) or a GGUF file of llama.cpp's
+ * "deepseek2" architecture (mcfg_from_gguf; names "blk.L.attn_q_a.weight" ...,
+ * routed experts stacked in one 3-D tensor per kind, kv_b_proj either whole
+ * as attn_kv_b or split per head as attn_k_b / attn_v_b; see
+ * docs/engine.md "DeepSeek from GGUF").  The loader maps both onto the same
+ * ds_layer, so the graph below does not know the source.  llama.cpp's
+ * converter copies the q/k rope rows unchanged (no permutation, unlike its
+ * llama path), so GGUF rope pairs are the interleaved pairs of the HF files.
+ *
  * Weights stay in their checkpoint dtype in the mmap (FP8 with block scales
  * included).  The engine keeps f32 copies only of the norm vectors and the
  * router bias, plus the absorbed form's W_UK^T per head (a transposed copy of
  * part of kv_b_proj, in the checkpoint's dtype; for FP8 with its own block
- * grid, see load_absorbed); those bytes are reported by model_extra_bytes.
+ * grid, for GGUF block types in f32, see load_absorbed) or, for a GGUF with
+ * split attn_k_b / attn_v_b, the naive form's kv_b rebuilt from them
+ * (load_split_kv_b); those bytes are reported by model_extra_bytes.
  *
  * Buffers: allocated once in model_load from max_batch_tokens (bt) and
  * max_ctx; model_forward never allocates.  Thread rule: one step at a time.
  */
 #include "engine/engine.h"
+#include "engine/gguf.h"
 #include "engine/mconfig.h"
 #include "engine/model_impl.h"
 #include "engine/safetensors.h"
@@ -44,13 +57,18 @@ typedef model_weight wmat; /* a Linear weight as stored (model_impl.h) */
 typedef struct ds_layer {
 	float *attn_norm, *ffn_norm, *q_a_norm, *kv_a_norm; /* f32 copies */
 	wmat q_a, q_b, q_proj, kv_a, kv_b, o;
-	/* absorbed-form weights (load_absorbed), in kv_b's dtype */
-	void *ukt_w;            /* [H][kv_lora][nope]: W_UK[h]^T */
+	/* absorbed-form weights (load_absorbed, load_split_kv_b) */
+	const void *ukt_w;      /* [H][kv_lora][nope]: W_UK[h]^T: ukt_owned or GGUF attn_k_b */
+	void *ukt_owned;
+	enum kb_dtype ukt_type; /* kv_b's dtype; f32 for GGUF block types; attn_k_b's */
 	float *ukt_s;           /* FP8: its scale grid, block absorbed_block */
-	const void *uv_w;       /* W_UV rows: into kv_b, or uv_owned (FP8) */
-	uint8_t *uv_owned;      /* FP8: [H][vd][kv_lora] codes */
+	const void *uv_w;       /* W_UV[h] [vd][kv_lora]: into kv_b, uv_owned (FP8) or attn_v_b */
+	void *uv_owned;         /* FP8: [H][vd][kv_lora] codes */
+	enum kb_dtype uv_type;
+	int64_t uv_row_step;    /* rows from W_UV[h] to W_UV[h+1]: nope + vd in kv_b, else vd */
 	float *uv_s;            /* FP8: its scale grid */
 	int64_t absorbed_block; /* 0 unless FP8 */
+	void *kv_b_owned;       /* GGUF attn_k_b/attn_v_b: kv_b rebuilt (load_split_kv_b) */
 	int moe;
 	wmat gate, up, down;   /* dense MLP */
 	wmat router;           /* [E][D] */
@@ -62,11 +80,12 @@ typedef struct ds_layer {
 typedef struct ds_model {
 	struct model base; /* must stay first: model.c sees this part */
 	mcfg cfg;
-	st_model *st;
+	st_model *st;      /* Hugging Face checkpoint, or */
+	gguf_file *gg;     /* GGUF file */
 	const kb_backend *be;
 	kv_cache *kv;
 	ds_layer *layers;
-	const st_tensor *embed;
+	wmat embed;        /* [vocab][D] */
 	wmat lm_head;
 	float *final_norm;
 	float *inv_freq;
@@ -134,10 +153,19 @@ static int rmsnorm(ds_model *m, float *out, const float *x, const float *w, int6
 
 static int load_linear(ds_model *m, const char *name, int64_t n, int64_t k, wmat *out, ds_err *err)
 {
-	const st_tensor *t = st_find(m->st, name);
 	memset(out, 0, sizeof *out);
 	out->n = n;
 	out->k = k;
+	if (m->gg) { /* row-major shape [n][k] = ggml ne {k, n} */
+		int64_t shape[2] = {n, k};
+		const gguf_tensor *g = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 2, shape, err);
+		if (!g)
+			return err->code;
+		out->w = g->data;
+		out->type = g->dtype;
+		return DS_OK;
+	}
+	const st_tensor *t = st_find(m->st, name);
 	if (t && t->dtype == KB_F8_E4M3) {
 		if (!m->cfg.fp8)
 			return ds_err_set(err, DS_EFORMAT,
@@ -169,16 +197,46 @@ static int load_linear(ds_model *m, const char *name, int64_t n, int64_t k, wmat
 static int load_vec(ds_model *m, const char *name, int64_t n, float **out, ds_err *err)
 {
 	int64_t shape[1] = {n};
-	const st_tensor *t = st_get(m->st, name, ST_DTYPE_ANY, 1, shape, err);
-	if (!t)
-		return err->code;
-	if (t->dtype == KB_F8_E4M3)
-		return ds_err_set(err, DS_EUNSUPPORTED, "tensor %s: FP8 vectors are not supported", name);
+	const void *data;
+	enum kb_dtype type;
+	if (m->gg) {
+		const gguf_tensor *g = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 1, shape, err);
+		if (!g)
+			return err->code;
+		data = g->data;
+		type = g->dtype;
+	} else {
+		const st_tensor *t = st_get(m->st, name, ST_DTYPE_ANY, 1, shape, err);
+		if (!t)
+			return err->code;
+		data = t->data;
+		type = t->dtype;
+	}
+	if (type == KB_F8_E4M3 || kb_dtype_is_quant(type))
+		return ds_err_set(err, DS_EUNSUPPORTED, "tensor %s: %s vectors are not supported", name,
+				  st_dtype_name(type));
 	*out = xalloc(m, (size_t)n, sizeof(float));
 	if (!*out)
 		return bad_alloc(err);
-	kb_dequant_args a = {*out, t->data, NULL, t->dtype, 1, n, n, n, 0, 1, 0, 0};
+	kb_dequant_args a = {*out, data, NULL, type, 1, n, n, n, 0, 1, 0, 0};
 	return m->be->dequant(&a);
+}
+
+/* Routed experts of a GGUF: one 3-D tensor [E][n][k] (ggml ne {k, n, E}) per
+ * kind; expert e is the row range [e*n, (e+1)*n) of it, a view into the
+ * mapping (k is a multiple of the type's block, so every range starts on a
+ * block). */
+static int load_experts(ds_model *m, const char *name, int64_t E, int64_t n, int64_t k, wmat *out,
+			ds_err *err)
+{
+	int64_t shape[3] = {E, n, k};
+	const gguf_tensor *g = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 3, shape, err);
+	if (!g)
+		return err->code;
+	for (int64_t e = 0; e < E; e++)
+		out[e] = (wmat){(const uint8_t *)g->data + kb_dtype_bytes(g->dtype, e * n * k), NULL,
+				g->dtype, n, k, 0, 0};
+	return DS_OK;
 }
 
 static int64_t gcd64(int64_t a, int64_t b)
@@ -191,10 +249,31 @@ static int64_t gcd64(int64_t a, int64_t b)
 	return a;
 }
 
+/* out[c][r] = in[r][c] for a rows x cols block of f32. */
+static void transpose_f32(float *out, const float *in, int64_t rows, int64_t cols)
+{
+	for (int64_t r = 0; r < rows; r++)
+		for (int64_t c = 0; c < cols; c++)
+			out[c * rows + r] = in[r * cols + c];
+}
+
+/* f32 values of rows x cols of a block-quantized (or dense) matrix that
+ * starts at element `first` of w (a whole number of blocks). */
+static int dequant_rows(ds_model *m, float *out, const void *w, enum kb_dtype type, int64_t first,
+			int64_t rows, int64_t cols)
+{
+	kb_dequant_args a = {out, (const uint8_t *)w + kb_dtype_bytes(type, first), NULL, type, rows, cols,
+			     cols, cols, 0, 1, 0, 0};
+	return m->be->dequant(&a);
+}
+
 /* The absorbed form needs, per head h, W_UK[h]^T = (kv_b rows h*per .. +nope)^T
  * ([kv_lora][nope]) and W_UV[h] = kv_b rows h*per+nope .. +vd ([vd][kv_lora]),
  * with per = nope + vd.  They are kept in the checkpoint's dtype, exactly:
  *  - F32/F16/BF16: W_UK^T is a transposed copy; W_UV points into kv_b.
+ *  - GGUF block types (Q8_0, Q4_K ...): a block type cannot be transposed, so
+ *    W_UK^T is an f32 transposed copy of the dequantized rows (exact values);
+ *    W_UV points into kv_b (its rows are whole rows of kv_b).
  *  - FP8: both are copies of the FP8 codes (W_UK^T transposed) with their own
  *    scale grids of block g = gcd(per, nope, block).  g divides the checkpoint's
  *    block and both head offsets, so every g x g block of a copy lies inside
@@ -204,21 +283,41 @@ static int load_absorbed(ds_model *m, ds_layer *ly, ds_err *err)
 {
 	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
 	const wmat *w = &ly->kv_b;
+	ly->uv_type = w->type;
+	ly->uv_row_step = per;
+	ly->uv_w = (const uint8_t *)w->w + kb_dtype_bytes(w->type, nope * lora); /* head 0's rows */
+	ly->absorbed_block = 0;
+	if (kb_dtype_is_quant(w->type)) {
+		float *ukt = xalloc(m, (size_t)(H * lora * nope), sizeof(float));
+		float *tmp = malloc((size_t)(nope * lora) * sizeof(float));
+		int rc = ukt && tmp ? DS_OK : bad_alloc(err);
+		for (int64_t h = 0; !rc && h < H; h++) {
+			if ((rc = dequant_rows(m, tmp, w->w, w->type, h * per * lora, nope, lora)))
+				rc = ds_err_set(err, rc, "kv_b: cannot dequantize %s", st_dtype_name(w->type));
+			else
+				transpose_f32(ukt + h * lora * nope, tmp, nope, lora);
+		}
+		free(tmp);
+		ly->ukt_owned = ukt;
+		ly->ukt_w = ukt;
+		ly->ukt_type = KB_F32;
+		return rc;
+	}
 	const size_t esz = kb_dtype_size(w->type);
-	ly->ukt_w = xalloc(m, (size_t)(H * lora * nope), esz);
-	if (!ly->ukt_w)
+	uint8_t *ukt = xalloc(m, (size_t)(H * lora * nope), esz);
+	if (!ukt)
 		return bad_alloc(err);
+	ly->ukt_owned = ukt;
+	ly->ukt_w = ukt;
+	ly->ukt_type = w->type;
 	const uint8_t *src = w->w;
 	for (int64_t h = 0; h < H; h++)
 		for (int64_t c = 0; c < lora; c++)
 			for (int64_t d = 0; d < nope; d++)
-				memcpy((uint8_t *)ly->ukt_w + ((h * lora + c) * nope + d) * esz,
+				memcpy(ukt + ((h * lora + c) * nope + d) * esz,
 				       src + ((h * per + d) * lora + c) * esz, esz);
-	if (w->type != KB_F8_E4M3) {
-		ly->uv_w = (const uint8_t *)w->w + (size_t)(nope * lora) * esz; /* head 0's rows */
-		ly->absorbed_block = 0;
+	if (w->type != KB_F8_E4M3)
 		return DS_OK;
-	}
 	const int64_t B = w->block, g = gcd64(gcd64(per, nope), B);
 	const int64_t ur = (lora + g - 1) / g, uc = (nope + g - 1) / g; /* W_UK^T grid */
 	const int64_t vr = (vd + g - 1) / g, vc = (lora + g - 1) / g;   /* W_UV grid */
@@ -242,16 +341,72 @@ static int load_absorbed(ds_model *m, ds_layer *ly, ds_err *err)
 	}
 	ly->uv_w = uv;
 	ly->uv_owned = uv;
+	ly->uv_row_step = vd; /* the FP8 copy is packed per head */
 	ly->absorbed_block = g;
 	return DS_OK;
+}
+
+/* Newer llama.cpp converters split kv_b_proj per head (view [H][nope + vd]
+ * [kv_lora], split after nope rows, the first part transposed):
+ *   attn_k_b  [H][kv_lora][nope] = W_UK[h]^T    (ggml ne {nope, kv_lora, H})
+ *   attn_v_b  [H][vd][kv_lora]   = W_UV[h]      (ggml ne {kv_lora, vd, H})
+ * These are exactly the absorbed form's per-head matrices and are used in
+ * place.  The naive form needs kv_b [H * (nope + vd)][kv_lora] (head h: W_UK[h]
+ * then W_UV[h] rows); it is rebuilt once, exactly: in the files' dtype when
+ * both are the same dense type (a transposed copy), else in f32 from the
+ * dequantized values (block types cannot be transposed). */
+static int load_split_kv_b(ds_model *m, ds_layer *ly, const char *kb_name, const char *vb_name,
+			   ds_err *err)
+{
+	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
+	const int64_t ks[3] = {H, lora, nope}, vs[3] = {H, vd, lora};
+	const gguf_tensor *kb = gguf_get_tensor(m->gg, kb_name, GGUF_DTYPE_ANY, 3, ks, err);
+	const gguf_tensor *vb = kb ? gguf_get_tensor(m->gg, vb_name, GGUF_DTYPE_ANY, 3, vs, err) : NULL;
+	if (!vb)
+		return err->code;
+	ly->ukt_w = kb->data;
+	ly->ukt_type = kb->dtype;
+	ly->uv_w = vb->data;
+	ly->uv_type = vb->dtype;
+	ly->uv_row_step = vd;
+	ly->absorbed_block = 0;
+	const int same = kb->dtype == vb->dtype && !kb_dtype_is_quant(kb->dtype);
+	const enum kb_dtype t = same ? kb->dtype : KB_F32;
+	const size_t esz = kb_dtype_size(t);
+	uint8_t *kv = xalloc(m, (size_t)(H * per * lora), esz);
+	float *tmp = same ? NULL : malloc((size_t)(lora * nope) * sizeof(float));
+	int rc = kv && (same || tmp) ? DS_OK : bad_alloc(err);
+	ly->kv_b_owned = kv;
+	ly->kv_b = (wmat){kv, NULL, t, H * per, lora, 0, 0};
+	for (int64_t h = 0; !rc && h < H; h++) {
+		uint8_t *dst = kv + (size_t)(h * per * lora) * esz;
+		if (same) {
+			const uint8_t *k = (const uint8_t *)kb->data + (size_t)(h * lora * nope) * esz;
+			for (int64_t d = 0; d < nope; d++)
+				for (int64_t c = 0; c < lora; c++)
+					memcpy(dst + (size_t)(d * lora + c) * esz, k + (size_t)(c * nope + d) * esz, esz);
+			memcpy(dst + (size_t)(nope * lora) * esz,
+			       (const uint8_t *)vb->data + (size_t)(h * vd * lora) * esz, (size_t)(vd * lora) * esz);
+			continue;
+		}
+		if ((rc = dequant_rows(m, tmp, kb->data, kb->dtype, h * lora * nope, lora, nope)) ||
+		    (rc = dequant_rows(m, (float *)dst + nope * lora, vb->data, vb->dtype, h * vd * lora, vd, lora))) {
+			rc = ds_err_set(err, rc, "%s / %s: cannot dequantize %s / %s", kb_name, vb_name,
+					kb->type_name, vb->type_name);
+			break;
+		}
+		transpose_f32((float *)dst, tmp, lora, nope);
+	}
+	free(tmp);
+	return rc;
 }
 
 /* Per-head views of the absorbed weights (see load_absorbed). */
 static wmat head_ukt(const ds_model *m, const ds_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, nope = m->nope, g = ly->absorbed_block;
-	wmat w = {(const uint8_t *)ly->ukt_w + kb_dtype_bytes(ly->kv_b.type, h * lora * nope),
-		  NULL, ly->kv_b.type, lora, nope, 0, 0};
+	wmat w = {(const uint8_t *)ly->ukt_w + kb_dtype_bytes(ly->ukt_type, h * lora * nope),
+		  NULL, ly->ukt_type, lora, nope, 0, 0};
 	if (g) {
 		int64_t ur = (lora + g - 1) / g, uc = (nope + g - 1) / g;
 		w.scale = ly->ukt_s + h * ur * uc;
@@ -264,9 +419,8 @@ static wmat head_ukt(const ds_model *m, const ds_layer *ly, int64_t h)
 static wmat head_uv(const ds_model *m, const ds_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, vd = m->vd, g = ly->absorbed_block;
-	const int64_t row_step = g ? vd : m->nope + vd; /* the FP8 copy is packed per head */
-	wmat w = {(const uint8_t *)ly->uv_w + kb_dtype_bytes(ly->kv_b.type, h * row_step * lora),
-		  NULL, ly->kv_b.type, vd, lora, 0, 0};
+	wmat w = {(const uint8_t *)ly->uv_w + kb_dtype_bytes(ly->uv_type, h * ly->uv_row_step * lora),
+		  NULL, ly->uv_type, vd, lora, 0, 0};
 	if (g) {
 		int64_t vr = (vd + g - 1) / g, vc = (lora + g - 1) / g;
 		w.scale = ly->uv_s + h * vr * vc;
@@ -276,70 +430,117 @@ static wmat head_uv(const ds_model *m, const ds_layer *ly, int64_t h)
 	return w;
 }
 
+/* kv_b of a GGUF layer: attn_kv_b (older converters) or attn_k_b + attn_v_b
+ * (newer ones); both when present: attn_kv_b is used. */
+static int load_gguf_kv_b(ds_model *m, ds_layer *ly, int L, ds_err *err)
+{
+	char kv[64], kb[64], vb[64];
+	snprintf(kv, sizeof kv, "blk.%d.attn_kv_b.weight", L);
+	snprintf(kb, sizeof kb, "blk.%d.attn_k_b.weight", L);
+	snprintf(vb, sizeof vb, "blk.%d.attn_v_b.weight", L);
+	if (gguf_find_tensor(m->gg, kv) || !gguf_find_tensor(m->gg, kb)) {
+		int rc = load_linear(m, kv, m->H * (m->nope + m->vd), m->lora, &ly->kv_b, err);
+		if (rc == DS_ENOTFOUND)
+			return ds_err_set(err, rc, "%s: tensor %s not found (nor the split %s and %s)",
+					  gguf_path(m->gg), kv, kb, vb);
+		return rc ? rc : load_absorbed(m, ly, err);
+	}
+	return load_split_kv_b(m, ly, kb, vb, err);
+}
+
+/* One decoder layer.  Names: N(hf, gguf) picks the Hugging Face or the GGUF
+ * (llama.cpp) name of the same tensor; shapes are the same row-major shapes. */
 static int load_layer(ds_model *m, int L, ds_err *err)
 {
 	const mcfg *c = &m->cfg;
 	ds_layer *ly = &m->layers[L];
 	char name[256];
-	const int64_t D = m->D;
+	const int64_t D = m->D, H = m->H;
+	const int gg = m->gg != NULL;
 	int rc;
-#define NAME(suffix) (snprintf(name, sizeof name, "model.layers.%d.%s", L, suffix), name)
+#define N(hf, gguf) (snprintf(name, sizeof name, gg ? "blk.%d." gguf : "model.layers.%d." hf, L), name)
 #define TRY(expr)                                                                       \
 	do {                                                                            \
 		if ((rc = (expr)) != DS_OK)                                             \
 			return rc;                                                      \
 	} while (0)
-	TRY(load_vec(m, NAME("input_layernorm.weight"), D, &ly->attn_norm, err));
-	TRY(load_vec(m, NAME("post_attention_layernorm.weight"), D, &ly->ffn_norm, err));
+	TRY(load_vec(m, N("input_layernorm.weight", "attn_norm.weight"), D, &ly->attn_norm, err));
+	TRY(load_vec(m, N("post_attention_layernorm.weight", "ffn_norm.weight"), D, &ly->ffn_norm, err));
 	if (c->q_lora_rank > 0) {
-		TRY(load_linear(m, NAME("self_attn.q_a_proj.weight"), c->q_lora_rank, D, &ly->q_a, err));
-		TRY(load_vec(m, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, &ly->q_a_norm, err));
-		TRY(load_linear(m, NAME("self_attn.q_b_proj.weight"), m->H * m->qk, c->q_lora_rank,
-				&ly->q_b, err));
+		TRY(load_linear(m, N("self_attn.q_a_proj.weight", "attn_q_a.weight"), c->q_lora_rank, D,
+				&ly->q_a, err));
+		TRY(load_vec(m, N("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"), c->q_lora_rank,
+			     &ly->q_a_norm, err));
+		TRY(load_linear(m, N("self_attn.q_b_proj.weight", "attn_q_b.weight"), H * m->qk,
+				c->q_lora_rank, &ly->q_b, err));
 	} else {
-		TRY(load_linear(m, NAME("self_attn.q_proj.weight"), m->H * m->qk, D, &ly->q_proj, err));
+		TRY(load_linear(m, N("self_attn.q_proj.weight", "attn_q.weight"), H * m->qk, D, &ly->q_proj,
+				err));
 	}
-	TRY(load_linear(m, NAME("self_attn.kv_a_proj_with_mqa.weight"), m->lora + m->rope, D,
-			&ly->kv_a, err));
-	TRY(load_vec(m, NAME("self_attn.kv_a_layernorm.weight"), m->lora, &ly->kv_a_norm, err));
-	TRY(load_linear(m, NAME("self_attn.kv_b_proj.weight"), m->H * (m->nope + m->vd), m->lora,
-			&ly->kv_b, err));
-	TRY(load_linear(m, NAME("self_attn.o_proj.weight"), D, m->H * m->vd, &ly->o, err));
-	TRY(load_absorbed(m, ly, err));
+	TRY(load_linear(m, N("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"),
+			m->lora + m->rope, D, &ly->kv_a, err));
+	TRY(load_vec(m, N("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"), m->lora,
+		     &ly->kv_a_norm, err));
+	if (gg) {
+		TRY(load_gguf_kv_b(m, ly, L, err));
+	} else {
+		TRY(load_linear(m, N("self_attn.kv_b_proj.weight", ""), H * (m->nope + m->vd), m->lora,
+				&ly->kv_b, err));
+		TRY(load_absorbed(m, ly, err));
+	}
+	TRY(load_linear(m, N("self_attn.o_proj.weight", "attn_output.weight"), D, H * m->vd, &ly->o, err));
 
 	ly->moe = mcfg_is_moe_layer(c, L);
 	if (!ly->moe) {
-		TRY(load_linear(m, NAME("mlp.gate_proj.weight"), c->intermediate_size, D, &ly->gate, err));
-		TRY(load_linear(m, NAME("mlp.up_proj.weight"), c->intermediate_size, D, &ly->up, err));
-		TRY(load_linear(m, NAME("mlp.down_proj.weight"), D, c->intermediate_size, &ly->down, err));
+		const int64_t I = c->intermediate_size;
+		TRY(load_linear(m, N("mlp.gate_proj.weight", "ffn_gate.weight"), I, D, &ly->gate, err));
+		TRY(load_linear(m, N("mlp.up_proj.weight", "ffn_up.weight"), I, D, &ly->up, err));
+		TRY(load_linear(m, N("mlp.down_proj.weight", "ffn_down.weight"), D, I, &ly->down, err));
 		return DS_OK;
 	}
 	const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size;
-	TRY(load_linear(m, NAME("mlp.gate.weight"), E, D, &ly->router, err));
-	if (c->topk_method == MCFG_TOPK_NOAUX_TC)
-		TRY(load_vec(m, NAME("mlp.gate.e_score_correction_bias"), E, &ly->bias, err));
+	TRY(load_linear(m, N("mlp.gate.weight", "ffn_gate_inp.weight"), E, D, &ly->router, err));
+	/* the GGUF bias is optional, as in llama.cpp (absent: selection without it) */
+	if (c->topk_method == MCFG_TOPK_NOAUX_TC &&
+	    (!gg || gguf_find_tensor(m->gg, N("", "exp_probs_b.bias"))))
+		TRY(load_vec(m, N("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"), E, &ly->bias, err));
 	ly->eg = xalloc(m, (size_t)E, sizeof(wmat));
 	ly->eu = xalloc(m, (size_t)E, sizeof(wmat));
 	ly->ed = xalloc(m, (size_t)E, sizeof(wmat));
 	if (!ly->eg || !ly->eu || !ly->ed)
 		return bad_alloc(err);
-	for (int64_t e = 0; e < E; e++) {
-		char sub[128];
-		snprintf(sub, sizeof sub, "mlp.experts.%lld.gate_proj.weight", (long long)e);
-		TRY(load_linear(m, NAME(sub), I, D, &ly->eg[e], err));
-		snprintf(sub, sizeof sub, "mlp.experts.%lld.up_proj.weight", (long long)e);
-		TRY(load_linear(m, NAME(sub), I, D, &ly->eu[e], err));
-		snprintf(sub, sizeof sub, "mlp.experts.%lld.down_proj.weight", (long long)e);
-		TRY(load_linear(m, NAME(sub), D, I, &ly->ed[e], err));
+	if (gg) {
+		if (!gguf_find_tensor(m->gg, N("", "ffn_gate_exps.weight")) &&
+		    gguf_find_tensor(m->gg, N("", "ffn_gate_up_exps.weight")))
+			return ds_err_set(err, DS_EUNSUPPORTED, "%s: tensor %s (gate and up experts fused) is "
+					  "not supported; separate ffn_gate_exps / ffn_up_exps are",
+					  gguf_path(m->gg), name);
+		TRY(load_experts(m, N("", "ffn_gate_exps.weight"), E, I, D, ly->eg, err));
+		TRY(load_experts(m, N("", "ffn_up_exps.weight"), E, I, D, ly->eu, err));
+		TRY(load_experts(m, N("", "ffn_down_exps.weight"), E, D, I, ly->ed, err));
+	} else {
+		for (int64_t e = 0; e < E; e++) {
+			char sub[128];
+			snprintf(sub, sizeof sub, "model.layers.%d.mlp.experts.%lld.", L, (long long)e);
+			snprintf(name, sizeof name, "%sgate_proj.weight", sub);
+			TRY(load_linear(m, name, I, D, &ly->eg[e], err));
+			snprintf(name, sizeof name, "%sup_proj.weight", sub);
+			TRY(load_linear(m, name, I, D, &ly->eu[e], err));
+			snprintf(name, sizeof name, "%sdown_proj.weight", sub);
+			TRY(load_linear(m, name, D, I, &ly->ed[e], err));
+		}
 	}
 	if (c->n_shared_experts > 0) {
 		const int64_t S = I * c->n_shared_experts;
-		TRY(load_linear(m, NAME("mlp.shared_experts.gate_proj.weight"), S, D, &ly->sg, err));
-		TRY(load_linear(m, NAME("mlp.shared_experts.up_proj.weight"), S, D, &ly->su, err));
-		TRY(load_linear(m, NAME("mlp.shared_experts.down_proj.weight"), D, S, &ly->sd, err));
+		TRY(load_linear(m, N("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"), S, D,
+				&ly->sg, err));
+		TRY(load_linear(m, N("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"), S, D,
+				&ly->su, err));
+		TRY(load_linear(m, N("mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"), D, S,
+				&ly->sd, err));
 	}
 	return DS_OK;
-#undef NAME
+#undef N
 #undef TRY
 }
 
@@ -410,7 +611,15 @@ model *ds_model_load(const model_params *p, ds_err *err)
 		bad_alloc(err);
 		return NULL;
 	}
-	int rc = mcfg_load(p->path, &m->cfg, err);
+	const int gg = eng_path_is_gguf(p->path);
+	int rc = DS_OK;
+	if (gg) {
+		if (!(m->gg = gguf_open(p->path, err)))
+			goto fail;
+		rc = mcfg_from_gguf(m->gg, &m->cfg, err);
+	} else {
+		rc = mcfg_load(p->path, &m->cfg, err);
+	}
 	if (rc)
 		goto fail;
 	const mcfg *c = &m->cfg;
@@ -418,7 +627,7 @@ model *ds_model_load(const model_params *p, ds_err *err)
 		goto fail;
 	if (m->be->set_threads)
 		m->be->set_threads(p->threads);
-	if (!(m->st = st_open(p->path, err)))
+	if (!gg && !(m->st = st_open(p->path, err)))
 		goto fail;
 	m->H = c->num_attention_heads;
 	m->nope = c->qk_nope_head_dim;
@@ -446,16 +655,26 @@ model *ds_model_load(const model_params *p, ds_err *err)
 	mcfg_rope_inv_freq(c, m->inv_freq);
 
 	int64_t eshape[2] = {c->vocab_size, m->D};
-	if (!(m->embed = st_get(m->st, "model.embed_tokens.weight", ST_DTYPE_ANY, 2, eshape, err)))
-		goto fail;
-	if (m->embed->dtype == KB_F8_E4M3) {
-		rc = ds_err_set(err, DS_EUNSUPPORTED, "model.embed_tokens.weight: FP8 embeddings are not supported");
-		goto fail;
+	if (gg) {
+		const gguf_tensor *t = gguf_get_tensor(m->gg, "token_embd.weight", GGUF_DTYPE_ANY, 2, eshape, err);
+		if (!t)
+			goto fail;
+		m->embed = (wmat){t->data, NULL, t->dtype, c->vocab_size, m->D, 0, 0};
+	} else {
+		const st_tensor *t = st_get(m->st, "model.embed_tokens.weight", ST_DTYPE_ANY, 2, eshape, err);
+		if (!t)
+			goto fail;
+		if (t->dtype == KB_F8_E4M3) {
+			rc = ds_err_set(err, DS_EUNSUPPORTED, "model.embed_tokens.weight: FP8 embeddings are not supported");
+			goto fail;
+		}
+		m->embed = (wmat){t->data, NULL, t->dtype, c->vocab_size, m->D, 0, 0};
 	}
-	if ((rc = load_vec(m, "model.norm.weight", m->D, &m->final_norm, err)))
+	if ((rc = load_vec(m, gg ? "output_norm.weight" : "model.norm.weight", m->D, &m->final_norm, err)))
 		goto fail;
-	/* mcfg rejects tie_word_embeddings = true: DeepSeek always has its own lm_head */
-	if ((rc = load_linear(m, "lm_head.weight", c->vocab_size, m->D, &m->lm_head, err)))
+	/* mcfg rejects tie_word_embeddings = true and a GGUF must carry output.weight:
+	 * DeepSeek always has its own lm_head */
+	if ((rc = load_linear(m, gg ? "output.weight" : "lm_head.weight", c->vocab_size, m->D, &m->lm_head, err)))
 		goto fail;
 	for (int L = 0; L < c->num_hidden_layers; L++)
 		if ((rc = load_layer(m, L, err)))
@@ -463,11 +682,8 @@ model *ds_model_load(const model_params *p, ds_err *err)
 	if ((rc = alloc_buffers(m, err)))
 		goto fail;
 
-	kv_params kp = {c->num_hidden_layers, m->lora + m->rope, p->page_size > 0 ? p->page_size : 64, p->n_pages};
-	if (kp.n_pages <= 0) {
-		int seqs = p->max_seqs > 0 ? p->max_seqs : 1;
-		kp.n_pages = (int)(((m->ctx + kp.page_size - 1) / kp.page_size) * seqs);
-	}
+	kv_params kp = {c->num_hidden_layers, m->lora + m->rope, p->page_size > 0 ? p->page_size : 64, 0};
+	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
 	if (!(m->kv = kv_cache_new(&kp, err)))
 		goto fail;
 	model *base = &m->base;
@@ -482,7 +698,7 @@ model *ds_model_load(const model_params *p, ds_err *err)
 	base->n_eos = c->n_eos < MODEL_MAX_EOS ? c->n_eos : MODEL_MAX_EOS;
 	for (int i = 0; i < base->n_eos; i++)
 		base->eos_ids[i] = c->eos_token_ids[i];
-	base->weight_bytes = st_total_bytes(m->st);
+	base->weight_bytes = gg ? gguf_total_bytes(m->gg) : st_total_bytes(m->st);
 	base->extra_bytes = m->extra_bytes;
 	return base;
 fail:
@@ -504,10 +720,11 @@ static void ds_free(model *base)
 		free(ly->ffn_norm);
 		free(ly->q_a_norm);
 		free(ly->kv_a_norm);
-		free(ly->ukt_w);
+		free(ly->ukt_owned);
 		free(ly->ukt_s);
 		free(ly->uv_owned);
 		free(ly->uv_s);
+		free(ly->kv_b_owned);
 		free(ly->bias);
 		free(ly->eg);
 		free(ly->eu);
@@ -522,6 +739,7 @@ static void ds_free(model *base)
 	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
 		free(bufs[i]);
 	st_close(m->st);
+	gguf_close(m->gg);
 	free(m);
 }
 
@@ -734,7 +952,7 @@ static int ds_forward(model *base, const eng_batch *b, float *logits, ds_err *er
 	if (rc)
 		return rc;
 	const int64_t n = b->n_tok, D = m->D;
-	kb_embed_args e = {m->x, m->embed->data, m->embed->dtype, b->tokens, n, D, D, D};
+	kb_embed_args e = {m->x, m->embed.w, m->embed.type, b->tokens, n, D, D, D};
 	if ((rc = m->be->embed(&e)))
 		goto out;
 	for (int L = 0; L < m->cfg.num_hidden_layers; L++) {

@@ -106,26 +106,6 @@ static int list_backends(void)
 	return 0;
 }
 
-/* ---- tokenizer access (tokenizer.json in the model directory) ---- */
-
-static tok *load_tokenizer(const char *dir, ds_err *err)
-{
-	char path[4096], cfgpath[4096];
-	size_t n = strlen(dir);
-	if (n > 5 && strcmp(dir + n - 5, ".gguf") == 0) { /* tokenizer.ggml.* metadata */
-		gguf_file *g = gguf_open(dir, err);
-		tok *t = g ? tok_load_gguf(g, err) : NULL;
-		gguf_close(g);
-		return t;
-	}
-	snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-	snprintf(cfgpath, sizeof cfgpath, "%s/tokenizer_config.json", dir);
-	FILE *f = fopen(cfgpath, "r");
-	if (f)
-		fclose(f);
-	return tok_load_hf(path, f ? cfgpath : NULL, err);
-}
-
 /* ---- one sequence's state: KV pages and a block table row ---- */
 
 typedef struct seqst {
@@ -438,7 +418,7 @@ static int run(const struct run_cfg *c, ds_err *err)
 	size_t n_prompt = 0;
 
 	if (c->tokenize || c->detokenize || c->prompt || c->chat) {
-		if (!(tk = load_tokenizer(c->model, err)))
+		if (!(tk = eng_tok_load(c->model, err)))
 			return err->code;
 	}
 	if (c->tokenize) {

@@ -19,4 +19,11 @@ const char *eng_version(void);
  * NULL with err filled when the requested backend is unavailable. */
 const kb_backend *eng_backend_choose(const char *want, ds_err *err);
 
+/* 1 when path names a .gguf file (else it is a checkpoint directory). */
+int eng_path_is_gguf(const char *path);
+/* The tokenizer of a model path: a GGUF file's tokenizer.ggml.* metadata, or
+ * DIR/tokenizer.json (+ DIR/tokenizer_config.json when readable). */
+struct tok;
+struct tok *eng_tok_load(const char *path, ds_err *err);
+
 #endif

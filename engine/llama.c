@@ -529,9 +529,8 @@ model *llama_model_load(const model_params *p, ds_err *err)
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory for the activation buffers");
 		goto fail;
 	}
-	kv_params kp = {c->n_layers, 2 * m->kvd, p->page_size > 0 ? p->page_size : 64, p->n_pages};
-	if (kp.n_pages <= 0)
-		kp.n_pages = (int)(((m->ctx + kp.page_size - 1) / kp.page_size) * (p->max_seqs > 0 ? p->max_seqs : 1));
+	kv_params kp = {c->n_layers, 2 * m->kvd, p->page_size > 0 ? p->page_size : 64, 0};
+	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
 	model *base = &m->base;
 	if (!(base->kv = kv_cache_new(&kp, err)))
 		goto fail;

@@ -43,6 +43,52 @@
  *   eos_token_id           OPT  int, array of 1..MCFG_MAX_EOS ints, or null
  *   anything else          ignored (training-only and bookkeeping keys)
  *
+ * GGUF (mcfg_from_gguf; llama.cpp's "deepseek2" keys, A = "deepseek2."):
+ *   A.block_count - A.nextn_predict_layers (0)  num_hidden_layers (MTP layers
+ *                                    are counted in block_count when the key is set)
+ *   A.context_length                 max_position_embeddings          REQ
+ *   A.embedding_length               hidden_size                      REQ
+ *   A.feed_forward_length            intermediate_size                REQ
+ *   A.attention.head_count           num_attention_heads              REQ
+ *   A.attention.head_count_kv        num_key_value_heads (nominal; 1 in MLA files)
+ *   A.attention.q_lora_rank          q_lora_rank (absent or 0: attn_q)
+ *   A.attention.kv_lora_rank         kv_lora_rank                     REQ
+ *   A.rope.dimension_count           qk_rope_head_dim                 REQ
+ *   A.attention.key_length_mla       qk_nope_head_dim + qk_rope_head_dim; when
+ *   A.attention.value_length_mla     v_head_dim      absent (files without the
+ *                                    split attn_k_b/attn_v_b): key_length and
+ *                                    value_length, which then hold the same;
+ *                                    with them key_length = kv_lora + rope (MQA
+ *                                    view of the latent cache) and is not used
+ *   A.expert_feed_forward_length     moe_intermediate_size            REQ
+ *   A.expert_count / expert_used_count  n_routed_experts / num_experts_per_tok REQ
+ *   A.expert_shared_count            n_shared_experts (0)
+ *   A.expert_group_count / _used_count  n_group / topk_group (1 / 1)
+ *   A.leading_dense_block_count      first_k_dense_replace (0)
+ *   A.expert_weights_scale           routed_scaling_factor (1)
+ *   A.expert_weights_norm            norm_topk_prob (false)
+ *   A.expert_gating_func             1 softmax (also when absent, as llama.cpp
+ *                                    reads old V2 files), 2 sigmoid; scoring
+ *                                    sigmoid -> topk_method noaux_tc, softmax
+ *                                    -> greedy, or group_limited_greedy when
+ *                                    topk_group < n_group
+ *   A.rope.freq_base                 rope_theta (10000)
+ *   A.attention.layer_norm_rms_epsilon  rms_norm_eps (1e-6)
+ *   A.rope.scaling.type              absent/"none" plain, "yarn"; with yarn:
+ *     .factor, .original_context_length REQ; .yarn_beta_fast/_slow (32 / 1);
+ *     .yarn_log_multiplier = 0.1 * mscale_all_dim (the converter's factor,
+ *     which llama.cpp divides out again): mscale_all_dim = value / 0.1 and
+ *     mscale = mscale_all_dim (the file has no mscale; llama.cpp's cos/sin
+ *     amplitude is 1, which is m(F, mscale) / m(F, mscale_all_dim) with the
+ *     two equal, as in every released DeepSeek config).  Absent: the remote
+ *     code's defaults mscale 1, mscale_all_dim 0.  .yarn_attn_factor (any
+ *     value) and .yarn_ext_factor other than 1 are rejected.
+ *   A.vocab_size                     vocab_size (else the length of
+ *                                    tokenizer.ggml.tokens, else token_embd rows)
+ *   tokenizer.ggml.bos_token_id      bos_token_id
+ *   tokenizer.ggml.eos/eot/eom_token_id  eos_token_id list (duplicates once)
+ * No FP8 (GGUF has none), moe_layer_freq 1, silu, no biases, untied head.
+ *
  * Derived (§1.2/§5 of the DeepSeek spec): m(F, mu) = 1 if F <= 1 else
  * 0.1 mu ln F + 1; softmax_scale = qk_head_dim^-0.5 m(F, mscale_all_dim)^2;
  * rope_amp = m(F, mscale) / m(F, mscale_all_dim); YaRN ramp bounds from
@@ -51,6 +97,7 @@
 #include "engine/mconfig.h"
 
 #include "common/jsonx.h"
+#include "engine/gguf.h"
 #include "common/strutil.h"
 
 #include <errno.h>
@@ -616,6 +663,247 @@ int mcfg_load(const char *path, mcfg *out, ds_err *err)
 		rc = mcfg_parse(text, len, file, out, err);
 	free(text);
 	return rc;
+}
+
+/* ---- GGUF (llama.cpp's deepseek2 metadata) ---- */
+
+#define GG_KEY_MAX 160
+
+/* An integer key; absent: def (or an error when need == REQ). */
+static int gg_int(pctx *p, const gguf_file *g, const char *key, enum need need, int64_t min,
+		  int64_t max, int def, int *out)
+{
+	int64_t v;
+	if (gguf_find_key(g, key) < 0) {
+		*out = def;
+		return need == REQ ? ds_err_set(p->err, DS_EINVAL, "%s: metadata key %s is required",
+						p->what, key) : DS_OK;
+	}
+	int rc = gguf_get_int(g, key, min, max, &v, p->err);
+	if (!rc)
+		*out = (int)v;
+	return rc;
+}
+
+/* A number key in (min, max]; absent: def. */
+static int gg_num(pctx *p, const gguf_file *g, const char *key, double min, double max, double def,
+		  double *out)
+{
+	double v;
+	*out = def;
+	if (gguf_find_key(g, key) < 0)
+		return DS_OK;
+	int rc = gguf_get_float(g, key, &v, p->err);
+	if (rc)
+		return rc;
+	if (!(v > min && v <= max))
+		return ds_err_set(p->err, DS_EINVAL, "%s: metadata key %s must be in (%g, %g], got %g",
+				  p->what, key, min, max, v);
+	*out = v;
+	return DS_OK;
+}
+
+typedef struct gg_field {
+	const char *key; /* after "deepseek2." */
+	size_t off;
+	enum need need;
+	int64_t min, max;
+	int def;
+} gg_field;
+
+#define GF(k, f, n, lo, hi, d) {k, offsetof(mcfg, f), n, lo, hi, d}
+static const gg_field gg_fields[] = {
+	GF("block_count", num_hidden_layers, REQ, 1, 4096, 0),
+	GF("nextn_predict_layers", num_nextn_predict_layers, OPT, 0, 64, 0),
+	GF("context_length", max_position_embeddings, REQ, 1, 1 << 30, 0),
+	GF("embedding_length", hidden_size, REQ, 1, 1 << 20, 0),
+	GF("feed_forward_length", intermediate_size, REQ, 1, 1 << 22, 0),
+	GF("attention.head_count", num_attention_heads, REQ, 1, 4096, 0),
+	GF("attention.head_count_kv", num_key_value_heads, OPT, 1, 4096, 0),
+	GF("attention.q_lora_rank", q_lora_rank, OPT, 0, 1 << 20, 0),
+	GF("attention.kv_lora_rank", kv_lora_rank, REQ, 1, 1 << 20, 0),
+	GF("rope.dimension_count", qk_rope_head_dim, REQ, 2, MCFG_MAX_ROPE_DIM, 0),
+	GF("expert_feed_forward_length", moe_intermediate_size, REQ, 1, 1 << 22, 0),
+	GF("expert_count", n_routed_experts, REQ, 1, 1 << 16, 0),
+	GF("expert_used_count", num_experts_per_tok, REQ, 1, 1 << 16, 0),
+	GF("expert_shared_count", n_shared_experts, OPT, 0, 1 << 16, 0),
+	GF("expert_group_count", n_group, OPT, 1, 1 << 16, 1),
+	GF("expert_group_used_count", topk_group, OPT, 1, 1 << 16, 1),
+	GF("leading_dense_block_count", first_k_dense_replace, OPT, 0, 4096, 0),
+	GF("vocab_size", vocab_size, OPT, 0, 1 << 24, 0),
+};
+#undef GF
+
+static const char *gkey(char *buf, const char *arch, const char *suffix)
+{
+	snprintf(buf, GG_KEY_MAX, "%s.%s", arch, suffix);
+	return buf;
+}
+
+/* Head sizes: the *_mla keys of files with split attn_k_b/attn_v_b, else
+ * key_length/value_length (then the per-head sizes themselves). */
+static int gg_heads(pctx *p, const gguf_file *g, const char *arch, mcfg *c)
+{
+	char k1[GG_KEY_MAX], k2[GG_KEY_MAX];
+	int qk = 0, vd = 0, rc;
+	int mla = gguf_find_key(g, gkey(k1, arch, "attention.key_length_mla")) >= 0 ||
+		  gguf_find_key(g, gkey(k2, arch, "attention.value_length_mla")) >= 0;
+	gkey(k1, arch, mla ? "attention.key_length_mla" : "attention.key_length");
+	gkey(k2, arch, mla ? "attention.value_length_mla" : "attention.value_length");
+	if ((rc = gg_int(p, g, k1, REQ, 2, 8192, 0, &qk)) || (rc = gg_int(p, g, k2, REQ, 1, 4096, 0, &vd)))
+		return rc;
+	if (qk <= c->qk_rope_head_dim)
+		return ds_err_set(p->err, DS_EINVAL,
+				  "%s: %s %d leaves no non-rotary part beside %s.rope.dimension_count %d",
+				  p->what, k1, qk, arch, c->qk_rope_head_dim);
+	c->qk_nope_head_dim = qk - c->qk_rope_head_dim;
+	c->v_head_dim = vd;
+	return DS_OK;
+}
+
+static int gg_rope(pctx *p, const gguf_file *g, const char *arch, mcfg *c)
+{
+	char k[GG_KEY_MAX];
+	const char *type = "none";
+	int rc;
+	c->rope_type = MCFG_ROPE_PLAIN;
+	c->rope_factor = 1;
+	if ((rc = gg_num(p, g, gkey(k, arch, "rope.freq_base"), 0, 1e12, 10000, &c->rope_theta)))
+		return rc;
+	if (gguf_find_key(g, gkey(k, arch, "rope.scaling.type")) >= 0 &&
+	    (rc = gguf_get_str(g, k, &type, NULL, p->err)))
+		return rc;
+	if (strcmp(type, "none") == 0)
+		return DS_OK;
+	if (strcmp(type, "yarn") != 0)
+		return ds_err_set(p->err, DS_EUNSUPPORTED, "%s: %s \"%.64s\" is not supported (only "
+				  "\"yarn\" or \"none\")", p->what, k, type);
+	c->rope_type = MCFG_ROPE_YARN;
+	double log_mul = 0, ext = 1;
+	if (gguf_find_key(g, gkey(k, arch, "rope.scaling.factor")) < 0)
+		return ds_err_set(p->err, DS_EINVAL, "%s: metadata key %s is required with yarn", p->what, k);
+	if ((rc = gg_num(p, g, k, 0, 1e6, 1, &c->rope_factor)) ||
+	    (rc = gg_int(p, g, gkey(k, arch, "rope.scaling.original_context_length"), REQ, 1, 1 << 30, 0,
+			 &c->rope_original_max_position)) ||
+	    (rc = gg_num(p, g, gkey(k, arch, "rope.scaling.yarn_beta_fast"), 0, 1e6, 32, &c->rope_beta_fast)) ||
+	    (rc = gg_num(p, g, gkey(k, arch, "rope.scaling.yarn_beta_slow"), 0, 1e6, 1, &c->rope_beta_slow)) ||
+	    (rc = gg_num(p, g, gkey(k, arch, "rope.scaling.yarn_ext_factor"), -1e6, 1e6, 1, &ext)))
+		return rc;
+	if (c->rope_factor < 1)
+		return ds_err_set(p->err, DS_EINVAL, "%s: %s.rope.scaling.factor must be >= 1, got %g",
+				  p->what, arch, c->rope_factor);
+	if (ext != 1)
+		return ds_err_set(p->err, DS_EUNSUPPORTED, "%s: %s.rope.scaling.yarn_ext_factor %g is not "
+				  "supported (DeepSeek's YaRN blends with 1)", p->what, arch, ext);
+	if (gguf_find_key(g, gkey(k, arch, "rope.scaling.yarn_attn_factor")) >= 0)
+		return ds_err_set(p->err, DS_EUNSUPPORTED, "%s: %s is not supported (DeepSeek scales "
+				  "through yarn_log_multiplier)", p->what, k);
+	if (!(c->rope_beta_fast > c->rope_beta_slow))
+		return ds_err_set(p->err, DS_EINVAL, "%s: yarn_beta_fast (%g) must be greater than "
+				  "yarn_beta_slow (%g)", p->what, c->rope_beta_fast, c->rope_beta_slow);
+	c->rope_mscale = 1;
+	c->rope_mscale_all_dim = 0;
+	if (gguf_find_key(g, gkey(k, arch, "rope.scaling.yarn_log_multiplier")) >= 0) {
+		if ((rc = gg_num(p, g, k, -1e-300, 1e5, 0, &log_mul)))
+			return rc;
+		/* the converter stores 0.1 * mscale_all_dim; no mscale is stored and
+		 * llama.cpp takes mscale = mscale_all_dim (amplitude 1) */
+		c->rope_mscale_all_dim = log_mul / 0.1;
+		c->rope_mscale = c->rope_mscale_all_dim;
+	}
+	return DS_OK;
+}
+
+static int gg_routing(pctx *p, const gguf_file *g, const char *arch, mcfg *c)
+{
+	char k[GG_KEY_MAX];
+	int gating = 1, rc;
+	if ((rc = gg_num(p, g, gkey(k, arch, "expert_weights_scale"), 0, 1e6, 1, &c->routed_scaling_factor)))
+		return rc;
+	c->norm_topk_prob = 0;
+	if (gguf_find_key(g, gkey(k, arch, "expert_weights_norm")) >= 0 &&
+	    (rc = gguf_get_bool(g, k, &c->norm_topk_prob, p->err)))
+		return rc;
+	if ((rc = gg_int(p, g, gkey(k, arch, "expert_gating_func"), OPT, 0, INT32_MAX, 1, &gating)))
+		return rc;
+	if (gating != 1 && gating != 2)
+		return ds_err_set(p->err, DS_EUNSUPPORTED, "%s: %s %d is not supported (1 softmax, "
+				  "2 sigmoid)", p->what, k, gating);
+	c->scoring = gating == 2 ? MCFG_SCORING_SIGMOID : MCFG_SCORING_SOFTMAX;
+	c->topk_method = gating == 2 ? MCFG_TOPK_NOAUX_TC
+			 : c->topk_group < c->n_group ? MCFG_TOPK_GROUP_LIMITED_GREEDY : MCFG_TOPK_GREEDY;
+	c->arch = gating == 2 ? MCFG_ARCH_DEEPSEEK_V3 : MCFG_ARCH_DEEPSEEK_V2;
+	return DS_OK;
+}
+
+static int gg_tokens(pctx *p, const gguf_file *g, mcfg *c)
+{
+	static const char *const eos_keys[] = {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+					       "tokenizer.ggml.eom_token_id"};
+	int rc = gg_int(p, g, "tokenizer.ggml.bos_token_id", OPT, 0, INT32_MAX, -1, &c->bos_token_id);
+	for (size_t i = 0; !rc && i < sizeof eos_keys / sizeof eos_keys[0]; i++) {
+		int id = -1, dup = 0;
+		if ((rc = gg_int(p, g, eos_keys[i], OPT, 0, INT32_MAX, -1, &id)) || id < 0)
+			continue;
+		for (int j = 0; j < c->n_eos; j++)
+			dup |= c->eos_token_ids[j] == id;
+		if (!dup && c->n_eos < MCFG_MAX_EOS)
+			c->eos_token_ids[c->n_eos++] = id;
+	}
+	if (rc || c->vocab_size > 0)
+		return rc;
+	gguf_arr a;
+	const gguf_tensor *t = gguf_find_tensor(g, "token_embd.weight");
+	if (gguf_get_arr(g, "tokenizer.ggml.tokens", GGUF_TYPE_COUNT, &a, NULL) == DS_OK && a.n > 0 &&
+	    a.n <= (1u << 24))
+		c->vocab_size = (int)a.n;
+	else if (t && t->n_dims == 2 && t->shape[0] > 0 && t->shape[0] <= (1 << 24))
+		c->vocab_size = (int)t->shape[0];
+	else
+		return ds_err_set(p->err, DS_EINVAL, "%s: the vocabulary size is unknown (no "
+				  "deepseek2.vocab_size, tokenizer.ggml.tokens or 2-D token_embd.weight)",
+				  p->what);
+	return DS_OK;
+}
+
+int mcfg_from_gguf(const gguf_file *g, mcfg *out, ds_err *err)
+{
+	ds_err local = {0};
+	if (!err)
+		err = &local;
+	pctx p = {gguf_path(g), err};
+	memset(out, 0, sizeof *out);
+	const char *arch = NULL;
+	char k[GG_KEY_MAX];
+	int rc = gguf_get_str(g, "general.architecture", &arch, NULL, err);
+	if (rc)
+		return rc;
+	if (strcmp(arch, "deepseek2") != 0)
+		return ds_err_set(err, DS_EUNSUPPORTED, "%s: general.architecture \"%.64s\" is not a "
+				  "DeepSeek GGUF (deepseek2)", p.what, arch);
+	for (size_t i = 0; !rc && i < sizeof gg_fields / sizeof gg_fields[0]; i++) {
+		const gg_field *f = &gg_fields[i];
+		rc = gg_int(&p, g, gkey(k, arch, f->key), f->need, f->min, f->max, f->def,
+			    (int *)((char *)out + f->off));
+	}
+	if (rc)
+		return rc;
+	if (out->num_nextn_predict_layers >= out->num_hidden_layers)
+		return ds_err_set(err, DS_EINVAL, "%s: %s.nextn_predict_layers %d leaves no decoder layer "
+				  "of %s.block_count %d", p.what, arch, out->num_nextn_predict_layers, arch,
+				  out->num_hidden_layers);
+	out->num_hidden_layers -= out->num_nextn_predict_layers;
+	if (out->num_key_value_heads == 0)
+		out->num_key_value_heads = out->num_attention_heads;
+	out->moe_layer_freq = 1;
+	if ((rc = gg_heads(&p, g, arch, out)) || (rc = gg_rope(&p, g, arch, out)) ||
+	    (rc = gg_num(&p, g, gkey(k, arch, "attention.layer_norm_rms_epsilon"), 0, 1, 1e-6,
+			 &out->rms_norm_eps)) ||
+	    (rc = gg_routing(&p, g, arch, out)) || (rc = gg_tokens(&p, g, out)) ||
+	    (rc = check_moe(&p, out)) || (rc = check_layers(&p, out)))
+		return rc;
+	derive(out);
+	return DS_OK;
 }
 
 int mcfg_is_moe_layer(const mcfg *c, int layer)

@@ -30,7 +30,8 @@
 #define MCFG_MAX_ROPE_DIM 4096
 #define MCFG_MAX_FILE_BYTES (4u << 20)
 
-/* A later issue adds more architectures here. */
+/* A later issue adds more architectures here.  A GGUF ("deepseek2" for both)
+ * counts as V3 with sigmoid routing and as V2 with softmax routing. */
 enum mcfg_arch {
 	MCFG_ARCH_DEEPSEEK_V3 = 0, /* "deepseek_v3" */
 	MCFG_ARCH_DEEPSEEK_V2 = 1, /* "deepseek_v2" */
@@ -123,6 +124,16 @@ int mcfg_load(const char *path, mcfg *out, ds_err *err);
 
 /* The same from memory; `what` names the source in errors. */
 int mcfg_parse(const char *text, size_t len, const char *what, mcfg *out, ds_err *err);
+
+/* The same from the metadata of a GGUF file written by llama.cpp's converter
+ * for general.architecture "deepseek2" (DeepSeek-V2 / V2-Lite / V3 / R1);
+ * the key-by-key mapping is in the file comment of mconfig.c and in
+ * docs/engine.md.  Errors name the file and the key, with the codes of
+ * mcfg_parse (DS_EUNSUPPORTED also for another architecture).  Tensors are
+ * not looked at, except token_embd.weight's row count when neither
+ * deepseek2.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size. */
+struct gguf_file;
+int mcfg_from_gguf(const struct gguf_file *g, mcfg *out, ds_err *err);
 
 /* 1 if decoder layer L (0 <= L < num_hidden_layers + num_nextn_predict_layers)
  * has a MoE block: L >= first_k_dense_replace and L % moe_layer_freq == 0. */

@@ -9,6 +9,7 @@
  * Thread rule: as model.h (one step at a time per model).
  */
 #include "common/jsonx.h"
+#include "engine/gguf.h"
 #include "engine/model_impl.h"
 
 #include <stdio.h>
@@ -23,6 +24,24 @@ model_params model_default_params(void)
 	p.max_seqs = 16;
 	p.page_size = 64;
 	return p;
+}
+
+int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx)
+{
+	if (p->n_pages > 0)
+		return p->n_pages;
+	int64_t per_seq = (ctx + kp->page_size - 1) / kp->page_size;
+	int64_t pages = per_seq * (p->max_seqs > 0 ? p->max_seqs : 1);
+	if (p->kv_bytes > 0) {
+		int64_t page_bytes = (int64_t)kp->n_layers * kp->page_size * kp->row_floats *
+				     (int64_t)sizeof(float);
+		int64_t cap = (int64_t)(p->kv_bytes / (size_t)page_bytes);
+		if (cap < per_seq)
+			cap = per_seq;
+		if (pages > cap)
+			pages = cap;
+	}
+	return pages > INT32_MAX ? INT32_MAX : (int)pages;
 }
 
 static int ends_with(const char *s, const char *suffix)
@@ -58,8 +77,18 @@ model *model_load(const model_params *p, ds_err *err)
 		ds_err_set(err, DS_EINVAL, "no model path given");
 		return NULL;
 	}
-	if (ends_with(p->path, ".gguf"))
-		return llama_model_load(p, err);
+	if (ends_with(p->path, ".gguf")) {
+		/* general.architecture decides; the loader reopens the file (the
+		 * mapping is shared by the page cache, the metadata is parsed twice) */
+		gguf_file *g = gguf_open(p->path, err);
+		const char *arch = NULL;
+		if (!g)
+			return NULL;
+		int ds = gguf_get_str(g, "general.architecture", &arch, NULL, NULL) == DS_OK &&
+			 strcmp(arch, "deepseek2") == 0;
+		gguf_close(g);
+		return ds ? ds_model_load(p, err) : llama_model_load(p, err);
+	}
 	char type[64];
 	read_model_type(p->path, type, sizeof type);
 	if (strcmp(type, "llama") == 0 || strcmp(type, "mistral") == 0 || strcmp(type, "qwen2") == 0)

@@ -48,7 +48,8 @@ typedef struct model_params {
 	int max_ctx;          /* longest sequence; 0 = min(model's, 4096) */
 	int max_seqs;         /* sequences with pages at once */
 	int page_size;        /* positions per KV page */
-	int n_pages;          /* 0 = enough for max_seqs sequences of max_ctx */
+	int n_pages;          /* 0 = enough for max_seqs sequences of max_ctx ... */
+	size_t kv_bytes;      /* ... but at most this many bytes of KV cache (0 = no cap) */
 	enum model_attn attn;
 } model_params;
 

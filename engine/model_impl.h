@@ -48,6 +48,10 @@ int model_linear(const kb_backend *be, const model_weight *w, const float *x, in
 
 /* calloc that adds the bytes to *counter (a model's extra_bytes). */
 void *model_calloc(size_t *counter, size_t n, size_t size);
+/* KV pages to allocate: p->n_pages when set; else enough for max_seqs
+ * sequences of ctx positions, capped by p->kv_bytes when that is set (at
+ * least one sequence's worth). kp gives the layer count, row and page size. */
+int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx);
 
 /* Architecture loaders (model.c picks one from the checkpoint). */
 model *ds_model_load(const model_params *p, ds_err *err);
