@@ -214,3 +214,5 @@ clean:
 	rm -rf build build-asan
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+# the migrations are embedded with .incbin, which the .d files do not see
+$(BUILD)/obj/agent/schema_sql.o: $(wildcard schema/*.sql)

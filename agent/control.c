@@ -1,6 +1,14 @@
 /*
  * control.c - handlers of the control API (see control.h).
- * Handlers run on HTTP worker threads; control_ctx is read-only after start.
+ *
+ * Callers: agent/http.c dispatches here (control_routes, ud = control_ctx).
+ * Calls: agent/keys for the key routes, eng_version for /v1/version.
+ * Every admin route first checks the admin token (keys_admin_check, constant
+ * time) and answers 401 in the OpenAI error shape otherwise; the key text
+ * appears in exactly one response, the 201 of POST /v1/keys.
+ *
+ * Threading: handlers run on HTTP worker threads; control_ctx is read-only
+ * after start and the keys service is thread-safe.
  */
 #include "agent/control.h"
 #include "common/jsonx.h"
@@ -8,15 +16,25 @@
 #include "engine/engine.h"
 
 #include <jansson.h>
+#include <sodium.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void reply_status(http_resp *resp, int status, json_t *v)
+{
+	if (!v) {
+		http_resp_error(resp, 500, "server_error", NULL, "out of memory");
+		return;
+	}
+	http_resp_json(resp, status, jsonx_dumps(v));
+	json_decref(v);
+}
 
 static void reply(http_resp *resp, json_t *v)
 {
-	if (!v) {
-		http_resp_error(resp, 500, "internal_error", NULL, "out of memory");
-		return;
-	}
-	http_resp_json(resp, 200, jsonx_dumps(v));
-	json_decref(v);
+	reply_status(resp, 200, v);
 }
 
 static void get_health(void *ud, const http_req *req, http_resp *resp)
@@ -34,8 +52,187 @@ static void get_version(void *ud, const http_req *req, http_resp *resp)
 			      "backend_detail", c->backend_desc));
 }
 
+/* ---- admin routes: API keys ---- */
+
+/* 1 when the request may use the admin routes; otherwise resp holds the 401
+ * (or 503 when the agent has no key service). */
+static int admin_ok(const control_ctx *c, const http_req *req, http_resp *resp)
+{
+	if (!c->keys) {
+		http_resp_error(resp, 503, "service_unavailable_error", NULL,
+				"the key service is not running on this agent");
+		return 0;
+	}
+	const char *h = http_req_header(req, "Authorization");
+	const char *tok;
+	size_t len;
+	if (keys_admin_check(c->admin_token, h))
+		return 1;
+	if (!keys_bearer(h, &tok, &len))
+		http_resp_error(resp, 401, "authentication_error", "missing_admin_token",
+				"missing admin token: send 'Authorization: Bearer <token>' with "
+				"the token of admin.token in the agent's data directory");
+	else
+		http_resp_error(resp, 401, "authentication_error", "invalid_admin_token",
+				"invalid admin token (it is the content of admin.token in the "
+				"agent's data directory)");
+	http_resp_header(resp, "WWW-Authenticate", "Bearer");
+	return 0;
+}
+
+static json_t *opt_int(int64_t v)
+{
+	return v ? json_integer((json_int_t)v) : json_null();
+}
+
+/* A key as the control API shows it (never its text). */
+static json_t *key_json(const store_key *r)
+{
+	json_t *o = json_object();
+	if (!o)
+		return NULL;
+	int bad = 0;
+	bad |= json_object_set_new(o, "id", json_integer((json_int_t)r->id));
+	bad |= json_object_set_new(o, "name", json_string(r->name));
+	bad |= json_object_set_new(o, "prefix", json_string(r->prefix));
+	bad |= json_object_set_new(o, "created", json_integer((json_int_t)r->created));
+	bad |= json_object_set_new(o, "expires", opt_int(r->expires));
+	bad |= json_object_set_new(o, "last_used", opt_int(r->last_used));
+	bad |= json_object_set_new(o, "revoked", json_boolean(r->revoked_at != 0));
+	bad |= json_object_set_new(o, "revoked_at", opt_int(r->revoked_at));
+	bad |= json_object_set_new(o, "rpm", opt_int(r->rpm));
+	bad |= json_object_set_new(o, "tpm", opt_int(r->tpm));
+	bad |= json_object_set_new(o, "max_concurrency", opt_int(r->max_concurrency));
+	bad |= json_object_set_new(o, "requests", json_integer((json_int_t)r->requests));
+	bad |= json_object_set_new(o, "prompt_tokens",
+				   json_integer((json_int_t)r->prompt_tokens));
+	bad |= json_object_set_new(o, "completion_tokens",
+				   json_integer((json_int_t)r->completion_tokens));
+	if (bad) {
+		json_decref(o);
+		return NULL;
+	}
+	return o;
+}
+
+static void bad_field(http_resp *resp, const char *field, const ds_err *e)
+{
+	http_resp_error_param(resp, 400, "invalid_request_error", "invalid_value", field, "%s",
+			      e->msg);
+}
+
+static void post_keys(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	if (!admin_ok(c, req, resp))
+		return;
+	ds_err e = {0};
+	keys_created made;
+	json_t *body = jsonx_parse(req->body, req->body_len, 8, &e);
+	if (!body || !json_is_object(body)) {
+		http_resp_error(resp, 400, "invalid_request_error", "invalid_json",
+				"the body must be a JSON object: %s",
+				body ? "found another JSON value" : e.msg);
+		goto out;
+	}
+	keys_params p = {0};
+	if (jsonx_get_str(body, "name", 1, &p.name, &e) != DS_OK) {
+		bad_field(resp, "name", &e);
+		goto out;
+	}
+	static const struct {
+		const char *field;
+		size_t off;
+		int64_t max;
+	} nums[] = {
+		{"expires_days", offsetof(keys_params, expires_days), KEYS_MAX_EXPIRES_DAYS},
+		{"rpm", offsetof(keys_params, rpm), KEYS_MAX_RPM},
+		{"tpm", offsetof(keys_params, tpm), KEYS_MAX_TPM},
+		{"max_concurrency", offsetof(keys_params, max_concurrency), KEYS_MAX_CONCURRENCY},
+	};
+	for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
+		int64_t *dst = (int64_t *)(void *)((char *)&p + nums[i].off);
+		if (jsonx_get_i64(body, nums[i].field, 0, 0, nums[i].max, dst, &e) != DS_OK) {
+			bad_field(resp, nums[i].field, &e);
+			goto out;
+		}
+	}
+	int rc = keys_create(c->keys, &p, &made, &e);
+	if (rc == DS_EINVAL) {
+		bad_field(resp, "name", &e);
+	} else if (rc == DS_EBUSY) {
+		http_resp_error_param(resp, 409, "invalid_request_error", "name_in_use", "name",
+				      "%s", e.msg);
+	} else if (rc == DS_ERANGE) {
+		http_resp_error(resp, 409, "invalid_request_error", "too_many_keys", "%s", e.msg);
+	} else if (rc) {
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	} else {
+		json_t *o = key_json(&made.info);
+		if (o && json_object_set_new(o, "key", json_string(made.key)) != 0) {
+			json_decref(o);
+			o = NULL;
+		}
+		reply_status(resp, 201, o);
+	}
+	sodium_memzero(&made, sizeof made);
+out:
+	json_decref(body);
+}
+
+static void get_keys(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	if (!admin_ok(c, req, resp))
+		return;
+	ds_err e = {0};
+	store_key *rows = NULL;
+	size_t n = 0;
+	if (keys_list(c->keys, &rows, &n, &e) != DS_OK) {
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+		return;
+	}
+	json_t *data = json_array();
+	for (size_t i = 0; data && i < n; i++) {
+		json_t *o = key_json(&rows[i]);
+		if (!o || json_array_append_new(data, o) != 0) {
+			json_decref(data);
+			data = NULL;
+		}
+	}
+	free(rows);
+	reply(resp, data ? json_pack("{s:o}", "data", data) : NULL);
+}
+
+static void delete_key(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	if (!admin_ok(c, req, resp))
+		return;
+	const char *idtext = req->path + strlen("/v1/keys/");
+	int64_t id = 0;
+	if (ds_parse_i64(idtext, 1, INT64_MAX, &id) != DS_OK) {
+		http_resp_error_param(resp, 400, "invalid_request_error", "invalid_value", "id",
+				      "'%s' is not a key id (a positive integer)", idtext);
+		return;
+	}
+	ds_err e = {0};
+	store_key row;
+	int rc = keys_revoke(c->keys, id, &row, &e);
+	if (rc == DS_ENOTFOUND)
+		http_resp_error_param(resp, 404, "not_found_error", "key_not_found", "id", "%s",
+				      e.msg);
+	else if (rc)
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	else
+		reply(resp, key_json(&row));
+}
+
 const http_route control_routes[] = {
 	{"GET", "/health", get_health},
 	{"GET", "/v1/version", get_version},
+	{"POST", "/v1/keys", post_keys},
+	{"GET", "/v1/keys", get_keys},
+	{"DELETE", "/v1/keys/*", delete_key},
 	{0},
 };

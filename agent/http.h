@@ -1,13 +1,20 @@
 /*
  * http.h - a small route table over libmicrohttpd.
  *
- * The control API (and later the OpenAI API) declare routes as
- * {method, path, handler}; this module owns the daemon, collects the request
- * body up to a hard cap (413 beyond it), dispatches, and sends the handler's
- * response.  Handlers run on libmicrohttpd's worker threads and must be
- * thread-safe; they never see a body larger than max_body.
+ * The control API and the OpenAI API declare routes as {method, path,
+ * handler}; a path ending in '*' matches every path with that prefix.  This
+ * module owns the daemon, collects the request body up to a hard cap (413
+ * beyond it, after draining the upload so the connection stays usable),
+ * dispatches, and sends the handler's response: a whole body, or a stream
+ * produced by a reader callback (SSE), with extra headers.
  *
- * Errors are JSON in the OpenAI shape: {"error":{"message","type","code"}}.
+ * Threading: one thread per connection (MHD_USE_THREAD_PER_CONNECTION), so a
+ * handler may block while the engine generates, and a stream reader may block
+ * until its next event; the number of connections is capped by max_conns.
+ * Handlers must be thread-safe; they never see a body larger than max_body.
+ *
+ * Errors are JSON in the OpenAI shape:
+ *   {"error":{"message":..,"type":..,"param":..|null,"code":..|null}}.
  */
 #ifndef DS_AGENT_HTTP_H
 #define DS_AGENT_HTTP_H
@@ -15,28 +22,45 @@
 #include "common/status.h"
 
 #include <stddef.h>
+#include <sys/types.h>
 
 struct MHD_Connection;
 
 typedef struct http_req {
 	const char *method;
 	const char *path;
-	const char *body; /* NUL-terminated; len bytes */
+	const char *body; /* NUL-terminated; body_len bytes */
 	size_t body_len;
 	struct MHD_Connection *conn;
 } http_req;
+
+/* A streamed body: read() fills up to max bytes of out and returns how many,
+ * blocking until it has some; HTTP_STREAM_END when the body is complete,
+ * HTTP_STREAM_ERROR to drop the connection.  done() runs once when the
+ * response is finished or the client went away (always, exactly once). */
+#define HTTP_STREAM_END ((ssize_t)-1)
+#define HTTP_STREAM_ERROR ((ssize_t)-2)
+typedef ssize_t (*http_stream_read)(void *ctx, char *out, size_t max);
+typedef void (*http_stream_done)(void *ctx);
+
+#define HTTP_MAX_HEADERS 8
 
 typedef struct http_resp {
 	int status;
 	char *body;               /* malloc'd; freed by the server after sending */
 	const char *content_type; /* static string; default application/json */
+	http_stream_read stream;  /* set: the body comes from stream(), body unused */
+	http_stream_done stream_done;
+	void *stream_ctx;
+	int n_headers;
+	char *headers[HTTP_MAX_HEADERS][2]; /* malloc'd name, value */
 } http_resp;
 
 typedef void (*http_handler)(void *ud, const http_req *req, http_resp *resp);
 
 typedef struct http_route {
 	const char *method;
-	const char *path;
+	const char *path; /* exact, or a prefix when it ends in '*' */
 	http_handler fn;
 } http_route;
 
@@ -46,8 +70,9 @@ typedef struct http_params {
 	const http_route *routes; /* ends with {0} */
 	void *ud;                 /* passed to every handler */
 	size_t max_body;          /* default 1 MiB */
-	int threads;              /* worker threads, default 4 */
-	int timeout_s;            /* idle connection timeout, default 30 */
+	int max_conns;            /* concurrent connections, default 512 */
+	int timeout_s;            /* idle connection timeout, default 600 */
+	const char *cors_origin;  /* NULL = no CORS headers; "*" or one origin */
 } http_params;
 
 typedef struct http_server http_server;
@@ -57,12 +82,31 @@ http_server *http_server_new(const http_params *p, ds_err *err);
 void http_server_free(http_server *s);
 int http_server_port(const http_server *s);
 
-/* Fill resp with a JSON body (takes ownership of text) or an error object. */
+/* Fill resp with a JSON body (takes ownership of text; NULL = 500) or an
+ * error object.  param may be NULL (JSON null). */
 void http_resp_json(http_resp *resp, int status, char *text);
 void http_resp_error(http_resp *resp, int status, const char *type, const char *code,
 		     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+void http_resp_error_param(http_resp *resp, int status, const char *type, const char *code,
+			   const char *param, const char *fmt, ...)
+	__attribute__((format(printf, 6, 7)));
+/* Adds a response header (copied).  Names and values with control characters
+ * are refused (DS_EINVAL), so nothing a client sent can split a header. */
+int http_resp_header(http_resp *resp, const char *name, const char *value);
+/* Frees what resp holds (body, headers; calls stream_done when set). */
+void http_resp_clear(http_resp *resp);
 
-/* Header value of the request, or NULL. */
+/* Header value of the request, or NULL; query-string argument, or NULL. */
 const char *http_req_header(const http_req *req, const char *name);
+const char *http_req_arg(const http_req *req, const char *name);
+/* The peer's IPv4/IPv6 address as text ("?" when unknown). */
+void http_req_peer(const http_req *req, char *out, size_t n);
+
+/* 1 when the client closed its side of the connection (checked without
+ * blocking; for handlers and stream readers that wait on the engine). */
+int http_conn_gone(struct MHD_Connection *conn);
+
+/* 1 when addr (an IPv4 literal) is a loopback address (127.0.0.0/8). */
+int http_addr_is_loopback(const char *addr);
 
 #endif

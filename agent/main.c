@@ -2,20 +2,30 @@
  * main.c - dsagent: the per-node agent.
  *
  * Start-up order (teardown is the reverse):
- *   options -> compute backend -> control API -> sd_notify(READY=1) -> wait for
- *   SIGINT/SIGTERM -> stop HTTP -> exit 0.
- * Discovery, gossip, election, store and the OpenAI API join this sequence in
- * later steps (docs/architecture.md).
+ *   options -> compute backend -> store (DATA_DIR/dsagent.db) -> key service
+ *   -> admin token -> auth rule (no key on a non-loopback API address =
+ *   refuse, unless --insecure-no-auth) -> control API -> OpenAI API (503
+ *   "loading") -> load model + scheduler -> ready -> sd_notify(READY=1) ->
+ *   wait for SIGINT/SIGTERM -> stop: refuse new requests, end open streams,
+ *   stop HTTP, stop the scheduler, free the model -> exit 0.
+ * Discovery, gossip and election join this sequence in later steps
+ * (docs/architecture.md).
  */
 #include "agent/control.h"
 #include "agent/http.h"
+#include "agent/keys.h"
 #include "agent/options.h"
+#include "agent/serve.h"
+#include "agent/store.h"
 #include "common/log.h"
 #include "common/strutil.h"
 #include "engine/engine.h"
 
 #include <signal.h>
+#include <sodium.h>
 #include <stdio.h>
+#include <string.h>
+#include <unistd.h>
 #include <systemd/sd-daemon.h>
 
 static void usage(FILE *f)
@@ -34,11 +44,22 @@ static void print_config(const agent_opts *o)
 	}
 }
 
+/* --model, else the embedded default model (models/default.gguf, which
+ * `make model` fetches, relative to the working directory). */
+static const char *model_path(const agent_opts *o)
+{
+	return o->model ? o->model : "models/default.gguf";
+}
+
 int main(int argc, char **argv)
 {
 	agent_opts opts;
 	ds_err err = {0};
-	http_server *control = NULL;
+	http_server *control = NULL, *api = NULL;
+	store *st = NULL;
+	keys_svc *keys = NULL;
+	serve *sv = NULL;
+	char admin_token[KEYS_TOKEN_SIZE] = "";
 	int rc = 0;
 
 	if (agent_opts_load(&opts, argc, argv, &err) != DS_OK) {
@@ -66,6 +87,24 @@ int main(int argc, char **argv)
 		goto out;
 	}
 
+	if (!(st = store_open(opts.data_dir, &err)) || !(keys = keys_new(st, opts.data_dir, &err)) ||
+	    keys_admin_token_load(opts.data_dir, admin_token, NULL, &err) != DS_OK) {
+		fprintf(stderr, "dsagent: data directory %s: %s\n", opts.data_dir, err.msg);
+		rc = 1;
+		goto out;
+	}
+	log_info("agent", "store open", "db=%s admin_token=%s/admin.token keys=%zu",
+		 store_path(st), opts.data_dir, keys_count(keys));
+	if (!opts.insecure_no_auth && keys_count(keys) == 0 && !http_addr_is_loopback(opts.api_bind)) {
+		fprintf(stderr,
+			"dsagent: refusing to serve on %s with no API key: create one with "
+			"`dsctl keys create NAME` (against an agent bound to 127.0.0.1), or pass "
+			"--insecure-no-auth\n",
+			opts.api_bind);
+		rc = 1;
+		goto out;
+	}
+
 	/* Block the stop signals before any thread starts, so only sigwait sees them. */
 	sigset_t stop;
 	sigemptyset(&stop);
@@ -74,22 +113,71 @@ int main(int argc, char **argv)
 	pthread_sigmask(SIG_BLOCK, &stop, NULL);
 
 	control_ctx ctx = {opts.name, be->name, be->describe(), ds_now_s()};
+	ctx.keys = keys;               /* the admin routes of `dsctl keys` */
+	ctx.admin_token = admin_token;
 	http_params hp = http_default_params();
 	hp.bind_addr = opts.bind;
 	hp.port = opts.control_port;
 	hp.routes = control_routes;
 	hp.ud = &ctx;
-	hp.threads = opts.http_threads;
 	control = http_server_new(&hp, &err);
 	if (!control) {
 		fprintf(stderr, "dsagent: control API: %s\n", err.msg);
 		rc = 1;
 		goto out;
 	}
-	log_info("agent", "ready", "name=%s control=%s:%d backend=%s", opts.name, opts.bind,
-		 http_server_port(control), be->name);
+
+	serve_params sp = {0};
+	sp.model_path = model_path(&opts);
+	sp.names = opts.served_model_name;
+	sp.chat_template = opts.chat_template;
+	sp.backend = opts.backend;
+	sp.threads = opts.threads;
+	sp.ctx = opts.ctx;
+	sp.max_running = opts.max_running;
+	sp.max_waiting = opts.max_waiting;
+	sp.max_batch_tokens = opts.max_batch_tokens;
+	sp.prefill_chunk = opts.prefill_chunk;
+	sp.page_size = opts.page_size;
+	sp.kv_bytes = (size_t)opts.kv_cache_mb << 20;
+	sp.auth = !opts.insecure_no_auth;
+	sp.metrics_auth = opts.metrics_auth;
+	sp.max_n = opts.max_n;
+	sp.max_logprobs = opts.max_logprobs;
+	sp.keys = keys;
+	if (!(sv = serve_new(&sp, &err))) {
+		fprintf(stderr, "dsagent: %s\n", err.msg);
+		rc = 2;
+		goto out;
+	}
+	http_params ap = http_default_params();
+	ap.bind_addr = opts.api_bind;
+	ap.port = opts.api_port;
+	ap.routes = serve_routes;
+	ap.ud = sv;
+	ap.max_body = (size_t)opts.max_body_kb << 10;
+	ap.cors_origin = opts.cors_origin;
+	if (!(api = http_server_new(&ap, &err))) {
+		fprintf(stderr, "dsagent: OpenAI API: %s\n", err.msg);
+		rc = 1;
+		goto out;
+	}
+	if (opts.insecure_no_auth)
+		log_warn("agent", "serving without API keys", "api=%s:%d", opts.api_bind,
+			 http_server_port(api));
 	/* One machine-readable line for scripts and tests that asked for port 0. */
-	printf("dsagent listening control=%s:%d\n", opts.bind, http_server_port(control));
+	printf("dsagent listening control=%s:%d api=%s:%d\n", opts.bind,
+	       http_server_port(control), opts.api_bind, http_server_port(api));
+	fflush(stdout);
+	if (serve_load(sv, &err) != DS_OK) {
+		fprintf(stderr, "dsagent: model %s: %s\n", sp.model_path, err.msg);
+		rc = 1;
+		goto out;
+	}
+	log_info("agent", "ready", "name=%s control=%s:%d api=%s:%d model=%s backend=%s",
+		 opts.name, opts.bind, http_server_port(control), opts.api_bind,
+		 http_server_port(api), sv->names[0], be->name);
+	printf("dsagent serving model=%s\n", sv->names[0]);
 	fflush(stdout);
 	sd_notify(0, "READY=1");
 
@@ -98,7 +186,13 @@ int main(int argc, char **argv)
 	sd_notify(0, "STOPPING=1");
 	log_info("agent", "stopping", "signal=%d", sig);
 out:
+	serve_stop(sv); /* open streams end; new requests get 503 */
+	http_server_free(api);
 	http_server_free(control);
+	serve_free(sv);
+	keys_free(keys);
+	store_close(st);
+	sodium_memzero(admin_token, sizeof admin_token);
 	agent_opts_free(&opts);
 	return rc;
 }

@@ -14,7 +14,21 @@ typedef struct agent_opts {
 	char *data_dir;
 	char *backend;      /* auto | cpu | cuda */
 	char *log_level;
-	int http_threads;
+	/* serving (docs/serving.md) */
+	char *model;             /* checkpoint dir or .gguf; NULL = the default model */
+	char *served_model_name; /* NAME[,ALIAS...]; NULL = the model file's base name */
+	char *api_bind;
+	int api_port;
+	int insecure_no_auth;
+	int metrics_auth;
+	char *cors_origin;
+	char *chat_template;     /* override name (chatml, llama3, deepseek-v3, ...) */
+	int threads;
+	int ctx;
+	int max_running, max_waiting, max_batch_tokens, prefill_chunk, page_size;
+	int kv_cache_mb;
+	int max_body_kb;
+	int max_n, max_logprobs;
 	int print_config;
 	int help;
 	int version;

@@ -1,8 +1,11 @@
 """Fixtures of the integration tier: real dsagent processes on loopback.
 
 Binaries come from $DS_BUILD (default build/).  An agent is started with
---control-port 0 and reports the port it got on stdout
-("dsagent listening control=HOST:PORT"), so tests never race for ports.
+--control-port 0 --api-port 0 and reports the ports it got on stdout
+("dsagent listening control=HOST:PORT api=HOST:PORT"), so tests never race
+for ports; "dsagent serving model=NAME" follows once the model is loaded.
+The working directory is the repository root, so the default model is
+models/default.gguf (`make model`).
 """
 import json
 import os
@@ -27,9 +30,24 @@ def binary(name):
 
 
 class Agent:
-    def __init__(self, proc, host, port):
+    def __init__(self, proc, host, port, api_host=None, api_port=None, data_dir=None):
         self.proc, self.host, self.port = proc, host, port
         self.url = f"http://{host}:{port}"
+        self.api_url = f"http://{api_host}:{api_port}" if api_port else None
+        self.data_dir = data_dir
+        self.model = None
+
+    def wait_serving(self, timeout=60):
+        """Blocks until the model is loaded; returns the served model name."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("dsagent serving model="):
+                self.model = line.split("=", 1)[1].strip()
+                return self.model
+            if not line and self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"dsagent did not start serving: {self.proc.stderr.read()}")
 
     def get(self, path, method="GET", body=None, headers=None):
         """Returns (status, parsed JSON or raw text)."""
@@ -60,15 +78,20 @@ def start_agent(tmp_path, *args, env=None):
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     cmd = [binary("dsagent"), "--bind", "127.0.0.1", "--control-port", "0",
-           "--data-dir", str(data), "--backend", "cpu", *args]
+           "--data-dir", str(data), "--backend", "cpu"]
+    if "--api-port" not in args:
+        cmd += ["--api-port", "0"]
+    cmd += list(args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, cwd=ROOT)
     deadline = time.time() + 20
     while time.time() < deadline:
         line = proc.stdout.readline()
         if line.startswith("dsagent listening control="):
-            host, port = line.split("=", 1)[1].strip().rsplit(":", 1)
-            return Agent(proc, host, int(port))
+            fields = dict(f.split("=", 1) for f in line.split()[2:])
+            host, port = fields["control"].rsplit(":", 1)
+            api_host, api_port = fields["api"].rsplit(":", 1)
+            return Agent(proc, host, int(port), api_host, int(api_port), data)
         if not line and proc.poll() is not None:
             break
     proc.kill()

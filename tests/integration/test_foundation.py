@@ -64,15 +64,15 @@ def test_errors_have_openai_shape(agent):
 
 def test_config_precedence_file_env_flag(tmp_path):
     conf = tmp_path / "agent.conf"
-    conf.write_text("# test config\nname = from-file\nhttp-threads = 3\nlog-level = warn\n")
-    r = run(binary("dsagent"), "--config", str(conf), "--http-threads", "5", "--print-config",
+    conf.write_text("# test config\nname = from-file\ncontrol-port = 7999\nlog-level = warn\n")
+    r = run(binary("dsagent"), "--config", str(conf), "--control-port", "7998", "--print-config",
             env={"DSAGENT_LOG_LEVEL": "error"})
     assert r.returncode == 0, r.stderr
     cfg = dict(line.split(" = ", 1) for line in r.stdout.splitlines())
     assert cfg["name"] == "from-file"      # file over default
     assert cfg["log-level"] == "error"     # environment over file
-    assert cfg["http-threads"] == "5"      # flag over everything
-    assert cfg["control-port"] == "7481"   # default
+    assert cfg["control-port"] == "7998"      # flag over everything
+    assert cfg["backend"] == "auto"        # default
 
 
 def test_bad_flags_are_named(tmp_path):

@@ -1,0 +1,111 @@
+/*
+ * serve.h - the OpenAI-compatible API of one node: model, tokenizer, chat
+ * template, scheduler and metrics behind the route table serve_routes.
+ *
+ *   main ──serve_new──> routes answer 503 "loading" (health too)
+ *        ──serve_load─> model + tokenizer + scheduler; ready: 200
+ *        ──serve_free─> scheduler stopped (open streams end), model freed
+ *
+ * Routes (docs/serving.md): GET /health, GET /v1/models, GET /metrics,
+ * POST /v1/chat/completions, POST /v1/completions, POST /tokenize,
+ * POST /detokenize.  Every route but /health, /v1/models and (unless
+ * metrics_auth) /metrics needs `Authorization: Bearer <key>` checked by the
+ * key service; OPTIONS preflight is answered by http.c without auth.
+ *
+ * Threading: handlers run on HTTP connection threads; after serve_load the
+ * struct is read-only except through its thread-safe members (sched,
+ * metrics, keys).
+ */
+#ifndef DS_AGENT_SERVE_H
+#define DS_AGENT_SERVE_H
+
+#include "agent/http.h"
+#include "agent/metrics.h"
+#include "engine/chat.h"
+#include "engine/model.h"
+#include "engine/sched.h"
+#include "engine/tok.h"
+
+#include <jansson.h>
+#include <stdatomic.h>
+
+struct keys_svc;
+
+typedef struct serve_params {
+	const char *model_path;
+	const char *names;         /* NAME[,ALIAS...] or NULL */
+	const char *chat_template; /* override name or NULL */
+	const char *backend;
+	int threads, ctx, max_running, max_waiting, max_batch_tokens, prefill_chunk, page_size;
+	size_t kv_bytes;
+	int auth;                  /* 0 = --insecure-no-auth */
+	int metrics_auth;
+	int max_n, max_logprobs;
+	struct keys_svc *keys;     /* the key service (NULL only with auth 0) */
+} serve_params;
+
+#define SERVE_MAX_NAMES 8
+#define SERVE_MAX_EOT 4
+
+typedef struct serve {
+	serve_params p;
+	char *names_buf;
+	const char *names[SERVE_MAX_NAMES];
+	int n_names;
+	atomic_int ready;    /* 1 after serve_load succeeded */
+	atomic_int stopping; /* 1 once serve_stop ran: generation loops end */
+	double started_s;
+	int64_t started_unix;
+	model *m;
+	tok *tk;
+	chat_params chat;
+	int has_chat;      /* a chat template was recognised (or given) */
+	int32_t eot[SERVE_MAX_EOT]; /* end-of-turn ids of the template (beside the model's eos) */
+	int n_eot;
+	int max_ctx, vocab;
+	sched *sc;
+	metrics *met;
+} serve;
+
+extern const http_route serve_routes[];
+
+/* Validates p and starts in the loading state (nothing loaded yet). */
+serve *serve_new(const serve_params *p, ds_err *err);
+/* Loads model, tokenizer and scheduler; on success the routes serve. */
+int serve_load(serve *s, ds_err *err);
+/* Refuses new requests and makes every open generation end (within a
+ * fraction of a second), so the HTTP server can stop; NULL is a no-op. */
+void serve_stop(serve *s);
+void serve_free(serve *s);
+
+/* ---- shared by the handlers (serve.c, oai.c) ---- */
+
+/* Checks the bearer key: 0 with *key_id set (-1 when auth is off), or
+ * nonzero after filling resp with the 401. */
+int serve_auth(serve *s, const http_req *req, http_resp *resp, int64_t *key_id);
+/* 503 while loading; 0 when ready. */
+int serve_check_ready(serve *s, http_resp *resp);
+/* Parses the JSON object body (content type, depth, UTF-8), or fills resp. */
+json_t *serve_parse_body(serve *s, const http_req *req, http_resp *resp);
+/* The served name for a request's "model" (NULL/absent = the first name);
+ * NULL after filling resp with the 404. */
+const char *serve_model_name(serve *s, const json_t *body, http_resp *resp);
+/* Adds X-Request-Id (the client's when it is sane, else a new one) to resp
+ * and copies it to id. */
+void serve_request_id(const http_req *req, http_resp *resp, const char *prefix, char *id,
+		      size_t n);
+
+/* Appends text[0..len) with every ill-formed UTF-8 subpart replaced by
+ * U+FFFD (JSON strings must be valid UTF-8). */
+void oai_utf8_clean(const char *text, size_t len, buf *out);
+
+/* The token ids of a chat request's "messages" rendered by the chat
+ * template (with the generation prompt); nonzero after filling resp with the
+ * 400.  *ids is malloc'd (caller frees, also on error). */
+int oai_chat_prompt(serve *sv, const json_t *body, int32_t **ids, size_t *n, http_resp *resp);
+
+/* The chat and completions handlers (oai.c). */
+void oai_chat(void *ud, const http_req *req, http_resp *resp);
+void oai_completions(void *ud, const http_req *req, http_resp *resp);
+
+#endif
