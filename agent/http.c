@@ -17,6 +17,8 @@
 #include "common/buf.h"
 #include "common/jsonx.h"
 #include "common/log.h"
+#include "common/strutil.h"
+#include "engine/unicode.h"
 
 #include <arpa/inet.h>
 #include <jansson.h>
@@ -59,11 +61,39 @@ void http_resp_json(http_resp *resp, int status, char *text)
 	resp->content_type = "application/json";
 }
 
+/* Error messages may quote client bytes (and a precision may cut a
+ * character): replace every ill-formed UTF-8 subpart by U+FFFD in place,
+ * dropping what no longer fits, so jansson accepts the text. */
+static void utf8_clean(char *s, size_t cap)
+{
+	char tmp[1024];
+	size_t len = strlen(s), i = 0, o = 0;
+	while (i < len && o + 4 < sizeof tmp) {
+		size_t n = 1;
+		int k = uni_utf8_check((const unsigned char *)s + i, len - i, &n);
+		if (k == UNI_UTF8_OK) {
+			memcpy(tmp + o, s + i, n);
+			o += n;
+			i += n;
+		} else {
+			memcpy(tmp + o, "\xEF\xBF\xBD", 3);
+			o += 3;
+			i += k == UNI_UTF8_INCOMPLETE ? len - i : n;
+		}
+	}
+	tmp[o] = 0;
+	ds_strlcpy(s, tmp, cap);
+	len = strlen(s); /* the copy may have cut the last character again */
+	while (len && uni_utf8_valid_prefix((const unsigned char *)s, len) != len)
+		s[--len] = 0;
+}
+
 static void resp_error_v(http_resp *resp, int status, const char *type, const char *code,
 			 const char *param, const char *fmt, va_list ap)
 {
 	char msg[1024];
 	vsnprintf(msg, sizeof msg, fmt, ap);
+	utf8_clean(msg, sizeof msg);
 	json_t *e = json_pack("{s:{s:s,s:s,s:o,s:o}}", "error", "message", msg, "type", type,
 			      "param", param ? json_string(param) : json_null(), "code",
 			      code ? json_string(code) : json_null());

@@ -979,7 +979,7 @@ static int check_context(serve *sv, const prompt *pr, gen_opts *o, http_resp *re
 			 (long long)L, (long long)(np + want), (long long)np, (long long)want);
 	json_t *e = json_pack("{s:{s:s,s:s,s:s,s:s,s:I,s:I}}", "error", "message", msg, "type",
 			      "invalid_request_error", "param",
-			      np >= L ? "messages" : (o->chat ? "max_tokens" : "max_tokens"), "code",
+			      np >= L ? (o->chat ? "messages" : "prompt") : "max_tokens", "code",
 			      "context_length_exceeded", "n_prompt_tokens", (json_int_t)np, "n_ctx",
 			      (json_int_t)L);
 	http_resp_json(resp, 400, e ? jsonx_dumps(e) : NULL);
@@ -1127,7 +1127,8 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 		goto out;
 	}
 	while (!all_flushed(g)) {
-		if ((!pull_round(g) && http_conn_gone(req->conn)) || atomic_load(&sv->stopping)) {
+		pull_round(g);
+		if (http_conn_gone(req->conn) || atomic_load(&sv->stopping)) {
 			g->aborted = 1;
 			cancel_all(g);
 			resp->status = 499; /* nobody reads it; MHD drops the connection */

@@ -47,7 +47,11 @@ class Agent:
                 return self.model
             if not line and self.proc.poll() is not None:
                 break
-        raise RuntimeError(f"dsagent did not start serving: {self.proc.stderr.read()}")
+        raise RuntimeError(f"dsagent did not start serving: {self.log()}")
+
+    def log(self):
+        """Everything the agent wrote to stderr so far."""
+        return _stderr_text(self.proc)
 
     def get(self, path, method="GET", body=None, headers=None):
         """Returns (status, parsed JSON or raw text)."""
@@ -74,6 +78,13 @@ class Agent:
         return self.proc.returncode
 
 
+def _stderr_text(proc):
+    f = proc.stderr_file
+    f.flush()
+    f.seek(0)
+    return f.read()
+
+
 def start_agent(tmp_path, *args, env=None):
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
@@ -82,8 +93,12 @@ def start_agent(tmp_path, *args, env=None):
     if "--api-port" not in args:
         cmd += ["--api-port", "0"]
     cmd += list(args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # stderr (the log) goes to a file: a pipe nobody reads would block a
+    # long-running agent once it fills
+    err = open(data.parent / "dsagent.stderr", "a+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                             env={**os.environ, **(env or {})}, cwd=ROOT)
+    proc.stderr_file = err
     deadline = time.time() + 20
     while time.time() < deadline:
         line = proc.stdout.readline()
@@ -95,7 +110,7 @@ def start_agent(tmp_path, *args, env=None):
         if not line and proc.poll() is not None:
             break
     proc.kill()
-    raise RuntimeError(f"dsagent did not start: {proc.stderr.read()}")
+    raise RuntimeError(f"dsagent did not start: {_stderr_text(proc)}")
 
 
 @pytest.fixture

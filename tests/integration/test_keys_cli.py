@@ -142,7 +142,7 @@ def test_create_list_revoke(tmp_path):
     assert len((data / "keys.secret").read_bytes()) == 32
     for key in (key1, key2):
         assert files_contain(data, key[4:]) == []
-    log = agent.proc.stderr.read()
+    log = agent.log()
     assert key1[4:] not in log and key2[4:] not in log
     token = (data / "admin.token").read_text().strip()
     assert token not in log and str(data / "admin.token") in log
