@@ -175,14 +175,18 @@ test:
 asan:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory BUILD=build-asan SAN=1 CUDA=0 all tests-bin
-	DS_BUILD=build-asan tools/run_tests.sh unit conformance integration
+	DS_BUILD=build-asan DS_SOAK_SECONDS=30 tools/run_tests.sh unit conformance integration
 
 # Kernel timings, then the engine on a synthetic V3-shaped model (generated once
-# into .cache/bench/, about 3 GB for the FP8 and BF16 variants).
+# into .cache/bench/, about 3 GB for the FP8 and BF16 variants), the serving
+# benchmark (prompts of 512 tokens, 128 out, concurrency 1/4/16) and the gossip
+# benchmark (50 agents on loopback: convergence time, bytes/s per node).
 bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_gossip.py
 
 check:
 	tools/check.sh

@@ -2,7 +2,9 @@
  * control.c - handlers of the control API (see control.h).
  *
  * Callers: agent/http.c dispatches here (control_routes, ud = control_ctx).
- * Calls: agent/keys for the key routes, eng_version for /v1/version.
+ * Calls: agent/keys for the key routes, eng_version for /v1/version,
+ * agent/gossip for the membership routes, agent/cluster (and agent/rpc for
+ * the cluster credential) for the cluster state and election routes.
  * Every admin route first checks the admin token (keys_admin_check, constant
  * time) and answers 401 in the OpenAI error shape otherwise; the key text
  * appears in exactly one response, the 201 of POST /v1/keys.
@@ -228,11 +230,174 @@ static void delete_key(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, key_json(&row));
 }
 
+/* ---- admin routes: cluster membership ---- */
+
+static int gossip_ok(const control_ctx *c, http_resp *resp)
+{
+	if (c->gossip)
+		return 1;
+	http_resp_error(resp, 503, "service_unavailable_error", "no_cluster",
+			"this agent runs as a single node: start it with --cluster-key FILE "
+			"(and --join HOST:PORT) to turn on gossip membership");
+	return 0;
+}
+
+static void get_cluster_members(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	if (!admin_ok(c, req, resp) || !gossip_ok(c, resp))
+		return;
+	reply(resp, gossip_status_json(c->gossip));
+}
+
+/* TEST ONLY (--test-fault-injection): cut gossip with the named members. */
+static void post_test_drop(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	if (!c->test_faults) {
+		http_resp_error(resp, 404, "not_found_error", "route_not_found",
+				"no route POST /v1/cluster/test/drop (it exists only with "
+				"--test-fault-injection)");
+		return;
+	}
+	if (!admin_ok(c, req, resp) || !gossip_ok(c, resp))
+		return;
+	ds_err e = {0};
+	const char *peers = NULL;
+	json_t *body = jsonx_parse(req->body, req->body_len, 4, &e);
+	if (!body || !json_is_object(body) ||
+	    jsonx_get_str(body, "peers", 1, &peers, &e) != DS_OK ||
+	    gossip_test_drop(c->gossip, peers, &e) != DS_OK ||
+	    (c->cluster && cluster_test_drop(c->cluster, peers, &e) != DS_OK)) {
+		http_resp_error_param(resp, 400, "invalid_request_error", "invalid_value", "peers",
+				      "expected {\"peers\": \"NAME,NAME\"}: %s",
+				      e.msg[0] ? e.msg : "not a JSON object");
+	} else {
+		reply(resp, json_pack("{s:s}", "peers", peers));
+	}
+	json_decref(body);
+}
+
+/* ---- cluster state: operators (admin token) and other agents ---- */
+
+enum { AUTH_ADMIN = 1, AUTH_PEER = 2 };
+
+/* AUTH_ADMIN (the admin token), AUTH_PEER (another agent's cluster
+ * credential; sender gets its id), or 0 with the 401/503 in resp. */
+static int cluster_auth(const control_ctx *c, const http_req *req, http_resp *resp,
+			char sender[GOSSIP_ID_HEX])
+{
+	const char *h = http_req_header(req, "Authorization");
+	const char *tok;
+	size_t len;
+	ds_err e = {0};
+	sender[0] = '\0';
+	if (!c->cluster) {
+		http_resp_error(resp, 503, "service_unavailable_error", "no_cluster",
+				"the cluster layer is not running on this agent");
+		return 0;
+	}
+	if (rpc_auth_is_cluster(h)) {
+		rpc_auth *a = cluster_rpc_auth(c->cluster);
+		if (!a) {
+			http_resp_error(resp, 401, "authentication_error", "no_cluster_key",
+					"this agent runs without --cluster-key: it accepts no cluster "
+					"credential (use the admin token)");
+		} else if (rpc_auth_verify(a, req->method, req->path, req->body, req->body_len, h,
+					   rpc_now_ms(), sender, &e) != DS_OK) {
+			http_resp_error(resp, 401, "authentication_error", "invalid_cluster_credential",
+					"%s", e.msg);
+		} else if (cluster_sender_dropped(c->cluster, sender)) {
+			http_resp_error(resp, 503, "service_unavailable_error", "dropped",
+					"requests from this member are cut by the test fault switch");
+		} else {
+			return AUTH_PEER;
+		}
+		http_resp_header(resp, "WWW-Authenticate", "DSCluster");
+		return 0;
+	}
+	if (keys_admin_check(c->admin_token, h))
+		return AUTH_ADMIN;
+	if (!keys_bearer(h, &tok, &len))
+		http_resp_error(resp, 401, "authentication_error", "missing_admin_token",
+				"missing credentials: send 'Authorization: Bearer <token>' with the "
+				"token of admin.token in the agent's data directory");
+	else
+		http_resp_error(resp, 401, "authentication_error", "invalid_admin_token",
+				"invalid admin token (it is the content of admin.token in the "
+				"agent's data directory)");
+	http_resp_header(resp, "WWW-Authenticate", "Bearer");
+	return 0;
+}
+
+static void get_node(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	if (cluster_auth(c, req, resp, sender))
+		reply(resp, cluster_node_json(c->cluster));
+}
+
+static void get_cluster_state(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	if (cluster_auth(c, req, resp, sender))
+		reply(resp, cluster_state_json(c->cluster));
+}
+
+static void get_cluster_nodes(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	int who = cluster_auth(c, req, resp, sender);
+	if (!who)
+		return;
+	json_t *out = NULL;
+	ds_err e = {0};
+	/* Only an operator's request is forwarded: a peer asking us gets our own
+	 * answer, so a request never travels in a loop. */
+	if (cluster_nodes_json(c->cluster, who == AUTH_ADMIN, &out, &e) != DS_OK)
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	else
+		reply(resp, out);
+}
+
+static void post_election(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	int who = cluster_auth(c, req, resp, sender);
+	if (!who)
+		return;
+	if (who != AUTH_PEER) {
+		http_resp_error(resp, 403, "permission_error", "agents_only",
+				"election messages come from agents (the cluster credential), "
+				"not from the admin token");
+		return;
+	}
+	json_t *out = NULL;
+	ds_err e = {0};
+	int rc = cluster_election_post(c->cluster, sender, req->body, req->body_len, &out, &e);
+	if (rc == DS_EPERM)
+		http_resp_error(resp, 403, "permission_error", "wrong_sender", "%s", e.msg);
+	else if (rc)
+		http_resp_error(resp, 400, "invalid_request_error", "invalid_message", "%s", e.msg);
+	else
+		reply(resp, out);
+}
+
 const http_route control_routes[] = {
 	{"GET", "/health", get_health},
 	{"GET", "/v1/version", get_version},
 	{"POST", "/v1/keys", post_keys},
 	{"GET", "/v1/keys", get_keys},
 	{"DELETE", "/v1/keys/*", delete_key},
+	{"GET", "/v1/cluster/members", get_cluster_members},
+	{"POST", "/v1/cluster/test/drop", post_test_drop},
+	{"GET", "/v1/node", get_node},
+	{"GET", "/v1/cluster/state", get_cluster_state},
+	{"GET", "/v1/cluster/nodes", get_cluster_nodes},
+	{"POST", "/v1/cluster/election", post_election},
 	{0},
 };

@@ -8,10 +8,32 @@
  *   GET    /v1/keys       -> 200 {"data":[{...key without its text, usage totals}]}
  *   DELETE /v1/keys/ID    -> 200 {...the key, "revoked": true}
  * (docs/keys.md).  The cluster routes join this table as the agent grows.
+ * Cluster (admin; 503 when the agent runs without --cluster-key):
+ *   GET    /v1/cluster/members  -> 200 {"self","members":[...],"stats":{...},
+ *                                       "profile","joined"} (gossip_status_json)
+ *   POST   /v1/cluster/test/drop {"peers":"a,b"} -> 200 {"peers":"a,b"}
+ *          TEST ONLY: exists with --test-fault-injection (404 otherwise); cuts
+ *          gossip with those members ("" restores it), and agent-to-agent
+ *          calls with them (cluster_test_drop).
+ * Cluster state (the admin token, or the cluster credential of another agent:
+ * "Authorization: DSCluster ..." of agent/rpc.h; docs/cluster.md):
+ *   GET    /v1/node             -> 200 this node: id, name, role, epoch, digest,
+ *                                       inventory (with health)
+ *   GET    /v1/cluster/state    -> 200 this node's view: role, epoch, head,
+ *                                       quorum, why no head, members, elections
+ *   GET    /v1/cluster/nodes    -> 200 every node with inventory and health; a
+ *                                       follower forwards an operator's request
+ *                                       to the head, and answers from its own
+ *                                       view ("stale": true, "reason") when the
+ *                                       head cannot be reached
+ * Agents only (the cluster credential):
+ *   POST   /v1/cluster/election  election message -> 200 reply (agent/election.h)
  */
 #ifndef DS_AGENT_CONTROL_H
 #define DS_AGENT_CONTROL_H
 
+#include "agent/cluster.h"
+#include "agent/gossip.h"
 #include "agent/http.h"
 #include "agent/keys.h"
 
@@ -22,6 +44,9 @@ typedef struct control_ctx {
 	double started_s;        /* ds_now_s() at start */
 	keys_svc *keys;          /* NULL: the key routes answer 503 */
 	const char *admin_token; /* NULL or empty: every admin route answers 401 */
+	gossip *gossip;          /* NULL: single node, the cluster routes answer 503 */
+	int test_faults;         /* --test-fault-injection: the test/drop route exists */
+	cluster *cluster;        /* NULL: the cluster state routes answer 503 */
 } control_ctx;
 
 extern const http_route control_routes[];

@@ -4,14 +4,21 @@
  * Start-up order (teardown is the reverse):
  *   options -> compute backend -> store (DATA_DIR/dsagent.db) -> key service
  *   -> admin token -> auth rule (no key on a non-loopback API address =
- *   refuse, unless --insecure-no-auth) -> control API -> OpenAI API (503
- *   "loading") -> load model + scheduler -> ready -> sd_notify(READY=1) ->
- *   wait for SIGINT/SIGTERM -> stop: refuse new requests, end open streams,
- *   stop HTTP, stop the scheduler, free the model -> exit 0.
- * Discovery, gossip and election join this sequence in later steps
- * (docs/architecture.md).
+ *   refuse, unless --insecure-no-auth) -> cluster (discovery of this node
+ *   into the store, the election: without --cluster-key a single-node
+ *   cluster, its own head) -> gossip (only with --cluster-key;
+ *   joins the --join seeds in the background, membership events go to the
+ *   store) -> control API -> OpenAI API (503
+ *   "loading") -> cluster threads (election, inventory) -> load model +
+ *   scheduler -> ready -> sd_notify(READY=1) ->
+ *   wait for SIGINT/SIGTERM -> stop: leave the cluster, refuse new requests,
+ *   end open streams, stop HTTP, stop the scheduler, free the model -> exit 0.
+ * (docs/architecture.md, docs/cluster.md).
  */
+#include "agent/cluster.h"
 #include "agent/control.h"
+#include "agent/gossip.h"
+#include "agent/discover.h"
 #include "agent/http.h"
 #include "agent/keys.h"
 #include "agent/options.h"
@@ -21,10 +28,12 @@
 #include "common/strutil.h"
 #include "engine/engine.h"
 
+#include <malloc.h>
 #include <signal.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <systemd/sd-daemon.h>
 
@@ -51,6 +60,68 @@ static const char *model_path(const agent_opts *o)
 	return o->model ? o->model : "models/default.gguf";
 }
 
+/* Where membership events go: the store's event log and the cluster's
+ * member_events (gossip logs them itself). */
+struct member_sink {
+	store *st;
+	cluster *cl;
+};
+
+static void on_member_event(void *ud, const gossip_event *ev)
+{
+	const struct member_sink *sink = ud;
+	char detail[512];
+	ds_err e = {0};
+	gossip_event_json(ev, detail, sizeof detail);
+	if (store_event_add(sink->st, (int64_t)time(NULL), gossip_event_name(ev->kind), detail,
+			    &e))
+		log_warn("agent", "cannot record a membership event", "error=\"%s\"", e.msg);
+	cluster_member_event(sink->cl, ev);
+}
+
+/* Gossip membership (--cluster-key): key file, node id, metadata, seeds.
+ * NULL with err when it cannot start (the agent then refuses to start). */
+static gossip *start_gossip(const agent_opts *o, struct member_sink *sink, ds_err *err)
+{
+	gossip_keyring keys;
+	gossip_params gp = gossip_default_params();
+	gossip_meta meta = {.role = GOSSIP_ROLE_NONE, .health = GOSSIP_HEALTH_OK, .eligible = 1};
+	uint8_t mb[GOSSIP_META_MAX];
+	gossip *g = NULL;
+	if (gossip_key_load(o->cluster_key, &keys, err) != DS_OK)
+		return NULL;
+	ds_strlcpy(meta.version, eng_version(), sizeof meta.version);
+	if (gossip_node_id_load(o->data_dir, gp.node_id, NULL, err) == DS_OK &&
+	    gossip_timing_profile(o->gossip_profile, &gp.timing, err) == DS_OK &&
+	    gossip_meta_encode(&meta, mb, sizeof mb, &gp.meta_len, err) == DS_OK) {
+		gp.bind_addr = o->gossip_bind;
+		gp.port = o->gossip_port;
+		gp.advertise_addr = o->advertise_addr;
+		gp.node_name = o->name;
+		gp.keys = &keys;
+		gp.seeds = o->join;
+		gp.meta = mb;
+		gp.on_event = on_member_event;
+		gp.ud = sink;
+		g = gossip_new(&gp, err);
+	}
+	gossip_keyring_wipe(&keys);
+	return g;
+}
+
+/* The control and API ports join the metadata once both servers listen. */
+static void gossip_meta_ports(gossip *g, int control_port, int api_port)
+{
+	gossip_meta meta = {.role = GOSSIP_ROLE_NONE, .health = GOSSIP_HEALTH_OK, .eligible = 1};
+	uint8_t mb[GOSSIP_META_MAX];
+	size_t len = 0;
+	ds_strlcpy(meta.version, eng_version(), sizeof meta.version);
+	meta.control_port = (uint16_t)control_port;
+	meta.api_port = (uint16_t)api_port;
+	if (gossip_meta_encode(&meta, mb, sizeof mb, &len, NULL) == DS_OK)
+		gossip_set_meta(g, mb, len, NULL);
+}
+
 int main(int argc, char **argv)
 {
 	agent_opts opts;
@@ -59,9 +130,17 @@ int main(int argc, char **argv)
 	store *st = NULL;
 	keys_svc *keys = NULL;
 	serve *sv = NULL;
+	gossip *gos = NULL;
+	cluster *cl = NULL;
+	struct member_sink sink = {0};
 	char admin_token[KEYS_TOKEN_SIZE] = "";
 	int rc = 0;
 
+	/* Vocabulary-sized per-request buffers (sampler state) are allocated on
+	 * many HTTP threads: served by mmap they return to the OS when freed
+	 * instead of fragmenting per-thread arenas (steady RSS drift under load). */
+	mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+	mallopt(M_ARENA_MAX, 4);
 	if (agent_opts_load(&opts, argc, argv, &err) != DS_OK) {
 		fprintf(stderr, "dsagent: %s\n", err.msg);
 		rc = 2;
@@ -77,6 +156,17 @@ int main(int argc, char **argv)
 	}
 	if (opts.print_config) {
 		print_config(&opts);
+		goto out;
+	}
+	if (opts.discover) { /* the inventory as JSON on stdout, then exit */
+		disc_params dp = disc_default_params();
+		dp.sysroot = opts.sysroot;
+		dp.fake_gpus = opts.fake_gpus;
+		dp.nvml_lib = opts.nvml_lib;
+		if ((rc = disc_print(&dp, stdout, &err)) != DS_OK) {
+			fprintf(stderr, "dsagent: discovery: %s\n", err.msg);
+			rc = rc == DS_EINVAL ? 2 : 1;
+		}
 		goto out;
 	}
 
@@ -112,7 +202,38 @@ int main(int argc, char **argv)
 	sigaddset(&stop, SIGTERM);
 	pthread_sigmask(SIG_BLOCK, &stop, NULL);
 
+	cluster_params cp = cluster_default_params();
+	cp.node_name = opts.name;
+	cp.data_dir = opts.data_dir;
+	cp.version = eng_version();
+	cp.store = st;
+	cp.cluster_key = opts.cluster_key;
+	cp.disc.sysroot = opts.sysroot;
+	cp.disc.fake_gpus = opts.fake_gpus;
+	cp.disc.nvml_lib = opts.nvml_lib;
+	cp.expect = opts.expect;
+	cp.settle_ms = opts.settle_ms;
+	cp.lease_ms = opts.lease_ms;
+	cp.health_ms = opts.health_ms;
+	cp.eligible = opts.eligible;
+	cp.priority = opts.priority;
+	if (!(cl = cluster_new(&cp, &err))) {
+		fprintf(stderr, "dsagent: cluster: %s\n", err.msg);
+		rc = 1;
+		goto out;
+	}
+	sink.st = st;
+	sink.cl = cl;
+	if (opts.cluster_key && !(gos = start_gossip(&opts, &sink, &err))) {
+		fprintf(stderr, "dsagent: gossip: %s\n", err.msg);
+		rc = 1;
+		goto out;
+	}
+
 	control_ctx ctx = {opts.name, be->name, be->describe(), ds_now_s()};
+	ctx.gossip = gos;
+	ctx.cluster = cl;
+	ctx.test_faults = opts.test_fault_injection;
 	ctx.keys = keys;               /* the admin routes of `dsctl keys` */
 	ctx.admin_token = admin_token;
 	http_params hp = http_default_params();
@@ -165,6 +286,21 @@ int main(int argc, char **argv)
 	if (opts.insecure_no_auth)
 		log_warn("agent", "serving without API keys", "api=%s:%d", opts.api_bind,
 			 http_server_port(api));
+	if (gos) { /* its own line, so parsers of the listening line keep working */
+		char idh[GOSSIP_ID_HEX];
+		gossip_member self;
+		gossip_members(gos, &self, 1);
+		gossip_id_hex(self.id, idh);
+		gossip_meta_ports(gos, http_server_port(control), http_server_port(api));
+		printf("dsagent gossip=%s:%d node_id=%s\n", gossip_advertise_addr(gos),
+		       gossip_port(gos), idh);
+	}
+	if (cluster_start(cl, gos, http_server_port(control), http_server_port(api), &err) !=
+	    DS_OK) {
+		fprintf(stderr, "dsagent: cluster: %s\n", err.msg);
+		rc = 1;
+		goto out;
+	}
 	/* One machine-readable line for scripts and tests that asked for port 0. */
 	printf("dsagent listening control=%s:%d api=%s:%d\n", opts.bind,
 	       http_server_port(control), opts.api_bind, http_server_port(api));
@@ -185,10 +321,14 @@ int main(int argc, char **argv)
 	sigwait(&stop, &sig);
 	sd_notify(0, "STOPPING=1");
 	log_info("agent", "stopping", "signal=%d", sig);
+	if (gos)
+		gossip_leave(gos, 250); /* the others mark us left, not failed */
 out:
 	serve_stop(sv); /* open streams end; new requests get 503 */
 	http_server_free(api);
 	http_server_free(control);
+	cluster_free(cl); /* its threads use gossip: stopped first */
+	gossip_free(gos);
 	serve_free(sv);
 	keys_free(keys);
 	store_close(st);

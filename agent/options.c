@@ -4,6 +4,7 @@
  * --help and --print-config.  Called once from main before anything starts.
  */
 #include "agent/options.h"
+#include "agent/discover.h"
 #include "common/log.h"
 
 #include <stddef.h>
@@ -57,6 +58,46 @@ const cfg_opt agent_opts_table[] = {
 	 "largest request body in KiB (413 beyond)"},
 	{"max-n", CFG_INT, O(max_n), "16", 1, 128, "largest 'n' (choices per request)"},
 	{"max-logprobs", CFG_INT, O(max_logprobs), "20", 0, 20, "largest 'top_logprobs'"},
+	{"sysroot", CFG_STR, O(sysroot), "/", 1, 0,
+	 "discovery reads /proc, /sys and /etc under this directory (tests: a fixture tree)"},
+	{"fake-gpus", CFG_STR, O(fake_gpus), NULL, 1, 0,
+	 "replace NVML by N fake GPUs: NxMODEL-MEMGB[:nvswitch|nvlink|pcie] "
+	 "(e.g. 8xH100-80GB:nvswitch) or 0 (docs/cluster.md)"},
+	{"nvml-lib", CFG_STR, O(nvml_lib), NULL, 1, 0,
+	 "NVML library to dlopen (default libnvidia-ml.so.1, not loaded under a --sysroot; "
+	 "tests pass a fake)"},
+	{"discover", CFG_BOOL, O(discover), "false", 1, 0,
+	 "print this node's inventory (host, GPUs, IB ports, NICs, links) as JSON and exit"},
+	{"cluster-key", CFG_STR, O(cluster_key), NULL, 1, 0,
+	 "cluster key file (mode 0600; `dsctl cluster init` makes one): turns on gossip "
+	 "membership; without it the agent runs as a single node"},
+	{"gossip-bind", CFG_STR, O(gossip_bind), "0.0.0.0", 1, 0,
+	 "IPv4 address of the gossip UDP and TCP sockets"},
+	{"gossip-port", CFG_INT, O(gossip_port), "7946", 0, 65535,
+	 "gossip UDP and TCP port (0 = any free port, printed at start)"},
+	{"join", CFG_STR, O(join), NULL, 1, 0,
+	 "HOST:PORT[,HOST:PORT...] of members to join (retried with backoff)"},
+	{"advertise-addr", CFG_STR, O(advertise_addr), NULL, 1, 0,
+	 "IPv4 address other members reach this node's gossip port at (default: "
+	 "--gossip-bind, or the first non-loopback address when that is 0.0.0.0)"},
+	{"gossip-profile", CFG_STR, O(gossip_profile), "lan", 1, 0,
+	 "gossip timers: lan (memberlist LAN defaults) or test (fast, for tests on one machine)"},
+	{"test-fault-injection", CFG_BOOL, O(test_fault_injection), "false", 1, 0,
+	 "TEST ONLY: enable POST /v1/cluster/test/drop, which cuts gossip with named peers"},
+	{"expect", CFG_INT, O(expect), "0", 0, 1000,
+	 "cluster size N: no head before N members are alive, and a head needs the votes of a "
+	 "majority of N (0 = no election; without --cluster-key the node is its own head)"},
+	{"settle-ms", CFG_INT, O(settle_ms), "3000", 0, 600000,
+	 "formation: the member list must not change for this long before the first election"},
+	{"lease-ms", CFG_INT, O(lease_ms), "5000", 100, 600000,
+	 "head lease: the head renews it every lease/3 with a majority's acks and steps down "
+	 "without them; followers stand only after this long without a heartbeat"},
+	{"eligible", CFG_BOOL, O(eligible), "true", 1, 0,
+	 "this node may become head (--eligible=false: it only votes)"},
+	{"priority", CFG_INT, O(priority), "0", -1000000, 1000000,
+	 "head candidacy order: higher priority first, then the lower node id"},
+	{"health-ms", CFG_INT, O(health_ms), "10000", 200, 3600000,
+	 "how often the node rediscovers itself and the head refreshes every member's health"},
 	{"print-config", CFG_BOOL, O(print_config), "false", 1, 0,
 	 "print the effective configuration as 'key = value' lines and exit"},
 	{"version", CFG_BOOL, O(version), "false", 1, 0, "print the version and exit"},
@@ -79,6 +120,21 @@ int agent_opts_load(agent_opts *o, int argc, char **argv, ds_err *err)
 				  "--log-level=%s is not one of debug, info, warn, error, off",
 				  o->log_level);
 	log_set_level(lv);
+	if (!o->cluster_key && (o->join || o->test_fault_injection))
+		return ds_err_set(err, DS_EINVAL,
+				  "--join and --test-fault-injection need --cluster-key FILE (gossip "
+				  "runs only with a cluster key; `dsctl cluster init` makes one)");
+	if (!o->cluster_key && o->expect > 1)
+		return ds_err_set(err, DS_EINVAL,
+				  "--expect %d needs --cluster-key FILE (without it the agent is a "
+				  "single-node cluster)",
+				  o->expect);
+	if (strcmp(o->gossip_profile, "lan") != 0 && strcmp(o->gossip_profile, "test") != 0)
+		return ds_err_set(err, DS_EINVAL, "--gossip-profile=%s is not one of lan, test",
+				  o->gossip_profile);
+	disc_fake_spec fake;
+	if (o->fake_gpus && disc_fake_parse(o->fake_gpus, &fake, err) != DS_OK)
+		return ds_err_wrap(err, "--fake-gpus");
 	if (!o->name) {
 		char host[256] = "";
 		if (gethostname(host, sizeof host - 1) != 0 || !host[0])

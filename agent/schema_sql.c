@@ -28,10 +28,13 @@
 		".previous\n")
 
 EMBED(store_sql_0001, "schema/0001_init.sql");
+EMBED(store_sql_0002, "schema/0002_cluster.sql");
 
 extern const char store_sql_0001[];
+extern const char store_sql_0002[];
 
 const store_migration store_migrations[] = {
 	{1, "schema/0001_init.sql", store_sql_0001},
+	{2, "schema/0002_cluster.sql", store_sql_0002},
 	{0, NULL, NULL},
 };

@@ -1,8 +1,9 @@
 /*
  * store.c - the agent's SQLite database (see store.h).
  *
- * Callers: agent/keys.c (api_keys, key_usage, events) and agent/main.c
- * (open/close).  Calls: sqlite3 only; the SQL text of the schema comes from
+ * Callers: agent/keys.c (api_keys, key_usage, events), agent/main.c
+ * (open/close, events), agent/cluster.c (nodes and their inventory tables,
+ * member_events) and agent/election.c (elections, votes).  Calls: sqlite3 only; the SQL text of the schema comes from
  * schema/ through schema_sql.c.
  *
  * Open sequence:
@@ -20,6 +21,11 @@
  *     (BEGIN IMMEDIATE also keeps two agents on one file from racing).
  *  2. Migrations are append-only: a file of schema/ never changes once landed.
  *  3. Every statement runs with s->mu held; no sqlite3_stmt outlives a call.
+ *  4. A node's nodes row and its rows in gpus, ib_ports, nics, links and
+ *     gpu_nic change in one transaction (store_node_put): a reader never sees
+ *     half an inventory, and a kill -9 leaves the old one or the new one.
+ *  5. A vote is committed with synchronous=FULL before store_vote_put
+ *     returns; an epoch never gets a second vote or a second head.
  *
  * Threading: any thread; one connection serialised by s->mu.
  */
@@ -593,4 +599,764 @@ out:
 	*out = v;
 	*n = cnt;
 	return DS_OK;
+}
+
+/* ---- the cluster record (schema/0002_cluster.sql) ---- */
+
+/* Text or NULL for "" (the "unknown" convention of store_node). */
+static void bind_str(sqlite3_stmt *st, int i, const char *v)
+{
+	if (v && *v)
+		sqlite3_bind_text(st, i, v, -1, SQLITE_TRANSIENT);
+	else
+		sqlite3_bind_null(st, i);
+}
+
+static void bind_port(sqlite3_stmt *st, int i, int v)
+{
+	if (v > 0)
+		sqlite3_bind_int(st, i, v);
+	else
+		sqlite3_bind_null(st, i);
+}
+
+/* A JSON value bound by kind: 'i' integer, 'b' boolean (0/1), 'r' number,
+ * 't' string, 'j' any JSON (as compact text); anything else, or the wrong
+ * type, is NULL.  Upper case = required: the caller skips the entry. */
+static void bind_json(sqlite3_stmt *st, int i, const json_t *v, char kind)
+{
+	switch (kind | 0x20) {
+	case 'i':
+		if (json_is_integer(v)) {
+			sqlite3_bind_int64(st, i, (sqlite3_int64)json_integer_value(v));
+			return;
+		}
+		break;
+	case 'b':
+		if (json_is_boolean(v)) {
+			sqlite3_bind_int(st, i, json_is_true(v));
+			return;
+		}
+		break;
+	case 'r':
+		if (json_is_number(v)) {
+			sqlite3_bind_double(st, i, json_number_value(v));
+			return;
+		}
+		break;
+	case 't':
+		if (json_is_string(v)) {
+			sqlite3_bind_text(st, i, json_string_value(v), -1, SQLITE_TRANSIENT);
+			return;
+		}
+		break;
+	case 'j':
+		if (v) {
+			char *t = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+			if (t) {
+				sqlite3_bind_text(st, i, t, -1, free);
+				return;
+			}
+		}
+		break;
+	}
+	sqlite3_bind_null(st, i);
+}
+
+static int json_kind_ok(const json_t *v, char kind)
+{
+	switch (kind | 0x20) {
+	case 'i':
+		return json_is_integer(v);
+	case 't':
+		return json_is_string(v);
+	default:
+		return v != NULL;
+	}
+}
+
+/* o["a.b"] = o["a"]["b"] (one level), for the GPUs' health fields. */
+static const json_t *jpath(const json_t *o, const char *key)
+{
+	const char *dot = strchr(key, '.');
+	if (!dot)
+		return json_object_get(o, key);
+	char head[32];
+	size_t n = (size_t)(dot - key);
+	if (n >= sizeof head)
+		return NULL;
+	memcpy(head, key, n);
+	head[n] = '\0';
+	return json_object_get(json_object_get(o, head), dot + 1);
+}
+
+typedef struct child_col {
+	const char *col;  /* SQL column */
+	const char *key;  /* JSON key in the list entry; "#pos" = position in the list */
+	char kind;        /* see bind_json */
+} child_col;
+
+#define CHILD_COLS_MAX 24
+
+static const child_col gpu_cols[] = {
+	{"idx", "index", 'I'},
+	{"nvml_index", "nvml_index", 'i'},
+	{"uuid", "uuid", 't'},
+	{"name", "name", 't'},
+	{"bus_id", "bus_id", 't'},
+	{"numa_node", "numa_node", 'i'},
+	{"compute_capability", "compute_capability", 't'},
+	{"memory_total_bytes", "memory_total_bytes", 'i'},
+	{"nvlinks", "nvlinks", 'i'},
+	{"nvswitch", "nvswitch", 'b'},
+	{"temperature_c", "health.temperature_c", 'i'},
+	{"power_mw", "health.power_mw", 'i'},
+	{"memory_used_bytes", "health.memory_used_bytes", 'i'},
+	{"ecc_uncorrected_volatile", "health.ecc_uncorrected_volatile", 'i'},
+	{"ecc_uncorrected_aggregate", "health.ecc_uncorrected_aggregate", 'i'},
+	{"retired_pages_sbe", "health.retired_pages_sbe", 'i'},
+	{"retired_pages_dbe", "health.retired_pages_dbe", 'i'},
+	{"remapped_rows_correctable", "health.remapped_rows_correctable", 'i'},
+	{"remapped_rows_uncorrectable", "health.remapped_rows_uncorrectable", 'i'},
+	{"remapped_rows_pending", "health.remapped_rows_pending", 'b'},
+	{"remapped_rows_failed", "health.remapped_rows_failed", 'b'},
+	{NULL, NULL, 0},
+};
+static const child_col ib_cols[] = {
+	{"device", "device", 'T'},
+	{"port", "port", 'I'},
+	{"bus_id", "bus_id", 't'},
+	{"numa_node", "numa_node", 'i'},
+	{"hca_type", "hca_type", 't'},
+	{"fw_ver", "fw_ver", 't'},
+	{"link_layer", "link_layer", 't'},
+	{"state", "state", 't'},
+	{"phys_state", "phys_state", 't'},
+	{"rate_gbps", "rate_gbps", 'r'},
+	{"width", "width", 'i'},
+	{"speed", "speed", 't'},
+	{"netdev", "netdev", 't'},
+	{"gid_index", "gid_index", 'i'},
+	{"usable", "usable", 'b'},
+	{NULL, NULL, 0},
+};
+static const child_col nic_cols[] = {
+	{"pos", "#pos", 'i'},
+	{"name", "name", 'T'},
+	{"ipv4", "ipv4", 'J'},
+	{"ipv6", "ipv6", 'J'},
+	{NULL, NULL, 0},
+};
+static const child_col link_cols[] = {
+	{"a", "a", 'I'},
+	{"b", "b", 'I'},
+	{"level", "level", 't'},
+	{"nvlinks", "nvlinks", 'i'},
+	{"nvswitch", "nvswitch", 'b'},
+	{"source", "source", 't'},
+	{NULL, NULL, 0},
+};
+static const child_col gpu_nic_cols[] = {
+	{"gpu", "gpu", 'I'},
+	{"nic", "nic", 'T'},
+	{"level", "level", 't'},
+	{"source", "source", 't'},
+	{NULL, NULL, 0},
+};
+
+static const struct child_table {
+	const char *table; /* SQL table */
+	const char *list;  /* inventory key of the list */
+	const child_col *cols;
+} child_tables[] = {
+	{"gpus", "gpus", gpu_cols},
+	{"ib_ports", "ib_ports", ib_cols},
+	{"nics", "nics", nic_cols},
+	{"links", "gpu_links", link_cols},
+	{"gpu_nic", "gpu_nic", gpu_nic_cols},
+};
+
+/* Replaces the node's rows of one child table from inventory[list]. */
+static int put_children(store *s, const struct child_table *t, const char *id,
+			const json_t *inventory, ds_err *err)
+{
+	char sql[1024], del[128];
+	sqlite3_stmt *st = NULL;
+	int rc;
+	snprintf(del, sizeof del, "DELETE FROM %s WHERE node_id = ?1", t->table);
+	rc = prep(s, del, &st, err);
+	if (rc)
+		return rc;
+	sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+	if (sqlite3_step(st) != SQLITE_DONE)
+		rc = db_fail(s, err, "clearing a node's rows");
+	sqlite3_finalize(st);
+	st = NULL;
+	if (rc)
+		return rc;
+	const json_t *list = json_object_get(inventory, t->list);
+	if (!json_is_array(list) || json_array_size(list) == 0)
+		return DS_OK;
+	size_t o = (size_t)snprintf(sql, sizeof sql, "INSERT INTO %s (node_id", t->table);
+	int ncol = 0;
+	for (const child_col *c = t->cols; c->col; c++, ncol++)
+		o += (size_t)snprintf(sql + o, sizeof sql - o, ", %s", c->col);
+	o += (size_t)snprintf(sql + o, sizeof sql - o, ") VALUES (?1");
+	for (int i = 0; i < ncol; i++)
+		o += (size_t)snprintf(sql + o, sizeof sql - o, ", ?%d", i + 2);
+	if (o + 2 >= sizeof sql)
+		return ds_err_set(err, DS_EINTERNAL, "statement for %s too long", t->table);
+	snprintf(sql + o, sizeof sql - o, ")");
+	rc = prep(s, sql, &st, err);
+	if (rc)
+		return rc;
+	for (size_t k = 0; k < json_array_size(list); k++) {
+		const json_t *e = json_array_get(list, k);
+		if (!json_is_object(e))
+			continue;
+		int skip = 0;
+		for (const child_col *c = t->cols; c->col; c++)
+			if (c->kind >= 'A' && c->kind <= 'Z' && !json_kind_ok(jpath(e, c->key), c->kind))
+				skip = 1;
+		if (skip)
+			continue;
+		sqlite3_reset(st);
+		sqlite3_clear_bindings(st);
+		sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+		int i = 2;
+		for (const child_col *c = t->cols; c->col; c++, i++) {
+			if (strcmp(c->key, "#pos") == 0)
+				sqlite3_bind_int64(st, i, (sqlite3_int64)k);
+			else
+				bind_json(st, i, jpath(e, c->key), c->kind);
+		}
+		int step = sqlite3_step(st);
+		if ((step & 0xff) == SQLITE_CONSTRAINT)
+			continue; /* a duplicate key from a peer: the first one stays */
+		if (step != SQLITE_DONE) {
+			rc = db_fail(s, err, "writing a node's inventory");
+			break;
+		}
+	}
+	sqlite3_finalize(st);
+	return rc;
+}
+
+static int valid_id(const char *id)
+{
+	if (!id || strlen(id) != STORE_ID_HEX - 1)
+		return 0;
+	for (const char *c = id; *c; c++)
+		if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f')))
+			return 0;
+	return 1;
+}
+
+int store_node_put(store *s, const store_node *n, const json_t *inventory, const char *digest,
+		   int64_t now, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc, in_tx = 0;
+	if (!valid_id(n->id) || !n->name[0])
+		return ds_err_set(err, DS_EINVAL, "node id '%s' is not 32 hex digits or has no name",
+				  n->id);
+	if (!json_is_object(inventory))
+		return ds_err_set(err, DS_EINVAL, "the inventory of node %s is not a JSON object",
+				  n->name);
+	pthread_mutex_lock(&s->mu);
+	rc = exec(s, "BEGIN IMMEDIATE", "writing a node", err);
+	if (rc)
+		goto out;
+	in_tx = 1;
+	rc = prep(s,
+		  "INSERT INTO nodes (id, name, addr, control_port, api_port, status, role, epoch, "
+		  "hostname, cpu_model, cpus, sockets, memory_bytes, compute_kind, ranks, "
+		  "gpu_source, driver_version, cuda_driver_version, digest, inventory, first_seen, "
+		  "last_seen, inventory_at, health_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
+		  "?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?21, ?21) "
+		  "ON CONFLICT (id) DO UPDATE SET name = excluded.name, addr = excluded.addr, "
+		  "control_port = excluded.control_port, api_port = excluded.api_port, "
+		  "status = excluded.status, role = excluded.role, epoch = excluded.epoch, "
+		  "hostname = excluded.hostname, cpu_model = excluded.cpu_model, "
+		  "cpus = excluded.cpus, sockets = excluded.sockets, "
+		  "memory_bytes = excluded.memory_bytes, compute_kind = excluded.compute_kind, "
+		  "ranks = excluded.ranks, gpu_source = excluded.gpu_source, "
+		  "driver_version = excluded.driver_version, "
+		  "cuda_driver_version = excluded.cuda_driver_version, digest = excluded.digest, "
+		  "inventory = excluded.inventory, last_seen = MAX(nodes.last_seen, "
+		  "excluded.last_seen), inventory_at = excluded.inventory_at, "
+		  "health_at = excluded.health_at",
+		  &st, err);
+	if (rc)
+		goto out;
+	const json_t *host = json_object_get(inventory, "host");
+	const json_t *comp = json_object_get(inventory, "compute");
+	const json_t *src = json_object_get(inventory, "gpu_source");
+	sqlite3_bind_text(st, 1, n->id, -1, SQLITE_STATIC);
+	sqlite3_bind_text(st, 2, n->name, -1, SQLITE_STATIC);
+	bind_str(st, 3, n->addr);
+	bind_port(st, 4, n->control_port);
+	bind_port(st, 5, n->api_port);
+	sqlite3_bind_text(st, 6, n->status[0] ? n->status : "alive", -1, SQLITE_STATIC);
+	bind_str(st, 7, n->role);
+	sqlite3_bind_int64(st, 8, n->epoch);
+	bind_json(st, 9, json_object_get(host, "hostname"), 't');
+	bind_json(st, 10, json_object_get(host, "cpu_model"), 't');
+	bind_json(st, 11, json_object_get(host, "cpus"), 'i');
+	bind_json(st, 12, json_object_get(host, "sockets"), 'i');
+	bind_json(st, 13, json_object_get(host, "memory_bytes"), 'i');
+	bind_json(st, 14, json_object_get(comp, "kind"), 't');
+	bind_json(st, 15, json_object_get(comp, "ranks"), 'i');
+	bind_json(st, 16, json_object_get(src, "kind"), 't');
+	bind_json(st, 17, json_object_get(src, "driver_version"), 't');
+	bind_json(st, 18, json_object_get(src, "cuda_driver_version"), 'i');
+	bind_str(st, 19, digest);
+	bind_json(st, 20, inventory, 'j');
+	sqlite3_bind_int64(st, 21, now);
+	sqlite3_bind_int64(st, 22, n->last_seen ? n->last_seen : now);
+	if (sqlite3_step(st) != SQLITE_DONE) {
+		rc = db_fail(s, err, "writing a node");
+		goto out;
+	}
+	sqlite3_finalize(st);
+	st = NULL;
+	for (size_t i = 0; i < sizeof child_tables / sizeof child_tables[0]; i++) {
+		rc = put_children(s, &child_tables[i], n->id, inventory, err);
+		if (rc)
+			goto out;
+	}
+	rc = exec(s, "COMMIT", "writing a node", err);
+	if (rc == DS_OK)
+		in_tx = 0;
+out:
+	sqlite3_finalize(st);
+	if (in_tx)
+		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+int store_node_seen(store *s, const store_node *n, int64_t now, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc;
+	if (!valid_id(n->id) || !n->name[0])
+		return ds_err_set(err, DS_EINVAL, "node id '%s' is not 32 hex digits or has no name",
+				  n->id);
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s,
+		  "INSERT INTO nodes (id, name, addr, control_port, api_port, status, role, epoch, "
+		  "first_seen, last_seen) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) "
+		  "ON CONFLICT (id) DO UPDATE SET name = excluded.name, "
+		  "addr = COALESCE(excluded.addr, nodes.addr), "
+		  "control_port = COALESCE(excluded.control_port, nodes.control_port), "
+		  "api_port = COALESCE(excluded.api_port, nodes.api_port), "
+		  "status = excluded.status, role = COALESCE(excluded.role, nodes.role), "
+		  "epoch = excluded.epoch, last_seen = MAX(nodes.last_seen, excluded.last_seen)",
+		  &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_text(st, 1, n->id, -1, SQLITE_STATIC);
+	sqlite3_bind_text(st, 2, n->name, -1, SQLITE_STATIC);
+	bind_str(st, 3, n->addr);
+	bind_port(st, 4, n->control_port);
+	bind_port(st, 5, n->api_port);
+	sqlite3_bind_text(st, 6, n->status[0] ? n->status : "alive", -1, SQLITE_STATIC);
+	bind_str(st, 7, n->role);
+	sqlite3_bind_int64(st, 8, n->epoch);
+	sqlite3_bind_int64(st, 9, now);
+	sqlite3_bind_int64(st, 10, n->last_seen ? n->last_seen : now);
+	if (sqlite3_step(st) != SQLITE_DONE)
+		rc = db_fail(s, err, "recording a node");
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+void store_nodes_free(store_node *v, size_t n)
+{
+	for (size_t i = 0; v && i < n; i++)
+		free(v[i].inventory);
+	free(v);
+}
+
+#define NODE_COLS                                                                 \
+	"SELECT id, name, addr, control_port, api_port, status, role, epoch, digest, " \
+	"first_seen, last_seen, inventory_at, health_at, inventory FROM nodes "
+
+/* Fills one store_node from a NODE_COLS row; DS_ENOMEM for the inventory. */
+static int node_row(sqlite3_stmt *st, store_node *n)
+{
+	memset(n, 0, sizeof *n);
+	text_col(st, 0, n->id, sizeof n->id);
+	text_col(st, 1, n->name, sizeof n->name);
+	text_col(st, 2, n->addr, sizeof n->addr);
+	n->control_port = sqlite3_column_int(st, 3);
+	n->api_port = sqlite3_column_int(st, 4);
+	text_col(st, 5, n->status, sizeof n->status);
+	text_col(st, 6, n->role, sizeof n->role);
+	n->epoch = sqlite3_column_int64(st, 7);
+	text_col(st, 8, n->digest, sizeof n->digest);
+	n->first_seen = sqlite3_column_int64(st, 9);
+	n->last_seen = sqlite3_column_int64(st, 10);
+	n->inventory_at = sqlite3_column_int64(st, 11);
+	n->health_at = sqlite3_column_int64(st, 12);
+	const unsigned char *inv = sqlite3_column_text(st, 13);
+	if (inv && !(n->inventory = strdup((const char *)inv)))
+		return DS_ENOMEM;
+	return DS_OK;
+}
+
+int store_node_list(store *s, store_node **out, size_t *n, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	store_node *v = NULL;
+	size_t cnt = 0, cap = 0;
+	int rc, step;
+	*out = NULL;
+	*n = 0;
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s, NODE_COLS "ORDER BY name, id", &st, err);
+	if (rc)
+		goto out;
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		if (cnt == cap) {
+			size_t nc = cap ? cap * 2 : 16;
+			store_node *nv = realloc(v, nc * sizeof *nv);
+			if (!nv) {
+				rc = ds_err_set(err, DS_ENOMEM, "out of memory listing nodes");
+				goto out;
+			}
+			v = nv;
+			cap = nc;
+		}
+		if (node_row(st, &v[cnt++]) != DS_OK) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory listing nodes");
+			goto out;
+		}
+	}
+	if (step != SQLITE_DONE) {
+		rc = db_fail(s, err, "listing nodes");
+		goto out;
+	}
+	*out = v;
+	*n = cnt;
+	v = NULL;
+	cnt = 0;
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	store_nodes_free(v, cnt);
+	return rc;
+}
+
+int store_node_get(store *s, const char *id, store_node *out, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc;
+	memset(out, 0, sizeof *out);
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s, NODE_COLS "WHERE id = ?1", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+	int step = sqlite3_step(st);
+	if (step == SQLITE_ROW) {
+		if (node_row(st, out) != DS_OK)
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory reading a node");
+	} else if (step == SQLITE_DONE) {
+		rc = ds_err_set(err, DS_ENOTFOUND, "no node with id %s", id);
+	} else {
+		rc = db_fail(s, err, "reading a node");
+	}
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+int store_member_event_add(store *s, double ts, const char *node_id, const char *name,
+			   const char *addr, const char *kind, const char *state,
+			   const char *prev_state, int64_t incarnation, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc;
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s,
+		  "INSERT INTO member_events (ts, node_id, name, addr, kind, state, prev_state, "
+		  "incarnation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+		  &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_double(st, 1, ts);
+	sqlite3_bind_text(st, 2, node_id, -1, SQLITE_STATIC);
+	sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
+	bind_str(st, 4, addr);
+	sqlite3_bind_text(st, 5, kind, -1, SQLITE_STATIC);
+	sqlite3_bind_text(st, 6, state, -1, SQLITE_STATIC);
+	bind_str(st, 7, prev_state);
+	sqlite3_bind_int64(st, 8, incarnation);
+	if (sqlite3_step(st) != SQLITE_DONE)
+		rc = db_fail(s, err, "recording a membership event");
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+/* ---- elections and votes ---- */
+
+static void bind_count(sqlite3_stmt *st, int i, int v)
+{
+	if (v >= 0)
+		sqlite3_bind_int(st, i, v);
+	else
+		sqlite3_bind_null(st, i);
+}
+
+static void election_row(sqlite3_stmt *st, store_election *e)
+{
+	memset(e, 0, sizeof *e);
+	e->epoch = sqlite3_column_int64(st, 0);
+	text_col(st, 1, e->head, sizeof e->head);
+	text_col(st, 2, e->candidate, sizeof e->candidate);
+	e->votes = sqlite3_column_type(st, 3) == SQLITE_NULL ? -1 : sqlite3_column_int(st, 3);
+	e->quorum = sqlite3_column_type(st, 4) == SQLITE_NULL ? -1 : sqlite3_column_int(st, 4);
+	text_col(st, 5, e->outcome, sizeof e->outcome);
+	e->ts = sqlite3_column_int64(st, 6);
+	e->decided = sqlite3_column_int64(st, 7);
+}
+
+#define ELECTION_COLS "SELECT epoch, head_id, candidate, votes, quorum, outcome, ts, decided " \
+		      "FROM elections "
+
+int store_election_put(store *s, const store_election *e, store_election *out, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc, in_tx = 0;
+	store_election row;
+	if (e->epoch <= 0 || (e->head[0] && !valid_id(e->head)) ||
+	    (e->candidate[0] && !valid_id(e->candidate)) || !e->outcome[0])
+		return ds_err_set(err, DS_EINVAL,
+				  "election row of epoch %lld: bad epoch, node id or outcome",
+				  (long long)e->epoch);
+	pthread_mutex_lock(&s->mu);
+	rc = exec(s, "BEGIN IMMEDIATE", "recording an election", err);
+	if (rc)
+		goto out;
+	in_tx = 1;
+	rc = prep(s,
+		  "INSERT INTO elections (epoch, head_id, candidate, votes, quorum, outcome, ts, "
+		  "decided) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) "
+		  "ON CONFLICT (epoch) DO UPDATE SET "
+		  "head_id = COALESCE(elections.head_id, excluded.head_id), "
+		  "candidate = COALESCE(excluded.candidate, elections.candidate), "
+		  "votes = COALESCE(excluded.votes, elections.votes), "
+		  "quorum = COALESCE(excluded.quorum, elections.quorum), "
+		  "outcome = CASE WHEN elections.outcome IN ('standing', 'learned') "
+		  "THEN excluded.outcome ELSE elections.outcome END, "
+		  "decided = COALESCE(elections.decided, excluded.decided)",
+		  &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, e->epoch);
+	bind_str(st, 2, e->head);
+	bind_str(st, 3, e->candidate);
+	bind_count(st, 4, e->votes);
+	bind_count(st, 5, e->quorum);
+	sqlite3_bind_text(st, 6, e->outcome, -1, SQLITE_STATIC);
+	sqlite3_bind_int64(st, 7, e->ts);
+	bind_opt(st, 8, e->head[0] ? (e->decided ? e->decided : e->ts) : 0);
+	if (sqlite3_step(st) != SQLITE_DONE) {
+		rc = db_fail(s, err, "recording an election");
+		goto out;
+	}
+	sqlite3_finalize(st);
+	st = NULL;
+	rc = prep(s, ELECTION_COLS "WHERE epoch = ?1", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, e->epoch);
+	if (sqlite3_step(st) != SQLITE_ROW) {
+		rc = db_fail(s, err, "reading an election");
+		goto out;
+	}
+	election_row(st, &row);
+	if (e->head[0] && strcmp(row.head, e->head) != 0) {
+		rc = ds_err_set(err, DS_EINTERNAL,
+				"two heads in one epoch: epoch %lld has head %s, now told %s",
+				(long long)e->epoch, row.head, e->head);
+		goto out;
+	}
+	sqlite3_finalize(st);
+	st = NULL;
+	rc = exec(s, "COMMIT", "recording an election", err);
+	if (rc == DS_OK) {
+		in_tx = 0;
+		if (out)
+			*out = row;
+	}
+out:
+	sqlite3_finalize(st);
+	if (in_tx)
+		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+int store_election_list(store *s, size_t max, store_election **out, size_t *n, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	store_election *v = NULL;
+	size_t cnt = 0;
+	int rc, step;
+	*out = NULL;
+	*n = 0;
+	if (max == 0)
+		return DS_OK;
+	if (max > 100000)
+		max = 100000;
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s, ELECTION_COLS "ORDER BY epoch DESC LIMIT ?1", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, (int64_t)max);
+	while ((step = sqlite3_step(st)) == SQLITE_ROW && cnt < max) {
+		if (!v && !(v = calloc(max, sizeof *v))) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory listing elections");
+			goto out;
+		}
+		election_row(st, &v[cnt++]);
+	}
+	if (step != SQLITE_DONE && step != SQLITE_ROW) {
+		rc = db_fail(s, err, "listing elections");
+		goto out;
+	}
+	for (size_t i = 0; i < cnt / 2; i++) { /* oldest first */
+		store_election t = v[i];
+		v[i] = v[cnt - 1 - i];
+		v[cnt - 1 - i] = t;
+	}
+	*out = v;
+	*n = cnt;
+	v = NULL;
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	free(v);
+	return rc;
+}
+
+int store_vote_put(store *s, int64_t epoch, const char *candidate, int64_t ts,
+		   char existing[STORE_ID_HEX], ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc, in_tx = 0;
+	if (existing)
+		existing[0] = '\0';
+	if (epoch <= 0 || !valid_id(candidate))
+		return ds_err_set(err, DS_EINVAL, "vote in epoch %lld for '%s': bad epoch or id",
+				  (long long)epoch, candidate ? candidate : "");
+	pthread_mutex_lock(&s->mu);
+	/* A vote must survive a power cut, not only a crash: this transaction
+	 * syncs the WAL at commit (the connection's default is NORMAL). */
+	rc = exec(s, "PRAGMA synchronous = FULL", "syncing a vote", err);
+	if (rc)
+		goto out;
+	rc = exec(s, "BEGIN IMMEDIATE", "recording a vote", err);
+	if (rc)
+		goto out;
+	in_tx = 1;
+	rc = prep(s, "SELECT candidate FROM votes WHERE epoch = ?1", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, epoch);
+	int step = sqlite3_step(st);
+	if (step == SQLITE_ROW) {
+		char had[STORE_ID_HEX];
+		text_col(st, 0, had, sizeof had);
+		if (existing)
+			ds_strlcpy(existing, had, STORE_ID_HEX);
+		if (strcmp(had, candidate) != 0)
+			rc = ds_err_set(err, DS_EBUSY, "already voted for %s in epoch %lld", had,
+					(long long)epoch);
+		goto out; /* rolled back: nothing was written */
+	}
+	if (step != SQLITE_DONE) {
+		rc = db_fail(s, err, "reading a vote");
+		goto out;
+	}
+	sqlite3_finalize(st);
+	st = NULL;
+	rc = prep(s, "INSERT INTO votes (epoch, candidate, ts) VALUES (?1, ?2, ?3)", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, epoch);
+	sqlite3_bind_text(st, 2, candidate, -1, SQLITE_STATIC);
+	sqlite3_bind_int64(st, 3, ts);
+	if (sqlite3_step(st) != SQLITE_DONE) {
+		rc = db_fail(s, err, "recording a vote");
+		goto out;
+	}
+	sqlite3_finalize(st);
+	st = NULL;
+	rc = exec(s, "COMMIT", "recording a vote", err);
+	if (rc == DS_OK) {
+		in_tx = 0;
+		if (existing)
+			ds_strlcpy(existing, candidate, STORE_ID_HEX);
+	}
+out:
+	sqlite3_finalize(st);
+	if (in_tx)
+		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	sqlite3_exec(s->db, "PRAGMA synchronous = NORMAL", NULL, NULL, NULL);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+int store_vote_last(store *s, int64_t *epoch, char cand[STORE_ID_HEX], ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc;
+	*epoch = 0;
+	cand[0] = '\0';
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s, "SELECT epoch, candidate FROM votes ORDER BY epoch DESC LIMIT 1", &st, err);
+	if (rc)
+		goto out;
+	int step = sqlite3_step(st);
+	if (step == SQLITE_ROW) {
+		*epoch = sqlite3_column_int64(st, 0);
+		text_col(st, 1, cand, STORE_ID_HEX);
+	} else if (step != SQLITE_DONE) {
+		rc = db_fail(s, err, "reading votes");
+	}
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+int store_epoch_max(store *s, int64_t *out, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc;
+	*out = 0;
+	pthread_mutex_lock(&s->mu);
+	rc = prep(s,
+		  "SELECT MAX(COALESCE((SELECT MAX(epoch) FROM elections), 0), "
+		  "COALESCE((SELECT MAX(epoch) FROM votes), 0))",
+		  &st, err);
+	if (rc)
+		goto out;
+	if (sqlite3_step(st) == SQLITE_ROW)
+		*out = sqlite3_column_int64(st, 0);
+	else
+		rc = db_fail(s, err, "reading the highest epoch");
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
 }

@@ -16,6 +16,7 @@
 
 #include "common/status.h"
 
+#include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -87,5 +88,87 @@ typedef struct store_event {
 int store_event_list(store *s, int64_t after_id, size_t max, store_event **out, size_t *n,
 		     ds_err *err);
 void store_events_free(store_event *ev, size_t n);
+
+/* ---- the cluster record (schema/0002_cluster.sql, docs/cluster.md) ---- */
+
+#define STORE_ID_HEX 33     /* node id: 32 hex digits + NUL */
+#define STORE_DIGEST_HEX 65 /* inventory digest: 64 hex digits + NUL */
+
+/* One row of nodes.  Empty strings and 0 ports mean unknown (NULL). */
+typedef struct store_node {
+	char id[STORE_ID_HEX];
+	char name[STORE_NAME_MAX + 1];
+	char addr[48];
+	int control_port, api_port;
+	char status[16];       /* alive | suspect | dead | left */
+	char role[16];         /* none | follower | candidate | head ("" = unknown) */
+	int64_t epoch;
+	char digest[STORE_DIGEST_HEX];
+	int64_t first_seen, last_seen, inventory_at, health_at; /* 0 = NULL */
+	char *inventory;       /* from list/get: malloc'd JSON text or NULL */
+} store_node;
+
+/* Writes a node with its inventory in one transaction: upserts the nodes row
+ * (identity and liveness from n, host facts and the document from inventory,
+ * first_seen kept, inventory_at = health_at = now) and replaces the node's
+ * rows of gpus, ib_ports, nics, links and gpu_nic.  inventory is an object in
+ * the schema of agent/discover.h; a field of the wrong type is stored as NULL,
+ * a list entry that is not an object or lacks its key fields is skipped.
+ * n->inventory is ignored.  DS_EINVAL for a bad id or a non-object. */
+int store_node_put(store *s, const store_node *n, const json_t *inventory, const char *digest,
+		   int64_t now, ds_err *err);
+
+/* Updates the liveness fields of a node (name, addr, ports, status, role,
+ * epoch, last_seen), inserting a row without inventory when it has none. */
+int store_node_seen(store *s, const store_node *n, int64_t now, ds_err *err);
+
+/* Every node, ordered by name then id, each with its inventory text.
+ * Free with store_nodes_free. */
+int store_node_list(store *s, store_node **out, size_t *n, ds_err *err);
+/* One node; DS_ENOTFOUND when absent.  Free out->inventory with free(). */
+int store_node_get(store *s, const char *id, store_node *out, ds_err *err);
+void store_nodes_free(store_node *v, size_t n);
+
+/* Appends one membership change (member_events).  Strings may be NULL
+ * except node_id, name, kind and state. */
+int store_member_event_add(store *s, double ts, const char *node_id, const char *name,
+			   const char *addr, const char *kind, const char *state,
+			   const char *prev_state, int64_t incarnation, ds_err *err);
+
+/* One row of elections.  head/candidate "" = unknown; votes/quorum -1 =
+ * unknown; decided 0 = not yet. */
+typedef struct store_election {
+	int64_t epoch;
+	char head[STORE_ID_HEX];
+	char candidate[STORE_ID_HEX];
+	int votes, quorum;
+	char outcome[16]; /* standing | won | lost | followed | learned | single */
+	int64_t ts, decided;
+} store_election;
+
+/* Inserts or merges the row of e->epoch: a NULL head_id is filled, a known
+ * head_id never changes (DS_EINTERNAL, "two heads in one epoch", when e names
+ * another: a safety violation the caller must report), candidate, votes and
+ * quorum are replaced when given, the outcome only while it is "standing" or
+ * "learned".  *out (may be NULL) gets the row as stored. */
+int store_election_put(store *s, const store_election *e, store_election *out, ds_err *err);
+
+/* The newest max rows (highest epochs), returned oldest first.  *out is
+ * malloc'd (free(); NULL when *n == 0). */
+int store_election_list(store *s, size_t max, store_election **out, size_t *n, ds_err *err);
+
+/* Records this node's vote in epoch for candidate (hex id), synced to disk
+ * (synchronous=FULL for this transaction) before it returns.  DS_OK when
+ * recorded now or already recorded for the same candidate; DS_EBUSY when the
+ * epoch already has a vote for another candidate (*existing gets it; may be
+ * NULL). */
+int store_vote_put(store *s, int64_t epoch, const char *candidate, int64_t ts,
+		   char existing[STORE_ID_HEX], ds_err *err);
+
+/* The vote of the highest epoch: *epoch 0 and cand "" when none. */
+int store_vote_last(store *s, int64_t *epoch, char cand[STORE_ID_HEX], ds_err *err);
+
+/* The highest epoch in elections or votes (0 when none). */
+int store_epoch_max(store *s, int64_t *out, ds_err *err);
 
 #endif

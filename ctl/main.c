@@ -21,13 +21,18 @@
 #include "ctl/client.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define DEFAULT_DATA_DIR "/var/lib/dsagent"
 #define TOKEN_MAX 4096
@@ -60,6 +65,8 @@ static const cfg_opt opts_table[] = {
 struct cmd_flags {
 	int64_t expires_days;
 	int64_t rpm, tpm, max_concurrency;
+	char *key_file; /* cluster init */
+	int force;
 };
 
 #define F(f) offsetof(struct cmd_flags, f)
@@ -71,6 +78,13 @@ static const cfg_opt create_flags[] = {
 	 "prompt + completion tokens per minute (default: unlimited)"},
 	{"max-concurrency", CFG_I64, F(max_concurrency), NULL, 0, 1e6,
 	 "requests in flight at once (default: unlimited)"},
+	{0},
+};
+static const cfg_opt cluster_init_flags[] = {
+	{"key-file", CFG_STR, F(key_file), "/etc/dsagent/cluster.key", 1, 0,
+	 "where to write the key (created with mode 0600, parent directories 0700)"},
+	{"force", CFG_BOOL, F(force), "false", 1, 0,
+	 "replace an existing key file (every node then needs the new key)"},
 	{0},
 };
 static const cfg_opt no_flags[] = {{0}};
@@ -411,15 +425,645 @@ static int cmd_keys_revoke(const struct ctl_opts *o, const struct cmd_flags *fl,
 	return rc;
 }
 
+/* ---- cluster ---- */
+
+/* Standard base64 with padding (the key file format, docs/cluster.md). */
+static void base64(const uint8_t *in, size_t n, char *out)
+{
+	static const char tab[] =
+		"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+	size_t o = 0;
+	for (size_t i = 0; i < n; i += 3) {
+		uint32_t v = (uint32_t)in[i] << 16;
+		if (i + 1 < n)
+			v |= (uint32_t)in[i + 1] << 8;
+		if (i + 2 < n)
+			v |= in[i + 2];
+		out[o++] = tab[v >> 18 & 63];
+		out[o++] = tab[v >> 12 & 63];
+		out[o++] = i + 1 < n ? tab[v >> 6 & 63] : '=';
+		out[o++] = i + 2 < n ? tab[v & 63] : '=';
+	}
+	out[o] = '\0';
+}
+
+/* mkdir -p of path's parent, new directories 0700. */
+static int make_parents(const char *path)
+{
+	char dir[PATH_MAX];
+	if ((size_t)snprintf(dir, sizeof dir, "%s", path) >= sizeof dir)
+		return -1;
+	char *slash = strrchr(dir, '/');
+	if (!slash || slash == dir)
+		return 0;
+	*slash = '\0';
+	for (char *p = dir + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = '\0';
+		if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+			return -1;
+		*p = '/';
+	}
+	return mkdir(dir, 0700) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* Writes text to path with mode 0600: exclusive create, or (force) a
+ * temporary file renamed over it. */
+static int write_private(const char *path, const char *text, int force)
+{
+	char tmp[PATH_MAX];
+	const char *target = path;
+	if (force) {
+		if ((size_t)snprintf(tmp, sizeof tmp, "%s.new-%ld", path, (long)getpid()) >=
+		    sizeof tmp)
+			return -1;
+		target = tmp;
+	}
+	int fd = open(target, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return -1;
+	size_t len = strlen(text);
+	int ok = fchmod(fd, 0600) == 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
+	int e = errno;
+	close(fd);
+	if (ok && force && rename(tmp, path) != 0) {
+		e = errno;
+		ok = 0;
+	}
+	if (!ok) {
+		unlink(target);
+		errno = e;
+		return -1;
+	}
+	return 0;
+}
+
+static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
+			    char **argv)
+{
+	const char *path = fl->key_file;
+	uint8_t raw[33]; /* byte 32: the key id */
+	char b64[64], line[96];
+	struct stat st;
+	if (!fl->force && stat(path, &st) == 0) {
+		fprintf(stderr,
+			"dsctl: %s exists; pass --force to replace it (the cluster then needs the "
+			"new key on every node)\n",
+			path);
+		return 1;
+	}
+	if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
+		fprintf(stderr, "dsctl: no random bytes: %s\n", strerror(errno));
+		return 1;
+	}
+	uint8_t kid = raw[32] ? raw[32] : 1; /* key id 0 is for raw 32-byte key files */
+	base64(raw, 32, b64);
+	snprintf(line, sizeof line, "dsck1:%02x:%s\n", kid, b64);
+	int rc = 0;
+	if (make_parents(path) != 0 || write_private(path, line, fl->force) != 0) {
+		fprintf(stderr, "dsctl: cannot write %s: %s\n", path, strerror(errno));
+		rc = 1;
+	} else if (o->json) {
+		json_t *out = json_pack("{s:s,s:i}", "key_file", path, "key_id", (int)kid);
+		rc = out ? print_json(out) : 1;
+		json_decref(out);
+	} else {
+		printf("wrote a new cluster key to %s (mode 0600, key id %02x).\n"
+		       "Place the same file on every node, readable only by the agent's user:\n"
+		       "  scp -p %s NODE:%s && ssh NODE chmod 600 %s\n"
+		       "then start every agent with it, the others joining the first one:\n"
+		       "  dsagent --cluster-key %s                      # first node\n"
+		       "  dsagent --cluster-key %s --join FIRST:7946    # every other node\n"
+		       "Keep it secret: whoever holds it can join and speak for the cluster.\n",
+		       path, kid, path, path, path, path, path);
+	}
+	memset(raw, 0, sizeof raw);
+	memset(b64, 0, sizeof b64);
+	memset(line, 0, sizeof line);
+	return rc;
+}
+
+static int cmd_cluster_members(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
+			       char **argv)
+{
+	json_t *v = call(o, "GET", "/v1/cluster/members", NULL, 1);
+	if (!v)
+		return 1;
+	json_t *ms = json_object_get(v, "members");
+	if (!json_is_array(ms)) {
+		fprintf(stderr, "dsctl: the agent's reply has no \"members\" list\n");
+		json_decref(v);
+		return 1;
+	}
+	if (o->json) {
+		int rc = print_json(v);
+		json_decref(v);
+		return rc;
+	}
+	printf("%-20s  %-32s  %-21s  %-7s  %11s  %s\n", "NAME", "ID", "ADDRESS", "STATE",
+	       "INCARNATION", "SINCE (UTC)");
+	for (size_t i = 0; i < json_array_size(ms); i++) {
+		json_t *m = json_array_get(ms, i);
+		char since[32], inc[32];
+		json_t *ch = json_object_get(m, "changed");
+		json_t *t = json_integer(json_is_number(ch) ? (json_int_t)json_number_value(ch) : 0);
+		fmt_time(t, "?", since, sizeof since);
+		json_decref(t);
+		fmt_int(json_object_get(m, "incarnation"), "?", inc, sizeof inc);
+		printf("%-20s  %-32s  %-21s  %-7s  %11s  %s%s\n",
+		       str_or(json_object_get(m, "name"), "?"), str_or(json_object_get(m, "id"), "?"),
+		       str_or(json_object_get(m, "addr"), "?"),
+		       str_or(json_object_get(m, "state"), "?"), inc, since,
+		       json_is_true(json_object_get(m, "self")) ? "  (this agent)" : "");
+	}
+	json_decref(v);
+	return 0;
+}
+
+/* ---- nodes and cluster status ---- */
+
+static const char *jstr(const json_t *o, const char *k, const char *dflt)
+{
+	return str_or(json_object_get(o, k), dflt);
+}
+
+static int jint(const json_t *o, const char *k, long long *out)
+{
+	const json_t *v = json_object_get(o, k);
+	if (!json_is_integer(v))
+		return 0;
+	*out = (long long)json_integer_value(v);
+	return 1;
+}
+
+/* "now", "12s ago", "5m ago", or the UTC time for older. */
+static void fmt_ago(const json_t *v, char *out, size_t n)
+{
+	if (!json_is_integer(v)) {
+		snprintf(out, n, "-");
+		return;
+	}
+	long long d = (long long)time(NULL) - (long long)json_integer_value(v);
+	if (d < 2)
+		snprintf(out, n, "now");
+	else if (d < 120)
+		snprintf(out, n, "%llds ago", d);
+	else if (d < 7200)
+		snprintf(out, n, "%lldm ago", d / 60);
+	else
+		fmt_time(v, "-", out, n);
+}
+
+static void fmt_gib(long long bytes, char *out, size_t n)
+{
+	snprintf(out, n, "%.1f", (double)bytes / (double)(1LL << 30));
+}
+
+static void fmt_rate(double g, char *out, size_t n)
+{
+	if (g == (double)(long long)g)
+		snprintf(out, n, "%lldG", (long long)g);
+	else
+		snprintf(out, n, "%.1fG", g);
+}
+
+/* Prints rows[0..nrows] (row 0 = the header) as aligned columns. */
+static void print_table(char (*cells)[16][CELL], size_t nrows, int ncol)
+{
+	int w[16] = {0};
+	for (size_t r = 0; r < nrows; r++)
+		for (int c = 0; c < ncol; c++) {
+			int l = (int)strlen(cells[r][c]);
+			w[c] = l > w[c] ? l : w[c];
+		}
+	for (size_t r = 0; r < nrows; r++)
+		for (int c = 0; c < ncol; c++)
+			printf(c + 1 < ncol ? "%-*s  " : "%-*s\n", c + 1 < ncol ? w[c] : 0, cells[r][c]);
+}
+
+/* The one-line columns of a node (GET /v1/cluster/nodes "nodes" entry). */
+static void node_row(const json_t *n, char (*row)[CELL])
+{
+	const json_t *s = json_object_get(n, "summary");
+	long long v = 0, w = 0;
+	char a[40], b[40];
+	snprintf(row[0], CELL, "%s%s", jstr(n, "name", "?"),
+		 json_is_true(json_object_get(n, "self")) ? "*" : "");
+	snprintf(row[1], CELL, "%s", jstr(n, "addr", "-"));
+	snprintf(row[2], CELL, "%s", jstr(n, "status", "?"));
+	snprintf(row[3], CELL, "%s", jstr(n, "role", "-"));
+	if (!json_is_object(s)) {
+		for (int c = 4; c < 9; c++)
+			snprintf(row[c], CELL, "?");
+	} else {
+		if (jint(s, "gpus", &v) && v > 0)
+			snprintf(row[4], CELL, "%lld", v);
+		else
+			snprintf(row[4], CELL, "0 (%s)", jstr(s, "compute", "cpu"));
+		if (jint(s, "gpu_memory_total_bytes", &w)) {
+			fmt_gib(w, b, sizeof b);
+			if (jint(s, "gpu_memory_used_bytes", &v))
+				fmt_gib(v, a, sizeof a);
+			else
+				snprintf(a, sizeof a, "?");
+			snprintf(row[5], CELL, "%s/%s", a, b);
+		} else {
+			snprintf(row[5], CELL, "-");
+		}
+		if (jint(s, "max_temperature_c", &v))
+			snprintf(row[6], CELL, "%lldC", v);
+		else
+			snprintf(row[6], CELL, "-");
+		int hv = jint(s, "ecc_uncorrected_volatile", &v), ha = jint(s, "ecc_uncorrected_aggregate", &w);
+		if (hv || ha)
+			snprintf(row[7], CELL, "%s/%s", hv ? (snprintf(a, sizeof a, "%lld", v), a) : "?",
+				 ha ? (snprintf(b, sizeof b, "%lld", w), b) : "?");
+		else
+			snprintf(row[7], CELL, "-");
+		v = w = 0;
+		jint(s, "ib_ports_up", &v);
+		jint(s, "ib_ports_total", &w);
+		const json_t *lo = json_object_get(s, "ib_rate_gbps_min");
+		const json_t *hi = json_object_get(s, "ib_rate_gbps_max");
+		if (json_is_number(lo) && json_is_number(hi)) {
+			fmt_rate(json_number_value(lo), a, sizeof a);
+			fmt_rate(json_number_value(hi), b, sizeof b);
+			if (strcmp(a, b) == 0)
+				snprintf(row[8], CELL, "%lld/%lld @%s", v, w, a);
+			else
+				snprintf(row[8], CELL, "%lld/%lld @%s-%s", v, w, a, b);
+		} else {
+			snprintf(row[8], CELL, "%lld/%lld", v, w);
+		}
+	}
+	fmt_ago(json_object_get(n, "last_seen"), row[9], CELL);
+}
+
+/* Says where the answer came from when it is not the head's record. */
+static void print_source(const json_t *v)
+{
+	const json_t *head = json_object_get(v, "head");
+	long long ep = 0;
+	jint(v, "epoch", &ep);
+	if (json_is_true(json_object_get(v, "stale")))
+		fprintf(stderr,
+			"dsctl: warning: %s answered from its own view (%s); other nodes' "
+			"inventories are not shown\n",
+			jstr(v, "answered_by", "the agent"), jstr(v, "reason", "no head"));
+	else if (json_is_object(head))
+		printf("head: %s (epoch %lld)\n", jstr(head, "name", jstr(head, "id", "?")), ep);
+}
+
+static const json_t *find_node(const json_t *nodes, const char *name)
+{
+	const json_t *hit = NULL;
+	for (size_t i = 0; i < json_array_size(nodes); i++) {
+		const json_t *n = json_array_get(nodes, i);
+		if (strcmp(jstr(n, "name", ""), name) == 0 || strcmp(jstr(n, "id", ""), name) == 0)
+			return n;
+		if (strlen(name) >= 4 && strncmp(jstr(n, "id", ""), name, strlen(name)) == 0)
+			hit = n; /* an id prefix */
+	}
+	return hit;
+}
+
+static void print_node_detail(const json_t *n)
+{
+	const json_t *inv = json_object_get(n, "inventory");
+	const json_t *host = json_object_get(inv, "host");
+	const json_t *comp = json_object_get(inv, "compute");
+	const json_t *src = json_object_get(inv, "gpu_source");
+	char t1[64], t2[64];
+	long long v = 0;
+	printf("node %s  (id %s%s)\n", jstr(n, "name", "?"), jstr(n, "id", "?"),
+	       json_is_true(json_object_get(n, "self")) ? ", the agent asked" : "");
+	printf("  address     %s  control port %s  api port %s\n", jstr(n, "addr", "-"),
+	       jint(n, "control_port", &v) ? (snprintf(t1, sizeof t1, "%lld", v), t1) : "-",
+	       jint(n, "api_port", &v) ? (snprintf(t2, sizeof t2, "%lld", v), t2) : "-");
+	jint(n, "epoch", &v);
+	fmt_ago(json_object_get(n, "last_seen"), t1, sizeof t1);
+	printf("  status      %s  role %s  epoch %lld  last seen %s\n", jstr(n, "status", "?"),
+	       jstr(n, "role", "-"), v, t1);
+	fmt_time(json_object_get(n, "inventory_at"), "-", t1, sizeof t1);
+	fmt_time(json_object_get(n, "health_at"), "-", t2, sizeof t2);
+	printf("  inventory   %s UTC (health %s UTC), digest %.16s...\n", t1, t2,
+	       jstr(n, "digest", "-"));
+	if (!json_is_object(inv)) {
+		printf("  (no inventory: the head has not fetched it yet, or this answer is stale)\n");
+		return;
+	}
+	long long cpus = 0, sockets = 0, mem = 0, ranks = 0;
+	jint(host, "cpus", &cpus);
+	jint(host, "sockets", &sockets);
+	jint(host, "memory_bytes", &mem);
+	jint(comp, "ranks", &ranks);
+	fmt_gib(mem, t1, sizeof t1);
+	printf("  host        %s: %s, %lld CPUs, %lld sockets, %s GiB, %zu NUMA nodes\n",
+	       jstr(host, "hostname", "?"), jstr(host, "cpu_model", "?"), cpus, sockets, t1,
+	       json_array_size(json_object_get(host, "numa_nodes")));
+	printf("  compute     %s, %lld ranks; GPUs from %s%s%s%s%s\n", jstr(comp, "kind", "?"), ranks,
+	       jstr(src, "kind", "?"), json_is_string(json_object_get(src, "spec")) ? " " : "",
+	       jstr(src, "spec", ""), json_is_string(json_object_get(src, "driver_version")) ?
+	       ", driver " : "", jstr(src, "driver_version", ""));
+	const json_t *gpus = json_object_get(inv, "gpus");
+	if (json_array_size(gpus)) {
+		printf("\n  %-4s %-24s %-13s %-4s %-15s %-5s %-8s %-7s %s\n", "GPU", "NAME", "BUS ID",
+		       "NUMA", "MEM GiB", "TEMP", "POWER W", "ECC V/A", "NVLINKS");
+		for (size_t i = 0; i < json_array_size(gpus); i++) {
+			const json_t *g = json_array_get(gpus, i);
+			const json_t *h = json_object_get(g, "health");
+			long long idx = 0, numa = -1, tot = 0, used = 0, temp = 0, pw = 0, ev = 0, ea = 0,
+				  nl = 0;
+			char mm[48], tt[16], pp[16], ee[48], nn[16];
+			jint(g, "index", &idx);
+			int hn = jint(g, "numa_node", &numa);
+			int ht = jint(g, "memory_total_bytes", &tot), hu = jint(h, "memory_used_bytes", &used);
+			fmt_gib(used, t1, sizeof t1);
+			fmt_gib(tot, t2, sizeof t2);
+			snprintf(mm, sizeof mm, "%s/%s", hu ? t1 : "?", ht ? t2 : "?");
+			int has_t = jint(h, "temperature_c", &temp), has_p = jint(h, "power_mw", &pw);
+			snprintf(tt, sizeof tt, has_t ? "%lldC" : "-", temp);
+			snprintf(pp, sizeof pp, has_p ? "%lld" : "-", pw / 1000);
+			int a1 = jint(h, "ecc_uncorrected_volatile", &ev);
+			int a2 = jint(h, "ecc_uncorrected_aggregate", &ea);
+			snprintf(ee, sizeof ee, "%s/%s", a1 ? (snprintf(t1, sizeof t1, "%lld", ev), t1) : "-",
+				 a2 ? (snprintf(t2, sizeof t2, "%lld", ea), t2) : "-");
+			jint(g, "nvlinks", &nl);
+			snprintf(nn, sizeof nn, "%lld%s", nl,
+				 json_is_true(json_object_get(g, "nvswitch")) ? " (NVSwitch)" : "");
+			char numa_s[16];
+			snprintf(numa_s, sizeof numa_s, hn ? "%lld" : "-", numa);
+			printf("  %-4lld %-24.24s %-13s %-4s %-15s %-5s %-8s %-7s %s\n", idx,
+			       jstr(g, "name", "?"), jstr(g, "bus_id", "?"), numa_s, mm, tt, pp, ee, nn);
+		}
+	}
+	/* nvidia-smi topo -m style: GPU rows, GPU and RDMA device columns */
+	const json_t *links = json_object_get(inv, "gpu_links");
+	const json_t *gn = json_object_get(inv, "gpu_nic");
+	size_t ng = json_array_size(gpus);
+	if (ng > 1 || json_array_size(gn)) {
+		const char *nics[64];
+		size_t nn = 0;
+		for (size_t i = 0; i < json_array_size(gn) && nn < 64; i++) {
+			const char *nic = jstr(json_array_get(gn, i), "nic", "?");
+			size_t k = 0;
+			while (k < nn && strcmp(nics[k], nic) != 0)
+				k++;
+			if (k == nn)
+				nics[nn++] = nic;
+		}
+		printf("\n  topology  ");
+		for (size_t b = 0; b < ng && b < 64; b++)
+			printf("GPU%-4zu", b);
+		for (size_t k = 0; k < nn; k++)
+			printf("%-8s", nics[k]);
+		printf("\n");
+		for (size_t a = 0; a < ng && a < 64; a++) {
+			printf("  GPU%-6zu", a);
+			for (size_t b = 0; b < ng && b < 64; b++) {
+				const char *lv = a == b ? "X" : "?";
+				for (size_t i = 0; i < json_array_size(links); i++) {
+					const json_t *l = json_array_get(links, i);
+					long long la = -1, lb = -1;
+					jint(l, "a", &la);
+					jint(l, "b", &lb);
+					if ((la == (long long)a && lb == (long long)b) ||
+					    (la == (long long)b && lb == (long long)a))
+						lv = jstr(l, "level", "?");
+				}
+				printf("%-7s", lv);
+			}
+			for (size_t k = 0; k < nn; k++) {
+				const char *lv = "?";
+				for (size_t i = 0; i < json_array_size(gn); i++) {
+					const json_t *e = json_array_get(gn, i);
+					long long g = -1;
+					jint(e, "gpu", &g);
+					if (g == (long long)a && strcmp(jstr(e, "nic", ""), nics[k]) == 0)
+						lv = jstr(e, "level", "?");
+				}
+				printf("%-8s", lv);
+			}
+			printf("\n");
+		}
+	}
+	const json_t *ports = json_object_get(inv, "ib_ports");
+	if (json_array_size(ports)) {
+		printf("\n  %-10s %-4s %-10s %-8s %-8s %-11s %-8s %-4s %s\n", "DEVICE", "PORT", "LINK",
+		       "STATE", "PHYS", "RATE", "NETDEV", "GID", "USABLE");
+		for (size_t i = 0; i < json_array_size(ports); i++) {
+			const json_t *p = json_array_get(ports, i);
+			long long port = 0, gid = 0;
+			const json_t *r = json_object_get(p, "rate_gbps");
+			char rate[32] = "-", gs[16] = "-";
+			jint(p, "port", &port);
+			if (json_is_number(r)) {
+				fmt_rate(json_number_value(r), t1, sizeof t1);
+				snprintf(rate, sizeof rate, "%s %s", t1, jstr(p, "speed", ""));
+			}
+			if (jint(p, "gid_index", &gid))
+				snprintf(gs, sizeof gs, "%lld", gid);
+			printf("  %-10s %-4lld %-10s %-8s %-8s %-11s %-8s %-4s %s\n",
+			       jstr(p, "device", "?"), port, jstr(p, "link_layer", "?"),
+			       jstr(p, "state", "?"), jstr(p, "phys_state", "?"), rate,
+			       jstr(p, "netdev", "-"), gs,
+			       json_is_true(json_object_get(p, "usable")) ? "yes" : "no");
+		}
+	}
+	const json_t *nicl = json_object_get(inv, "nics");
+	if (json_array_size(nicl)) {
+		printf("\n  NICs\n");
+		for (size_t i = 0; i < json_array_size(nicl); i++) {
+			const json_t *x = json_array_get(nicl, i);
+			printf("  %-10s", jstr(x, "name", "?"));
+			const char *fam[2] = {"ipv4", "ipv6"};
+			for (int f = 0; f < 2; f++) {
+				const json_t *a = json_object_get(x, fam[f]);
+				for (size_t k = 0; k < json_array_size(a); k++)
+					printf(" %s", str_or(json_array_get(a, k), "?"));
+			}
+			printf("\n");
+		}
+	}
+	const json_t *notes = json_object_get(inv, "notes");
+	if (json_array_size(notes)) {
+		printf("\n  notes\n");
+		for (size_t i = 0; i < json_array_size(notes); i++) {
+			const json_t *x = json_array_get(notes, i);
+			printf("  %-10s %s\n", jstr(x, "source", "?"), jstr(x, "message", "?"));
+		}
+	}
+}
+
+static int cmd_nodes(const struct ctl_opts *o, const struct cmd_flags *fl, int argc, char **argv)
+{
+	json_t *v = call(o, "GET", "/v1/cluster/nodes", NULL, 1);
+	if (!v)
+		return 1;
+	int rc = 0;
+	const json_t *nodes = json_object_get(v, "nodes");
+	if (!json_is_array(nodes)) {
+		fprintf(stderr, "dsctl: the agent's reply has no \"nodes\" list\n");
+		json_decref(v);
+		return 1;
+	}
+	if (argc == 1) {
+		const json_t *n = find_node(nodes, argv[0]);
+		if (!n) {
+			fprintf(stderr, "dsctl: no node named '%s' (see `dsctl nodes`)\n", argv[0]);
+			rc = 1;
+		} else if (o->json) {
+			rc = print_json(n);
+		} else {
+			print_source(v);
+			print_node_detail(n);
+		}
+		json_decref(v);
+		return rc;
+	}
+	if (o->json) {
+		rc = print_json(v);
+		json_decref(v);
+		return rc;
+	}
+	enum { NC = 10 };
+	static const char *head[NC] = {"NAME", "ADDRESS", "STATUS", "ROLE", "GPUS",
+				      "GPU MEM GiB", "MAX TEMP", "ECC V/A", "IB UP/TOTAL", "LAST SEEN"};
+	size_t rows = json_array_size(nodes);
+	char(*cells)[16][CELL] = calloc(rows + 1, sizeof *cells);
+	if (!cells) {
+		json_decref(v);
+		return 1;
+	}
+	for (int c = 0; c < NC; c++)
+		snprintf(cells[0][c], CELL, "%s", head[c]);
+	for (size_t r = 0; r < rows; r++)
+		node_row(json_array_get(nodes, r), cells[r + 1]);
+	print_source(v);
+	print_table(cells, rows + 1, NC);
+	printf("(* = the agent asked; `dsctl nodes NAME` for one node in full)\n");
+	free(cells);
+	json_decref(v);
+	return 0;
+}
+
+static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
+			      char **argv)
+{
+	json_t *v = call(o, "GET", "/v1/cluster/state", NULL, 1);
+	if (!v)
+		return 1;
+	if (o->json) {
+		int rc = print_json(v);
+		json_decref(v);
+		return rc;
+	}
+	const json_t *self = json_object_get(v, "self");
+	const json_t *head = json_object_get(v, "head");
+	long long ep = 0, hep = 0, lease = 0, expect = 0, quorum = 0, alive = 0, known = 0;
+	jint(v, "epoch", &ep);
+	jint(v, "head_epoch", &hep);
+	jint(v, "lease_left_ms", &lease);
+	jint(v, "expect", &expect);
+	jint(v, "quorum", &quorum);
+	jint(v, "alive", &alive);
+	jint(v, "known", &known);
+	printf("agent:   %s (%s), %s, epoch %lld%s\n", jstr(self, "name", "?"), jstr(self, "id", "?"),
+	       jstr(v, "role", "?"), ep,
+	       json_is_true(json_object_get(v, "single")) ? " (single node: no --cluster-key)" : "");
+	if (json_is_object(head)) {
+		char l[48];
+		if (lease < 0)
+			snprintf(l, sizeof l, "no expiry");
+		else
+			snprintf(l, sizeof l, "lease %lld ms left here", lease);
+		printf("head:    %s (epoch %lld, %s)\n", jstr(head, "name", "?"), hep, l);
+	} else {
+		printf("head:    none: %s\n", jstr(v, "why", "?"));
+	}
+	printf("members: %lld alive, %lld known (not left); expect %lld, quorum %lld%s\n", alive,
+	       known, expect, quorum,
+	       json_is_true(json_object_get(v, "formed")) ? "" : "; not formed yet");
+	const json_t *ms = json_object_get(v, "members");
+	size_t rows = json_array_size(ms);
+	enum { NC = 8 };
+	static const char *mh[NC] = {"NAME", "ID", "ADDRESS", "STATE", "ROLE", "EPOCH", "ELIGIBLE",
+				     "PRIORITY"};
+	char(*cells)[16][CELL] = calloc(rows + 1, sizeof *cells);
+	if (cells) {
+		for (int c = 0; c < NC; c++)
+			snprintf(cells[0][c], CELL, "%s", mh[c]);
+		for (size_t r = 0; r < rows; r++) {
+			const json_t *m = json_array_get(ms, r);
+			char(*row)[CELL] = cells[r + 1];
+			long long e = 0, prio = 0, port = 0;
+			jint(m, "epoch", &e);
+			jint(m, "priority", &prio);
+			snprintf(row[0], CELL, "%s%s", jstr(m, "name", "?"),
+				 json_is_true(json_object_get(m, "self")) ? "*" : "");
+			snprintf(row[1], CELL, "%.12s", jstr(m, "id", "?"));
+			if (jint(m, "port", &port))
+				snprintf(row[2], CELL, "%s:%lld", jstr(m, "addr", "?"), port);
+			else
+				snprintf(row[2], CELL, "-");
+			snprintf(row[3], CELL, "%s", jstr(m, "state", "?"));
+			snprintf(row[4], CELL, "%s", jstr(m, "role", "?"));
+			snprintf(row[5], CELL, "%lld", e);
+			snprintf(row[6], CELL, "%s",
+				 json_is_true(json_object_get(m, "eligible")) ? "yes" : "no");
+			snprintf(row[7], CELL, "%lld", prio);
+		}
+		printf("\n");
+		print_table(cells, rows + 1, NC);
+		free(cells);
+	}
+	const json_t *hist = json_object_get(v, "elections");
+	rows = json_array_size(hist);
+	if (rows) {
+		enum { NH = 6 };
+		static const char *hh[NH] = {"EPOCH", "HEAD", "CANDIDATE", "VOTES", "OUTCOME HERE",
+					     "WHEN (UTC)"};
+		cells = calloc(rows + 1, sizeof *cells);
+		if (cells) {
+			for (int c = 0; c < NH; c++)
+				snprintf(cells[0][c], CELL, "%s", hh[c]);
+			for (size_t r = 0; r < rows; r++) {
+				const json_t *e = json_array_get(hist, r);
+				char(*row)[CELL] = cells[r + 1];
+				long long x = 0, q = 0;
+				jint(e, "epoch", &x);
+				snprintf(row[0], CELL, "%lld", x);
+				snprintf(row[1], CELL, "%s",
+					 jstr(e, "head_name", jstr(e, "head", "(none)")));
+				snprintf(row[2], CELL, "%s",
+					 jstr(e, "candidate_name", jstr(e, "candidate", "-")));
+				if (jint(e, "votes", &x) && jint(e, "quorum", &q))
+					snprintf(row[3], CELL, "%lld of %lld", x, q);
+				else
+					snprintf(row[3], CELL, "-");
+				snprintf(row[4], CELL, "%s", jstr(e, "outcome", "?"));
+				fmt_time(json_object_get(e, "ts"), "?", row[5], CELL);
+			}
+			printf("\nrecent elections (as this agent recorded them):\n");
+			print_table(cells, rows + 1, NH);
+			free(cells);
+		}
+	}
+	json_decref(v);
+	return 0;
+}
+
 /* ---- the command table ---- */
 
 static const struct command {
 	const char *word, *sub; /* "keys" "create"; sub NULL for one-word commands */
 	cmd_fn fn;
 	const cfg_opt *flags;
-	int nargs;              /* exact number of positional arguments */
+	int nargs;              /* number of positional arguments required */
 	const char *args;       /* their names, for usage */
 	const char *help;
+	int opt_args;           /* optional positional arguments after those */
 } commands[] = {
 	{"health", NULL, cmd_health, no_flags, 0, "", "is the agent up; its name, version and backend"},
 	{"version", NULL, cmd_version, no_flags, 0, "", "version and compute backend of the agent"},
@@ -429,7 +1073,18 @@ static const struct command {
 	{"keys", "list", cmd_keys_list, no_flags, 0, "",
 	 "every key: id, name, prefix, times, usage, limits, revoked"},
 	{"keys", "revoke", cmd_keys_revoke, no_flags, 1, "ID", "revoke a key at once"},
-	{NULL, NULL, NULL, NULL, 0, NULL, NULL},
+	{"cluster", "init", cmd_cluster_init, cluster_init_flags, 0, "[--key-file F] [--force]",
+	 "write a new cluster key file (0600) for dsagent --cluster-key; no agent needed"},
+	{"cluster", "members", cmd_cluster_members, no_flags, 0, "",
+	 "the agent's member list: name, node id, address, state, incarnation"},
+	{"cluster", "status", cmd_cluster_status, no_flags, 0, "",
+	 "membership and election as the agent sees them: head, epoch, lease, quorum, members, "
+	 "recent elections"},
+	{"nodes", NULL, cmd_nodes, no_flags, 0, "[NAME]",
+	 "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
+	 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, notes)",
+	 1},
+	{NULL, NULL, NULL, NULL, 0, NULL, NULL, 0},
 };
 
 static void usage(FILE *f)
@@ -515,7 +1170,7 @@ static int parse_rest(int argc, char **argv, int start, const struct command *cm
 int main(int argc, char **argv)
 {
 	struct ctl_opts o;
-	struct cmd_flags fl;
+	struct cmd_flags fl = {0};
 	ds_err err = {0};
 	int next = 0, rc = 2;
 	char **pos = NULL;
@@ -553,7 +1208,8 @@ int main(int argc, char **argv)
 						commands[i].args[0] ? " " : "", commands[i].args);
 		goto out;
 	}
-	if (cfg_defaults(create_flags, &fl, &err) != DS_OK) {
+	if (cfg_defaults(create_flags, &fl, &err) != DS_OK ||
+	    cfg_defaults(cluster_init_flags, &fl, &err) != DS_OK) {
 		fprintf(stderr, "dsctl: %s\n", err.msg);
 		goto out;
 	}
@@ -568,7 +1224,7 @@ int main(int argc, char **argv)
 		usage(stdout);
 		goto out;
 	}
-	if (npos != cmd->nargs) {
+	if (npos < cmd->nargs || npos > cmd->nargs + cmd->opt_args) {
 		fprintf(stderr, "dsctl: usage: dsctl %s%s%s%s%s\n", cmd->word, cmd->sub ? " " : "",
 			cmd->sub ? cmd->sub : "", cmd->args[0] ? " " : "", cmd->args);
 		rc = 2;
@@ -577,6 +1233,7 @@ int main(int argc, char **argv)
 	rc = cmd->fn(&o, &fl, npos, pos);
 out:
 	free(pos);
+	cfg_free(cluster_init_flags, &fl);
 	cfg_free(opts_table, &o);
 	return rc;
 }

@@ -1,0 +1,100 @@
+/*
+ * cluster.h - the cluster layer of one agent: its own inventory, the head
+ * election driven by the gossip view, the cluster record the head keeps, and
+ * the JSON answers of the cluster routes of the control API
+ * (docs/cluster.md: "Election", "Cluster inventory", "Control API and dsctl").
+ *
+ *     cluster_params p = cluster_default_params();   ... fill ...
+ *     cluster *c = cluster_new(&p, &err);     discovery, own node in the store,
+ *                                             the election (single node: head now)
+ *     gossip_new(... on_event -> cluster_member_event(c, ev) ...)
+ *     cluster_start(c, gossip_or_NULL, control_port, api_port, &err);
+ *     ... control API handlers call cluster_*_json / cluster_election_post ...
+ *     cluster_free(c);                        stops its threads (before gossip_free)
+ *
+ * Two threads run after cluster_start: the election thread (gossip view ->
+ * election_set_view, election_tick, this node's gossip metadata) and the
+ * inventory thread (this node's discovery every health_ms; on the head, the
+ * members' inventories over GET /v1/node into the store).
+ *
+ * Threading: every function may be called from any thread once cluster_new
+ * returned.
+ */
+#ifndef DS_AGENT_CLUSTER_H
+#define DS_AGENT_CLUSTER_H
+
+#include "agent/discover.h"
+#include "agent/election.h"
+#include "agent/gossip.h"
+#include "agent/rpc.h"
+#include "agent/store.h"
+#include "common/status.h"
+
+#include <jansson.h>
+
+typedef struct cluster_params {
+	const char *node_name;   /* this node's name (borrowed for the cluster's life) */
+	const char *data_dir;    /* DATA_DIR/node.id is its identity */
+	const char *version;     /* agent version for the metadata */
+	store *store;            /* not owned */
+	const char *cluster_key; /* key file; NULL = a single-node cluster, no gossip */
+	disc_params disc;        /* how to discover this node (strings borrowed) */
+	int expect;              /* --expect: cluster size; 0 = no election with gossip */
+	int settle_ms, lease_ms, health_ms;
+	int eligible;
+	int priority;
+} cluster_params;
+
+/* Single node, settle 3000 ms, lease 5000 ms, health 10000 ms, eligible. */
+cluster_params cluster_default_params(void);
+
+typedef struct cluster cluster;
+
+/* Discovers this node (DS_EINVAL etc. from disc_run), writes it to the store,
+ * loads the cluster key (when set) and creates the election.  NULL with err. */
+cluster *cluster_new(const cluster_params *p, ds_err *err);
+/* Starts the threads; g is the gossip instance (NULL exactly when
+ * cluster_key was NULL) and must outlive cluster_free. */
+int cluster_start(cluster *c, gossip *g, int control_port, int api_port, ds_err *err);
+/* Stops the threads and frees.  NULL is a no-op. */
+void cluster_free(cluster *c);
+
+/* Records a membership change (member_events).  Safe on the gossip thread. */
+void cluster_member_event(cluster *c, const gossip_event *ev);
+
+/* The credential checker of agent-to-agent requests (NULL for a single node). */
+rpc_auth *cluster_rpc_auth(cluster *c);
+/* The election (fencing: election_fence(cluster_election(c), epoch, ...)). */
+election *cluster_election(cluster *c);
+/* Monotonic milliseconds, the clock the election runs on. */
+int64_t cluster_now_ms(void);
+
+/* GET /v1/node: this node (identity, role, epoch, digest, inventory with the
+ * latest health).  New reference or NULL (out of memory). */
+json_t *cluster_node_json(cluster *c);
+
+/* GET /v1/cluster/state: this node's view of membership and election, and
+ * the recent epochs. */
+json_t *cluster_state_json(cluster *c);
+
+/* GET /v1/cluster/nodes: every node with inventory and health.  The head
+ * answers from its record; another node forwards to the head when forward
+ * is set (an operator's request), else, or when the head cannot be reached,
+ * answers from its own view with "stale": true and the reason.  DS_OK and
+ * *out, or DS_ENOMEM. */
+int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err);
+
+/* POST /v1/cluster/election from sender (hex id, authenticated): parses the
+ * message, checks that it comes from sender, and hands it to the election.
+ * DS_OK and *reply; DS_EFORMAT / DS_EPERM with a message for a 400 / 403. */
+int cluster_election_post(cluster *c, const char *sender, const char *body, size_t len,
+			  json_t **reply, ds_err *err);
+
+/* TEST ONLY (--test-fault-injection): cut agent-to-agent calls to and from
+ * the members named in names_csv ("" = none), like gossip_test_drop does for
+ * gossip.  DS_EINVAL for a bad list. */
+int cluster_test_drop(cluster *c, const char *names_csv, ds_err *err);
+/* 1 when requests from this sender (hex id) are to be refused (test drop). */
+int cluster_sender_dropped(cluster *c, const char *sender);
+
+#endif

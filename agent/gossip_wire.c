@@ -1,0 +1,845 @@
+/*
+ * gossip_wire.c - what gossip puts on the wire and on disk: the message
+ * codec, packet sealing (XChaCha20-Poly1305), the replay window, the
+ * suspicion-timeout math, timing profiles, metadata TLVs, the node id file
+ * and the cluster key file (formats in gossip_impl.h and docs/cluster.md).
+ *
+ * Callers: agent/gossip.c and gossip_state.c, agent/main.c (key and node id
+ * files), tests/unit/test_gossip.c.  Calls: libsodium.
+ *
+ * Invariants:
+ *  1. Every decoder reads only inside [p, p + len) and checks each length
+ *     before using it; any byte string either decodes or is rejected, nothing
+ *     from the network is asserted.
+ *  2. gossip_msg_put only writes what gossip_msg_next accepts, so a message
+ *     we send always decodes (the round-trip unit test holds both to it).
+ *  3. A packet is "accepted" only after it opened with a key of the ring and
+ *     its (sender, seq) passed the replay window.
+ *
+ * Threading: pure functions; a gossip_replay belongs to one caller (the
+ * gossip thread).
+ */
+#include "agent/gossip_impl.h"
+#include "common/strutil.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---- big-endian helpers ---- */
+
+static void put16(uint8_t *p, uint16_t v)
+{
+	p[0] = (uint8_t)(v >> 8);
+	p[1] = (uint8_t)v;
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+	for (int i = 0; i < 4; i++)
+		p[i] = (uint8_t)(v >> (24 - 8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
+static uint16_t get16(const uint8_t *p)
+{
+	return (uint16_t)((p[0] << 8) | p[1]);
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+	return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+	uint64_t v = 0;
+	for (int i = 0; i < 8; i++)
+		v = (v << 8) | p[i];
+	return v;
+}
+
+/* ---- sealing ---- */
+
+static void hdr_write(uint8_t *out, uint8_t key_id, const uint8_t nonce[24],
+		      const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch, uint64_t seq)
+{
+	out[0] = GOSSIP_WIRE_VERSION;
+	out[1] = key_id;
+	memcpy(out + 2, nonce, 24);
+	memcpy(out + 26, sender, GOSSIP_ID_LEN);
+	put64(out + 42, epoch);
+	put64(out + 50, seq);
+}
+
+int gossip_seal(const gossip_keyring *keys, const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch,
+		uint64_t seq, const uint8_t *plain, size_t plen, uint8_t *out, size_t cap,
+		size_t *outlen)
+{
+	if (keys->n < 1 || cap < GOSSIP_OVERHEAD || plen > cap - GOSSIP_OVERHEAD)
+		return DS_ERANGE;
+	uint8_t nonce[24];
+	randombytes_buf(nonce, sizeof nonce);
+	hdr_write(out, keys->id[0], nonce, sender, epoch, seq);
+	unsigned long long clen = 0;
+	crypto_aead_xchacha20poly1305_ietf_encrypt(out + GOSSIP_HDR_LEN, &clen, plain, plen, out,
+						   GOSSIP_HDR_LEN, NULL, nonce, keys->key[0]);
+	*outlen = GOSSIP_HDR_LEN + (size_t)clen;
+	return DS_OK;
+}
+
+int gossip_open(const gossip_keyring *keys, const uint8_t *pkt, size_t len, size_t max_len,
+		gossip_hdr *h, uint8_t *plain, size_t *plen)
+{
+	if (len > max_len)
+		return GOSSIP_DROP_TOO_LARGE;
+	if (len < GOSSIP_OVERHEAD || pkt[0] != GOSSIP_WIRE_VERSION)
+		return GOSSIP_DROP_MALFORMED;
+	const uint8_t *key = NULL;
+	for (int i = 0; i < keys->n; i++)
+		if (keys->id[i] == pkt[1])
+			key = keys->key[i];
+	if (!key)
+		return GOSSIP_DROP_BAD_KEY;
+	h->version = pkt[0];
+	h->key_id = pkt[1];
+	memcpy(h->nonce, pkt + 2, 24);
+	memcpy(h->sender, pkt + 26, GOSSIP_ID_LEN);
+	h->epoch = get64(pkt + 42);
+	h->seq = get64(pkt + 50);
+	unsigned long long mlen = 0;
+	if (crypto_aead_xchacha20poly1305_ietf_decrypt(plain, &mlen, NULL, pkt + GOSSIP_HDR_LEN,
+						       len - GOSSIP_HDR_LEN, pkt, GOSSIP_HDR_LEN,
+						       h->nonce, key) != 0)
+		return GOSSIP_DROP_AUTH_FAIL;
+	*plen = (size_t)mlen;
+	return GOSSIP_DROP_NONE;
+}
+
+/* ---- messages ---- */
+
+static int name_ok(const char *s, size_t n)
+{
+	if (n < 1 || n > GOSSIP_NAME_MAX)
+		return 0;
+	for (size_t i = 0; i < n; i++)
+		if ((unsigned char)s[i] <= 0x20 || (unsigned char)s[i] >= 0x7f)
+			return 0;
+	return 1;
+}
+
+/* Fixed body size of a type, or 0 for the variable ones (alive, state). */
+static size_t fixed_len(int type)
+{
+	switch (type) {
+	case GOSSIP_MSG_PING: return 4 + GOSSIP_ID_LEN;
+	case GOSSIP_MSG_PING_REQ: return 4 + GOSSIP_ID_LEN + 4 + 2 + 1;
+	case GOSSIP_MSG_ACK:
+	case GOSSIP_MSG_NACK: return 4;
+	case GOSSIP_MSG_SUSPECT:
+	case GOSSIP_MSG_DEAD: return 2 * GOSSIP_ID_LEN + 4;
+	case GOSSIP_MSG_PUSH_PULL: return 3;
+	default: return 0;
+	}
+}
+
+int gossip_msg_put(uint8_t *buf, size_t cap, size_t *len, const gossip_msg *m)
+{
+	uint8_t tmp[GOSSIP_MSG_MAX];
+	uint8_t *b = tmp + GOSSIP_MSG_HDR;
+	size_t n = 0;
+	switch (m->type) {
+	case GOSSIP_MSG_PING:
+		put32(b, m->seq);
+		memcpy(b + 4, m->id, GOSSIP_ID_LEN);
+		n = 20;
+		break;
+	case GOSSIP_MSG_PING_REQ:
+		put32(b, m->seq);
+		memcpy(b + 4, m->id, GOSSIP_ID_LEN);
+		memcpy(b + 20, &m->ip, 4);
+		put16(b + 24, m->port);
+		b[26] = m->want_nack ? 1 : 0;
+		n = 27;
+		if (!m->port)
+			return DS_EINVAL;
+		break;
+	case GOSSIP_MSG_ACK:
+	case GOSSIP_MSG_NACK:
+		put32(b, m->seq);
+		n = 4;
+		break;
+	case GOSSIP_MSG_SUSPECT:
+	case GOSSIP_MSG_DEAD:
+		memcpy(b, m->id, GOSSIP_ID_LEN);
+		put32(b + 16, m->incarnation);
+		memcpy(b + 20, m->from, GOSSIP_ID_LEN);
+		n = 36;
+		break;
+	case GOSSIP_MSG_PUSH_PULL:
+		b[0] = m->flags;
+		put16(b + 1, m->count);
+		n = 3;
+		break;
+	case GOSSIP_MSG_ALIVE:
+	case GOSSIP_MSG_STATE: {
+		size_t nl = strlen(m->name);
+		if (!name_ok(m->name, nl) || m->meta_len > GOSSIP_META_MAX || !m->port ||
+		    (m->type == GOSSIP_MSG_STATE && m->state > GOSSIP_LEFT))
+			return DS_EINVAL;
+		memcpy(b, m->id, GOSSIP_ID_LEN);
+		put32(b + 16, m->incarnation);
+		n = 20;
+		if (m->type == GOSSIP_MSG_STATE)
+			b[n++] = m->state;
+		memcpy(b + n, &m->ip, 4);
+		put16(b + n + 4, m->port);
+		put64(b + n + 6, m->boot);
+		n += 14;
+		b[n++] = (uint8_t)nl;
+		memcpy(b + n, m->name, nl);
+		n += nl;
+		put16(b + n, (uint16_t)m->meta_len);
+		n += 2;
+		if (m->meta_len)
+			memcpy(b + n, m->meta, m->meta_len);
+		n += m->meta_len;
+		break;
+	}
+	default:
+		return DS_EINVAL;
+	}
+	tmp[0] = (uint8_t)m->type;
+	put16(tmp + 1, (uint16_t)n);
+	if (*len > cap || cap - *len < GOSSIP_MSG_HDR + n)
+		return DS_ERANGE;
+	memcpy(buf + *len, tmp, GOSSIP_MSG_HDR + n);
+	*len += GOSSIP_MSG_HDR + n;
+	return DS_OK;
+}
+
+/* Decodes the variable part of alive/state bodies. */
+static int decode_node(const uint8_t *b, size_t n, int with_state, gossip_msg *m)
+{
+	size_t need = 20 + (with_state ? 1 : 0) + 14 + 1;
+	if (n < need)
+		return DS_EFORMAT;
+	memcpy(m->id, b, GOSSIP_ID_LEN);
+	m->incarnation = get32(b + 16);
+	size_t o = 20;
+	if (with_state) {
+		m->state = b[o++];
+		if (m->state > GOSSIP_LEFT)
+			return DS_EFORMAT;
+	}
+	memcpy(&m->ip, b + o, 4);
+	m->port = get16(b + o + 4);
+	m->boot = get64(b + o + 6);
+	o += 14;
+	size_t nl = b[o++];
+	if (nl > n - o || !name_ok((const char *)b + o, nl) || m->port == 0)
+		return DS_EFORMAT;
+	memcpy(m->name, b + o, nl);
+	m->name[nl] = '\0';
+	o += nl;
+	if (n - o < 2)
+		return DS_EFORMAT;
+	size_t ml = get16(b + o);
+	o += 2;
+	if (ml > GOSSIP_META_MAX || ml != n - o)
+		return DS_EFORMAT;
+	m->meta = ml ? b + o : NULL;
+	m->meta_len = ml;
+	return DS_OK;
+}
+
+int gossip_msg_next(const uint8_t *p, size_t len, size_t *off, gossip_msg *m)
+{
+	if (*off >= len)
+		return 0;
+	if (len - *off < GOSSIP_MSG_HDR)
+		return DS_EFORMAT;
+	const uint8_t *h = p + *off;
+	int type = h[0];
+	size_t n = get16(h + 1);
+	if (n > len - *off - GOSSIP_MSG_HDR)
+		return DS_EFORMAT;
+	const uint8_t *b = h + GOSSIP_MSG_HDR;
+	memset(m, 0, sizeof *m);
+	m->type = type;
+	size_t fl = fixed_len(type);
+	switch (type) {
+	case GOSSIP_MSG_PING:
+	case GOSSIP_MSG_PING_REQ:
+		if (n != fl)
+			return DS_EFORMAT;
+		m->seq = get32(b);
+		memcpy(m->id, b + 4, GOSSIP_ID_LEN);
+		if (type == GOSSIP_MSG_PING_REQ) {
+			memcpy(&m->ip, b + 20, 4);
+			m->port = get16(b + 24);
+			if (b[26] > 1 || m->port == 0)
+				return DS_EFORMAT;
+			m->want_nack = b[26];
+		}
+		break;
+	case GOSSIP_MSG_ACK:
+	case GOSSIP_MSG_NACK:
+		if (n != fl)
+			return DS_EFORMAT;
+		m->seq = get32(b);
+		break;
+	case GOSSIP_MSG_SUSPECT:
+	case GOSSIP_MSG_DEAD:
+		if (n != fl)
+			return DS_EFORMAT;
+		memcpy(m->id, b, GOSSIP_ID_LEN);
+		m->incarnation = get32(b + 16);
+		memcpy(m->from, b + 20, GOSSIP_ID_LEN);
+		break;
+	case GOSSIP_MSG_PUSH_PULL:
+		if (n != fl || (b[0] & ~GOSSIP_PP_JOIN))
+			return DS_EFORMAT;
+		m->flags = b[0];
+		m->count = get16(b + 1);
+		break;
+	case GOSSIP_MSG_ALIVE:
+	case GOSSIP_MSG_STATE:
+		if (decode_node(b, n, type == GOSSIP_MSG_STATE, m) != DS_OK)
+			return DS_EFORMAT;
+		break;
+	default:
+		return DS_EFORMAT;
+	}
+	*off += GOSSIP_MSG_HDR + n;
+	return 1;
+}
+
+int gossip_msgs_check(const uint8_t *p, size_t len)
+{
+	size_t off = 0;
+	int count = 0, rc;
+	gossip_msg m;
+	while ((rc = gossip_msg_next(p, len, &off, &m)) == 1)
+		count++;
+	if (rc < 0 || count == 0)
+		return DS_EFORMAT;
+	return count;
+}
+
+/* ---- replay window ---- */
+
+int gossip_replay_init(gossip_replay *r, size_t cap, uint64_t skew_us)
+{
+	memset(r, 0, sizeof *r);
+	r->e = calloc(cap, sizeof *r->e);
+	if (!r->e)
+		return DS_ENOMEM;
+	r->cap = cap;
+	r->skew_us = skew_us;
+	return DS_OK;
+}
+
+void gossip_replay_free(gossip_replay *r)
+{
+	free(r->e);
+	memset(r, 0, sizeof *r);
+}
+
+int gossip_replay_check(gossip_replay *r, const uint8_t id[GOSSIP_ID_LEN], uint64_t seq,
+			uint64_t now_us)
+{
+	uint64_t d = seq > now_us ? seq - now_us : now_us - seq;
+	if (d > r->skew_us)
+		return GOSSIP_DROP_STALE;
+	gossip_replay_ent *e = NULL, *lru = NULL;
+	for (size_t i = 0; i < r->n; i++) {
+		gossip_replay_ent *x = &r->e[i];
+		if (now_us > x->last_us && now_us - x->last_us > 2 * r->skew_us) {
+			/* Silent for 2 * skew: whatever it sent before is stale now. */
+			*x = r->e[--r->n];
+			i--;
+			continue;
+		}
+		if (memcmp(x->id, id, GOSSIP_ID_LEN) == 0)
+			e = x;
+		else if (!lru || x->last_us < lru->last_us)
+			lru = x;
+	}
+	if (!e) {
+		if (r->n < r->cap)
+			e = &r->e[r->n++];
+		else
+			e = lru; /* evict the least recently heard sender */
+		memset(e, 0, sizeof *e);
+		memcpy(e->id, id, GOSSIP_ID_LEN);
+	}
+	int lo = -1;
+	for (int i = 0; i < e->n; i++) {
+		if (e->seqs[i] == seq)
+			return GOSSIP_DROP_REPLAY;
+		if (lo < 0 || e->seqs[i] < e->seqs[lo])
+			lo = i;
+	}
+	if (e->n == GOSSIP_REPLAY_WIN) {
+		if (seq < e->seqs[lo])
+			return GOSSIP_DROP_REPLAY; /* below the window: cannot tell, refuse */
+		e->seqs[lo] = seq;
+	} else {
+		e->seqs[e->n++] = seq;
+	}
+	e->last_us = now_us;
+	return GOSSIP_DROP_NONE;
+}
+
+/* ---- suspicion math ---- */
+
+void gossip_suspicion_bounds(const gossip_timing *t, int n, int64_t *min_ms, int64_t *max_ms,
+			     int *k)
+{
+	double scale = n > 1 ? log10((double)n) : 0.0;
+	if (scale < 1.0)
+		scale = 1.0;
+	*min_ms = (int64_t)llround((double)t->suspicion_mult * scale * t->probe_interval_ms);
+	*max_ms = (int64_t)t->suspicion_max_mult * *min_ms;
+	int kk = t->suspicion_mult - 2;
+	if (kk < 0 || n - 2 < kk)
+		kk = 0;
+	if (kk > GOSSIP_MAX_CONFIRM)
+		kk = GOSSIP_MAX_CONFIRM;
+	*k = kk;
+}
+
+int64_t gossip_suspicion_timeout(int64_t min_ms, int64_t max_ms, int k, int c)
+{
+	if (k <= 0 || c >= k)
+		return min_ms;
+	double frac = log((double)c + 1.0) / log((double)k + 1.0);
+	double v = (double)max_ms - frac * (double)(max_ms - min_ms);
+	int64_t r = (int64_t)floor(v);
+	return r < min_ms ? min_ms : r;
+}
+
+int gossip_retransmit_limit(int mult, int n)
+{
+	int scale = (int)ceil(log10((double)n + 1.0));
+	return mult * (scale < 1 ? 1 : scale);
+}
+
+/* ---- timing profiles ---- */
+
+static const gossip_timing profiles[] = {
+	/* hashicorp/memberlist DefaultLANConfig; reconnect and reap as Serf
+	 * (ReconnectInterval 30 s), reap after an hour rather than 24 h. */
+	{"lan", 1000, 500, 3, 4, 6, 4, 200, 3, 30000, 30000, 30000, 3600000, 10000, 8, 1000,
+	 30000, 30000},
+	/* Fast timers for several agents on one machine: a crash is declared dead
+	 * in about 1-5 s, a partition heals within a few seconds. */
+	{"test", 200, 100, 2, 3, 6, 3, 50, 3, 2000, 3000, 1000, 60000, 1000, 8, 100, 1000, 30000},
+};
+
+int gossip_timing_profile(const char *name, gossip_timing *out, ds_err *err)
+{
+	for (size_t i = 0; i < sizeof profiles / sizeof profiles[0]; i++)
+		if (name && strcmp(name, profiles[i].name) == 0) {
+			*out = profiles[i];
+			return DS_OK;
+		}
+	return ds_err_set(err, DS_EINVAL, "gossip profile '%s' is not one of lan, test",
+			  name ? name : "(none)");
+}
+
+/* ---- metadata TLVs ---- */
+
+enum {
+	META_VERSION = 1,
+	META_ROLE = 2,
+	META_HEALTH = 3,
+	META_ELIGIBLE = 4,
+	META_PRIORITY = 5,
+	META_EPOCH = 6,
+	META_HEAD_ID = 7,
+	META_HEAD_EPOCH = 8,
+	META_INVENTORY = 9,
+	META_CONTROL_PORT = 10,
+	META_API_PORT = 11,
+};
+
+static int tlv(uint8_t *out, size_t cap, size_t *len, int type, const void *v, size_t n)
+{
+	if (n > 255 || *len > cap || cap - *len < 2 + n)
+		return DS_ERANGE;
+	out[*len] = (uint8_t)type;
+	out[*len + 1] = (uint8_t)n;
+	memcpy(out + *len + 2, v, n);
+	*len += 2 + n;
+	return DS_OK;
+}
+
+static int all_zero(const uint8_t *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (p[i])
+			return 0;
+	return 1;
+}
+
+int gossip_meta_encode(const gossip_meta *m, uint8_t *out, size_t cap, size_t *len,
+		       ds_err *err)
+{
+	size_t l = 0;
+	uint8_t b8[8];
+	int rc = DS_OK;
+	size_t vl = strnlen(m->version, sizeof m->version);
+	if (vl)
+		rc |= tlv(out, cap, &l, META_VERSION, m->version, vl);
+	rc |= tlv(out, cap, &l, META_ROLE, &m->role, 1);
+	rc |= tlv(out, cap, &l, META_HEALTH, &m->health, 1);
+	rc |= tlv(out, cap, &l, META_ELIGIBLE, &m->eligible, 1);
+	put32(b8, (uint32_t)m->priority);
+	rc |= tlv(out, cap, &l, META_PRIORITY, b8, 4);
+	put64(b8, m->epoch);
+	rc |= tlv(out, cap, &l, META_EPOCH, b8, 8);
+	if (!all_zero(m->head_id, sizeof m->head_id)) {
+		rc |= tlv(out, cap, &l, META_HEAD_ID, m->head_id, sizeof m->head_id);
+		put64(b8, m->head_epoch);
+		rc |= tlv(out, cap, &l, META_HEAD_EPOCH, b8, 8);
+	}
+	if (!all_zero(m->inventory, sizeof m->inventory))
+		rc |= tlv(out, cap, &l, META_INVENTORY, m->inventory, sizeof m->inventory);
+	put16(b8, m->control_port);
+	rc |= tlv(out, cap, &l, META_CONTROL_PORT, b8, 2);
+	put16(b8, m->api_port);
+	rc |= tlv(out, cap, &l, META_API_PORT, b8, 2);
+	if (rc)
+		return ds_err_set(err, DS_ERANGE, "node metadata does not fit in %zu bytes", cap);
+	*len = l;
+	return DS_OK;
+}
+
+int gossip_meta_decode(const uint8_t *in, size_t len, gossip_meta *m, ds_err *err)
+{
+	memset(m, 0, sizeof *m);
+	size_t o = 0;
+	while (o < len) {
+		if (len - o < 2 || in[o + 1] > len - o - 2)
+			return ds_err_set(err, DS_EFORMAT, "metadata record at byte %zu is truncated",
+					  o);
+		int type = in[o];
+		size_t n = in[o + 1];
+		const uint8_t *v = in + o + 2;
+		static const uint8_t want[] = {0, 0, 1, 1, 1, 4, 8, 16, 8, 32, 2, 2};
+		if (type < (int)sizeof want && type != META_VERSION && want[type] && n != want[type])
+			return ds_err_set(err, DS_EFORMAT,
+					  "metadata record %d has %zu bytes, expected %u", type, n,
+					  want[type]);
+		switch (type) {
+		case META_VERSION:
+			if (n >= sizeof m->version)
+				return ds_err_set(err, DS_EFORMAT, "metadata version is too long");
+			memcpy(m->version, v, n);
+			m->version[n] = '\0';
+			break;
+		case META_ROLE: m->role = v[0]; break;
+		case META_HEALTH: m->health = v[0]; break;
+		case META_ELIGIBLE: m->eligible = v[0]; break;
+		case META_PRIORITY: m->priority = (int32_t)get32(v); break;
+		case META_EPOCH: m->epoch = get64(v); break;
+		case META_HEAD_ID: memcpy(m->head_id, v, 16); break;
+		case META_HEAD_EPOCH: m->head_epoch = get64(v); break;
+		case META_INVENTORY: memcpy(m->inventory, v, 32); break;
+		case META_CONTROL_PORT: m->control_port = get16(v); break;
+		case META_API_PORT: m->api_port = get16(v); break;
+		default: break; /* a newer agent's record: skipped */
+		}
+		o += 2 + n;
+	}
+	return DS_OK;
+}
+
+/* ---- names and tables ---- */
+
+const char *gossip_state_name(int state)
+{
+	static const char *n[] = {"alive", "suspect", "dead", "left"};
+	return state >= 0 && state <= GOSSIP_LEFT ? n[state] : "none";
+}
+
+const char *gossip_event_name(int kind)
+{
+	static const char *n[] = {"?",		  "member_join", "member_alive",
+				  "member_suspect", "member_dead", "member_left",
+				  "member_meta",    "member_restart", "member_reap"};
+	return kind >= GOSSIP_EV_JOIN && kind <= GOSSIP_EV_REAP ? n[kind] : "member_unknown";
+}
+
+void gossip_id_hex(const uint8_t id[GOSSIP_ID_LEN], char out[GOSSIP_ID_HEX])
+{
+	sodium_bin2hex(out, GOSSIP_ID_HEX, id, GOSSIP_ID_LEN);
+}
+
+void gossip_event_json(const gossip_event *ev, char *out, size_t n)
+{
+	char id[GOSSIP_ID_HEX], name[2 * GOSSIP_NAME_MAX + 1];
+	size_t j = 0;
+	for (const char *s = ev->member.name; *s && j + 2 < sizeof name; s++) {
+		if (*s == '"' || *s == '\\')
+			name[j++] = '\\';
+		name[j++] = *s;
+	}
+	name[j] = '\0';
+	gossip_id_hex(ev->member.id, id);
+	snprintf(out, n,
+		 "{\"name\":\"%s\",\"id\":\"%s\",\"addr\":\"%s:%u\",\"state\":\"%s\","
+		 "\"prev_state\":\"%s\",\"incarnation\":%u,\"boot\":%llu}",
+		 name, id, ev->member.addr, (unsigned)ev->member.port,
+		 gossip_state_name(ev->member.state), gossip_state_name(ev->prev_state),
+		 (unsigned)ev->member.incarnation, (unsigned long long)ev->member.boot);
+}
+
+#define S(f) {#f, offsetof(gossip_stats, f)}
+const gossip_stat_field gossip_stat_fields[] = {
+	S(packets_in),	     S(bytes_in),	     S(packets_out),	S(bytes_out),
+	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(pings_out),
+	S(acks_in),	     S(ping_reqs_out),	     S(nacks_in),	S(probes_failed),
+	S(push_pulls),	     S(joins_ok),	     S(join_attempts),	S(drop_too_large),
+	S(drop_malformed),   S(drop_bad_key),	     S(drop_auth_fail), S(drop_replay),
+	S(drop_stale),	     S(drop_wrong_target),   S(drop_own_id),	S(drop_unknown_sender),
+	S(drop_test),	     S(send_errors),	     S(events_lost),	S(table_full),
+	{NULL, 0},
+};
+#undef S
+
+/* ---- files: node id and cluster key ---- */
+
+/* Reads a whole small file into out (cap bytes); checks regular file and,
+ * when private, no group/other permission bits. */
+static int small_file_read(const char *path, int private_, char *out, size_t cap, size_t *len,
+			   ds_err *err)
+{
+	int rc = DS_OK;
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) {
+		if (errno == ENOENT)
+			return ds_err_set(err, DS_ENOTFOUND, "%s does not exist", path);
+		return ds_err_set(err, DS_EIO, "cannot open %s: %s", path, strerror(errno));
+	}
+	struct stat st;
+	if (fstat(fd, &st) != 0) {
+		rc = ds_err_set(err, DS_EIO, "cannot stat %s: %s", path, strerror(errno));
+		goto out;
+	}
+	if (!S_ISREG(st.st_mode)) {
+		rc = ds_err_set(err, DS_EPERM, "%s is not a regular file", path);
+		goto out;
+	}
+	if (private_ && (st.st_mode & 077)) {
+		rc = ds_err_set(err, DS_EPERM,
+				"%s is accessible to group or others (mode %04o); it holds a secret: "
+				"run `chmod 600 %s`",
+				path, (unsigned)(st.st_mode & 07777), path);
+		goto out;
+	}
+	if ((size_t)st.st_size >= cap) {
+		rc = ds_err_set(err, DS_EFORMAT, "%s is %lld bytes, too large", path,
+				(long long)st.st_size);
+		goto out;
+	}
+	size_t got = 0;
+	for (;;) {
+		ssize_t r = read(fd, out + got, cap - 1 - got);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0) {
+			rc = ds_err_set(err, DS_EIO, "cannot read %s: %s", path, strerror(errno));
+			goto out;
+		}
+		if (r == 0)
+			break;
+		got += (size_t)r;
+		if (got == cap - 1)
+			break;
+	}
+	out[got] = '\0';
+	*len = got;
+out:
+	close(fd);
+	return rc;
+}
+
+static int hexval(char c)
+{
+	if (c >= '0' && c <= '9')
+		return c - '0';
+	if (c >= 'a' && c <= 'f')
+		return c - 'a' + 10;
+	if (c >= 'A' && c <= 'F')
+		return c - 'A' + 10;
+	return -1;
+}
+
+int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *created,
+			ds_err *err)
+{
+	char path[PATH_MAX];
+	if (created)
+		*created = 0;
+	if ((size_t)snprintf(path, sizeof path, "%s/node.id", data_dir) >= sizeof path)
+		return ds_err_set(err, DS_EINVAL, "data directory path too long: %s", data_dir);
+	for (int attempt = 0; attempt < 2; attempt++) {
+		char text[128];
+		size_t len = 0;
+		int rc = small_file_read(path, 0, text, sizeof text, &len, err);
+		if (rc == DS_OK) {
+			while (len && (text[len - 1] == '\n' || text[len - 1] == '\r' ||
+				       text[len - 1] == ' '))
+				len--;
+			if (len != 2 * GOSSIP_ID_LEN)
+				return ds_err_set(err, DS_EFORMAT,
+						  "%s must hold 32 hex digits (the node id); remove it "
+						  "to make a new id",
+						  path);
+			for (int i = 0; i < GOSSIP_ID_LEN; i++) {
+				int hi = hexval(text[2 * i]), lo = hexval(text[2 * i + 1]);
+				if (hi < 0 || lo < 0)
+					return ds_err_set(err, DS_EFORMAT,
+							  "%s must hold 32 hex digits (the node id)",
+							  path);
+				id[i] = (uint8_t)(hi << 4 | lo);
+			}
+			return DS_OK;
+		}
+		if (rc != DS_ENOTFOUND)
+			return rc;
+		uint8_t fresh[GOSSIP_ID_LEN];
+		char hex[GOSSIP_ID_HEX + 1];
+		randombytes_buf(fresh, sizeof fresh);
+		gossip_id_hex(fresh, hex);
+		hex[32] = '\n';
+		int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+		if (fd < 0) {
+			if (errno == EEXIST)
+				continue; /* another process won: read its id */
+			return ds_err_set(err, DS_EIO, "cannot create %s: %s", path, strerror(errno));
+		}
+		ssize_t w = write(fd, hex, 33);
+		int ok = w == 33 && fsync(fd) == 0;
+		close(fd);
+		if (!ok) {
+			unlink(path);
+			return ds_err_set(err, DS_EIO, "cannot write %s", path);
+		}
+		memcpy(id, fresh, GOSSIP_ID_LEN);
+		if (created)
+			*created = 1;
+		return DS_OK;
+	}
+	return ds_err_set(err, DS_EIO, "%s keeps appearing and disappearing", path);
+}
+
+void gossip_keyring_wipe(gossip_keyring *k)
+{
+	sodium_memzero(k, sizeof *k);
+}
+
+int gossip_key_parse(const char *text, size_t len, gossip_keyring *out, ds_err *err)
+{
+	memset(out, 0, sizeof *out);
+	if (len == GOSSIP_KEY_LEN) { /* raw key: text lines are always longer */
+		out->n = 1;
+		out->id[0] = 0;
+		memcpy(out->key[0], text, GOSSIP_KEY_LEN);
+		return DS_OK;
+	}
+	size_t o = 0;
+	int line = 0;
+	while (o < len) {
+		size_t e = o;
+		while (e < len && text[e] != '\n')
+			e++;
+		line++;
+		size_t a = o, b = e;
+		o = e + 1;
+		while (a < b && (text[a] == ' ' || text[a] == '\t' || text[a] == '\r'))
+			a++;
+		while (b > a && (text[b - 1] == ' ' || text[b - 1] == '\t' || text[b - 1] == '\r'))
+			b--;
+		if (a == b || text[a] == '#')
+			continue;
+		const char *s = text + a;
+		size_t n = b - a;
+		if (n < 10 || memcmp(s, "dsck1:", 6) != 0 || s[8] != ':' || hexval(s[6]) < 0 ||
+		    hexval(s[7]) < 0) {
+			gossip_keyring_wipe(out);
+			return ds_err_set(err, DS_EFORMAT,
+					  "line %d is not a cluster key (expected "
+					  "dsck1:<key id, 2 hex digits>:<base64 of 32 bytes>; make "
+					  "one with `dsctl cluster init`)",
+					  line);
+		}
+		uint8_t kid = (uint8_t)(hexval(s[6]) << 4 | hexval(s[7]));
+		uint8_t key[GOSSIP_KEY_LEN + 1];
+		size_t kl = 0;
+		const char *end = NULL;
+		int bad = sodium_base642bin(key, sizeof key, s + 9, n - 9, NULL, &kl, &end,
+					    sodium_base64_VARIANT_ORIGINAL) != 0 ||
+			  end != s + n || kl != GOSSIP_KEY_LEN;
+		if (bad) {
+			sodium_memzero(key, sizeof key);
+			gossip_keyring_wipe(out);
+			return ds_err_set(err, DS_EFORMAT,
+					  "line %d: the key is not 32 bytes in standard base64",
+					  line);
+		}
+		for (int i = 0; i < out->n; i++)
+			if (out->id[i] == kid) {
+				sodium_memzero(key, sizeof key);
+				gossip_keyring_wipe(out);
+				return ds_err_set(err, DS_EFORMAT, "line %d: key id %02x appears twice",
+						  line, kid);
+			}
+		if (out->n == GOSSIP_KEYS_MAX) {
+			sodium_memzero(key, sizeof key);
+			gossip_keyring_wipe(out);
+			return ds_err_set(err, DS_EFORMAT, "more than %d keys", GOSSIP_KEYS_MAX);
+		}
+		out->id[out->n] = kid;
+		memcpy(out->key[out->n], key, GOSSIP_KEY_LEN);
+		out->n++;
+		sodium_memzero(key, sizeof key);
+	}
+	if (out->n == 0)
+		return ds_err_set(err, DS_EFORMAT,
+				  "no key in it (expected 32 raw bytes or lines "
+				  "dsck1:<key id>:<base64 key>; make one with `dsctl cluster init`)");
+	return DS_OK;
+}
+
+int gossip_key_load(const char *path, gossip_keyring *out, ds_err *err)
+{
+	char text[4096];
+	size_t len = 0;
+	memset(out, 0, sizeof *out);
+	if (sodium_init() < 0)
+		return ds_err_set(err, DS_EINTERNAL, "libsodium could not start");
+	int rc = small_file_read(path, 1, text, sizeof text, &len, err);
+	if (rc == DS_OK) {
+		rc = gossip_key_parse(text, len, out, err);
+		if (rc)
+			ds_err_wrap(err, "cluster key file %s", path);
+	}
+	sodium_memzero(text, sizeof text);
+	return rc;
+}
