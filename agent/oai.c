@@ -1107,7 +1107,8 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 				} else {
 					http_resp_error(resp, 500, "server_error", NULL, "%s", err.msg);
 				}
-				g->n_choices = k; /* release only what was submitted */
+				/* gen_free releases the submitted ones (q set) and frees
+				 * every choice's buffers (calloc'd, so unset ones are empty) */
 				g->aborted = 1;
 				goto out;
 			}
