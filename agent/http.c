@@ -17,7 +17,6 @@
 #include "common/buf.h"
 #include "common/jsonx.h"
 #include "common/log.h"
-#include "common/strutil.h"
 #include "engine/unicode.h"
 
 #include <arpa/inet.h>
@@ -61,44 +60,38 @@ void http_resp_json(http_resp *resp, int status, char *text)
 	resp->content_type = "application/json";
 }
 
-/* Error messages may quote client bytes (and a precision may cut a
- * character): replace every ill-formed UTF-8 subpart by U+FFFD in place,
- * dropping what no longer fits, so jansson accepts the text. */
-static void utf8_clean(char *s, size_t cap)
+void http_utf8_clean(const char *text, size_t len, buf *out)
 {
-	char tmp[1024];
-	size_t len = strlen(s), i = 0, o = 0;
-	while (i < len && o + 4 < sizeof tmp) {
+	const unsigned char *s = (const unsigned char *)text;
+	size_t i = 0;
+	while (i < len) {
 		size_t n = 1;
-		int k = uni_utf8_check((const unsigned char *)s + i, len - i, &n);
+		int k = uni_utf8_check(s + i, len - i, &n);
 		if (k == UNI_UTF8_OK) {
-			memcpy(tmp + o, s + i, n);
-			o += n;
+			buf_append(out, s + i, n);
 			i += n;
 		} else {
-			memcpy(tmp + o, "\xEF\xBF\xBD", 3);
-			o += 3;
+			buf_append(out, "\xEF\xBF\xBD", 3);
 			i += k == UNI_UTF8_INCOMPLETE ? len - i : n;
 		}
 	}
-	tmp[o] = 0;
-	ds_strlcpy(s, tmp, cap);
-	len = strlen(s); /* the copy may have cut the last character again */
-	while (len && uni_utf8_valid_prefix((const unsigned char *)s, len) != len)
-		s[--len] = 0;
 }
 
 static void resp_error_v(http_resp *resp, int status, const char *type, const char *code,
 			 const char *param, const char *fmt, va_list ap)
 {
-	char msg[1024];
-	vsnprintf(msg, sizeof msg, fmt, ap);
-	utf8_clean(msg, sizeof msg);
-	json_t *e = json_pack("{s:{s:s,s:s,s:o,s:o}}", "error", "message", msg, "type", type,
+	char raw[1024];
+	buf msg; /* messages may quote client bytes, and a precision may cut a character */
+	vsnprintf(raw, sizeof raw, fmt, ap);
+	buf_init(&msg, 0);
+	http_utf8_clean(raw, strlen(raw), &msg);
+	json_t *e = json_pack("{s:{s:s,s:s,s:o,s:o}}", "error", "message",
+			      msg.data ? msg.data : "", "type", type,
 			      "param", param ? json_string(param) : json_null(), "code",
 			      code ? json_string(code) : json_null());
 	http_resp_json(resp, status, e ? jsonx_dumps(e) : NULL);
 	json_decref(e);
+	buf_free(&msg);
 }
 
 void http_resp_error(http_resp *resp, int status, const char *type, const char *code,

@@ -19,6 +19,7 @@
 #ifndef DS_AGENT_HTTP_H
 #define DS_AGENT_HTTP_H
 
+#include "common/buf.h"
 #include "common/status.h"
 
 #include <stddef.h>
@@ -105,6 +106,10 @@ void http_req_peer(const http_req *req, char *out, size_t n);
 /* 1 when the client closed its side of the connection (checked without
  * blocking; for handlers and stream readers that wait on the engine). */
 int http_conn_gone(struct MHD_Connection *conn);
+
+/* Appends text[0..len) with every ill-formed UTF-8 subpart replaced by
+ * U+FFFD (JSON strings must be valid UTF-8). */
+void http_utf8_clean(const char *text, size_t len, buf *out);
 
 /* 1 when addr (an IPv4 literal) is a loopback address (127.0.0.0/8). */
 int http_addr_is_loopback(const char *addr);

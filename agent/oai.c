@@ -29,7 +29,6 @@
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"
-#include "engine/unicode.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -41,23 +40,6 @@
 #define MAX_STOP_LEN 256
 #define MAX_PROMPTS 64
 #define TEXT_CAP (64u << 20)
-
-void oai_utf8_clean(const char *text, size_t len, buf *out)
-{
-	const unsigned char *s = (const unsigned char *)text;
-	size_t i = 0;
-	while (i < len) {
-		size_t n = 1;
-		int k = uni_utf8_check(s + i, len - i, &n);
-		if (k == UNI_UTF8_OK) {
-			buf_append(out, s + i, n);
-			i += n;
-		} else {
-			buf_append(out, "\xEF\xBF\xBD", 3);
-			i += k == UNI_UTF8_INCOMPLETE ? len - i : n;
-		}
-	}
-}
 
 /* ---- request options ---- */
 
@@ -575,7 +557,7 @@ static json_t *token_str(serve *sv, int32_t id, json_t **bytes)
 	const char *t = tok_token_text(sv->tk, id, &len);
 	buf b;
 	buf_init(&b, 0);
-	oai_utf8_clean(t ? t : "", t ? len : 0, &b);
+	http_utf8_clean(t ? t : "", t ? len : 0, &b);
 	json_t *s = json_stringn(b.data ? b.data : "", b.len);
 	buf_free(&b);
 	if (bytes) {

@@ -406,7 +406,7 @@ static void post_detokenize(void *ud, const http_req *req, http_resp *resp)
 	/* decoded bytes may cut a character: JSON needs valid UTF-8 */
 	buf clean;
 	buf_init(&clean, 0);
-	oai_utf8_clean(text, len, &clean);
+	http_utf8_clean(text, len, &clean);
 	free(text);
 	reply(resp, 200, json_pack("{s:s%}", "prompt", clean.data ? clean.data : "", clean.len));
 	buf_free(&clean);

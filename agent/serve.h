@@ -95,10 +95,6 @@ const char *serve_model_name(serve *s, const json_t *body, http_resp *resp);
 void serve_request_id(const http_req *req, http_resp *resp, const char *prefix, char *id,
 		      size_t n);
 
-/* Appends text[0..len) with every ill-formed UTF-8 subpart replaced by
- * U+FFFD (JSON strings must be valid UTF-8). */
-void oai_utf8_clean(const char *text, size_t len, buf *out);
-
 /* The token ids of a chat request's "messages" rendered by the chat
  * template (with the generation prompt); nonzero after filling resp with the
  * 400.  *ids is malloc'd (caller frees, also on error). */
