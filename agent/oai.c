@@ -185,20 +185,21 @@ static int parse_stop_ids(serve *sv, const json_t *b, gen_opts *o, http_resp *re
 	return DS_OK;
 }
 
-static const char *param_of(const char *msg)
+/* One optional request field: 'i' int64 in [min, max], 'd' double, 'b' bool. */
+typedef struct field {
+	const char *key; /* NULL: not read for this endpoint */
+	char type;
+	double min, max;
+	void *out;
+} field;
+
+static int get_field(const json_t *b, const field *f, ds_err *err)
 {
-	static const char *const names[] = {
-		"max_completion_tokens", "max_tokens", "top_logprobs", "logprobs", "temperature",
-		"top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-		"repetition_penalty", "seed", "n", "ignore_eos", "stream_options", "stream",
-		"include_usage", "skip_special_tokens", "include_stop_str_in_output", "best_of"};
-	for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-		char q[64];
-		snprintf(q, sizeof q, "'%s'", names[i]);
-		if (strstr(msg, q))
-			return names[i];
-	}
-	return NULL;
+	if (f->type == 'i')
+		return jsonx_get_i64(b, f->key, 0, (int64_t)f->min, (int64_t)f->max, f->out, err);
+	if (f->type == 'd')
+		return jsonx_get_double(b, f->key, 0, f->min, f->max, f->out, err);
+	return jsonx_get_bool(b, f->key, 0, f->out, err);
 }
 
 static int parse_opts(serve *sv, const json_t *b, int chat, gen_opts *o, http_resp *resp)
@@ -207,52 +208,62 @@ static int parse_opts(serve *sv, const json_t *b, int chat, gen_opts *o, http_re
 	int64_t n = 1, mt = -1, seed = 0, top_k = 0, top_lp = 0, lp_int = -1, best_of = 0;
 	double temp = 1.0, top_p = 1.0, min_p = 0.0, pres = 0.0, freq = 0.0, rep = 1.0;
 	int has_seed = 0, lp_bool = 0;
+	const char *param = NULL;
 	json_t *so;
 	memset(o, 0, sizeof *o);
 	o->chat = chat;
 	o->skip_special = 1;
 	if (refuse_unsupported(b, chat, resp))
 		return DS_EINVAL;
-	if (jsonx_get_i64(b, "n", 0, 1, sv->p.max_n, &n, &err) ||
-	    jsonx_get_i64(b, "best_of", 0, 1, sv->p.max_n, &best_of, &err) ||
-	    jsonx_get_i64(b, "max_tokens", 0, 1, INT32_MAX, &mt, &err) ||
-	    (chat && jsonx_get_i64(b, "max_completion_tokens", 0, 1, INT32_MAX, &mt, &err)) ||
-	    jsonx_get_double(b, "temperature", 0, 0.0, 2.0, &temp, &err) ||
-	    jsonx_get_double(b, "top_p", 0, 1e-9, 1.0, &top_p, &err) ||
-	    jsonx_get_i64(b, "top_k", 0, -1, INT32_MAX, &top_k, &err) ||
-	    jsonx_get_double(b, "min_p", 0, 0.0, 1.0, &min_p, &err) ||
-	    jsonx_get_double(b, "presence_penalty", 0, -2.0, 2.0, &pres, &err) ||
-	    jsonx_get_double(b, "frequency_penalty", 0, -2.0, 2.0, &freq, &err) ||
-	    jsonx_get_double(b, "repetition_penalty", 0, 1e-3, 10.0, &rep, &err) ||
-	    jsonx_get_bool(b, "ignore_eos", 0, &o->ignore_eos, &err) ||
-	    jsonx_get_bool(b, "stream", 0, &o->stream, &err) ||
-	    jsonx_get_bool(b, "skip_special_tokens", 0, &o->skip_special, &err) ||
-	    jsonx_get_bool(b, "include_stop_str_in_output", 0, &o->include_stop, &err))
-		goto bad_field;
-	if (json_object_get(b, "seed") && !json_is_null(json_object_get(b, "seed"))) {
-		if (jsonx_get_i64(b, "seed", 1, INT64_MIN, INT64_MAX, &seed, &err))
+	const field fields[] = {
+		{"n", 'i', 1, sv->p.max_n, &n},
+		{"best_of", 'i', 1, sv->p.max_n, &best_of},
+		{"max_tokens", 'i', 1, INT32_MAX, &mt},
+		{chat ? "max_completion_tokens" : NULL, 'i', 1, INT32_MAX, &mt},
+		{"temperature", 'd', 0.0, 2.0, &temp},
+		{"top_p", 'd', 1e-9, 1.0, &top_p},
+		{"top_k", 'i', -1, INT32_MAX, &top_k},
+		{"min_p", 'd', 0.0, 1.0, &min_p},
+		{"presence_penalty", 'd', -2.0, 2.0, &pres},
+		{"frequency_penalty", 'd', -2.0, 2.0, &freq},
+		{"repetition_penalty", 'd', 1e-3, 10.0, &rep},
+		{"ignore_eos", 'b', 0, 0, &o->ignore_eos},
+		{"stream", 'b', 0, 0, &o->stream},
+		{"skip_special_tokens", 'b', 0, 0, &o->skip_special},
+		{"include_stop_str_in_output", 'b', 0, 0, &o->include_stop},
+		{chat ? "logprobs" : NULL, 'b', 0, 0, &lp_bool},
+		{chat ? "top_logprobs" : NULL, 'i', 0, sv->p.max_logprobs, &top_lp},
+		{chat ? NULL : "logprobs", 'i', 0, sv->p.max_logprobs, &lp_int},
+	};
+	for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+		if (fields[i].key && get_field(b, &fields[i], &err)) {
+			param = fields[i].key;
 			goto bad_field;
+		}
+	}
+	if (json_object_get(b, "seed") && !json_is_null(json_object_get(b, "seed"))) {
+		if (jsonx_get_i64(b, "seed", 1, INT64_MIN, INT64_MAX, &seed, &err)) {
+			param = "seed";
+			goto bad_field;
+		}
 		has_seed = 1;
 	}
 	if (chat) {
-		if (jsonx_get_bool(b, "logprobs", 0, &lp_bool, &err) ||
-		    jsonx_get_i64(b, "top_logprobs", 0, 0, sv->p.max_logprobs, &top_lp, &err))
-			goto bad_field;
 		if (json_object_get(b, "top_logprobs") && !json_is_null(json_object_get(b, "top_logprobs")) && !lp_bool)
 			return bad(resp, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
 		o->logprobs = lp_bool;
 		o->top_logprobs = (int)top_lp;
 	} else {
-		if (jsonx_get_i64(b, "logprobs", 0, 0, sv->p.max_logprobs, &lp_int, &err))
-			goto bad_field;
 		o->logprobs = lp_int >= 0;
 		o->top_logprobs = lp_int > 0 ? (int)lp_int : 0;
 	}
 	if ((so = json_object_get(b, "stream_options")) && !json_is_null(so)) {
 		if (!json_is_object(so))
 			return bad(resp, "stream_options", "'stream_options' must be an object");
-		if (jsonx_get_bool(so, "include_usage", 0, &o->include_usage, &err))
+		if (jsonx_get_bool(so, "include_usage", 0, &o->include_usage, &err)) {
+			param = "stream_options";
 			goto bad_field;
+		}
 	}
 	if (best_of > n)
 		return bad(resp, "best_of", "'best_of' larger than 'n' is not supported");
@@ -272,8 +283,8 @@ static int parse_opts(serve *sv, const json_t *b, int chat, gen_opts *o, http_re
 		return DS_EINVAL;
 	return DS_OK;
 bad_field:
-	http_resp_error_param(resp, 400, "invalid_request_error", "invalid_value", param_of(err.msg),
-			      "%s", err.msg);
+	http_resp_error_param(resp, 400, "invalid_request_error", "invalid_value", param, "%s",
+			      err.msg);
 	return DS_EINVAL;
 }
 
