@@ -828,15 +828,11 @@ static ssize_t stream_read(void *ctx, char *out, size_t max)
 			if (e) {
 				sse(g, json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", e, "type",
 						 "server_error", "param", "code", "engine_error"));
-			} else {
-				for (int i = 0; i < g->n_choices; i++)
-					stream_choice(g, &g->ch[i]);
-				if (g->o.include_usage) {
-					json_t *v = chunk_base(g);
-					json_object_set_new(v, "choices", json_array());
-					json_object_set_new(v, "usage", usage(g));
-					sse(g, v);
-				}
+			} else if (g->o.include_usage) { /* final chunks went out with the last pull */
+				json_t *v = chunk_base(g);
+				json_object_set_new(v, "choices", json_array());
+				json_object_set_new(v, "usage", usage(g));
+				sse(g, v);
 			}
 			buf_append(&g->out, "data: [DONE]\n\n", 14);
 			g->done_sent = 1;
