@@ -137,9 +137,10 @@ tok *tok_load_gguf(const struct gguf_file *g, ds_err *err);
 void tok_free(tok *t);
 
 /* Pre-tokenizer pattern registry.  Known patterns: GPT-2 (ByteLevel
- * use_regex), DeepSeek-V3's three, Llama-3, Qwen2, single digits (\p{N}).
+ * use_regex), DeepSeek-V3's three, DeepSeek LLM's six (V2 / V2-Lite), Llama-3,
+ * Qwen2, single digits (\p{N}).
  * tok_pretok_preset gives the Split list of a named family as GGUF
- * `tokenizer.ggml.pre` names them ("deepseek-v3", "gpt-2" (alias "gpt2"),
+ * `tokenizer.ggml.pre` names them ("deepseek-llm", "deepseek-v3", "gpt-2" (alias "gpt2"),
  * "llama-bpe" (alias "llama3"), "qwen2", "smollm" = single digits then
  * GPT-2); DS_ENOTFOUND for others, with the known names in the message.  The
  * arrays are static. */

@@ -223,11 +223,70 @@ def test_tokenizer_and_chat_template_from_metadata(hf, tmp_path):
     prompt = json.loads(re.search(r"^\[[\d,]*\]$", r.stderr, re.M).group(0))
     assert prompt == [0, user, hi, asst], prompt
     assert len(json.loads(r.stdout.strip().splitlines()[-1])) == 3
-    # V2 / V2-Lite files name the deepseek-llm pre-tokenizer, not implemented:
-    # refused by name (the model itself runs from --tokens)
-    conv = convert(hf["v2-lite"], tmp_path, "split", "F32", tokenizer=dict(tok, pre="deepseek-llm"))
-    r = dsrun("-m", conv.path, "--tokenize", "Hi")
-    assert r.returncode != 0 and "deepseek-llm" in r.stderr, r.stderr
+
+
+def _dsllm_patterns():
+    """llama.cpp's DEEPSEEK_LLM pattern list (the pre-tokenizer of V2 / V2-Lite
+    files), kept once in test_pretok_deepseek_llm.py."""
+    from test_pretok_deepseek_llm import PATTERNS
+    return PATTERNS
+
+
+DSLLM_TEXTS = ["Hi there, world!\n\nHi", "  Hello  \n\n  ", "数字 12345 和 中文。123",
+               "Καλημέρα κόσμε, Ωmega!", "한국어 ＦＵＬＬ　ｗｉｄｔｈ！  ", "tabs\tand   spaces   ",
+               "emoji 😀 x² = ٣٤", "Hi\r\nthere ...\n", "e\u0301t\u00e9 \u1f7d \u212aelvin"]
+
+
+def test_v2_lite_text_tokenization_matches_hf(hf, tmp_path):
+    """A V2-Lite GGUF (tokenizer.ggml.pre "deepseek-llm") tokenizes text: the
+    ids of `dsrun --tokenize` equal HF `tokenizers` on a tokenizer.json with
+    the same vocab and merges and the six deepseek-llm Split patterns.  The
+    merges join bytes across the pieces' borders too (", ", "\n\n", "! "), so
+    a wrong split shows up as different ids."""
+    from tokenizers import Tokenizer
+    byte_chars = _byte_chars()
+    to_bl = lambda text: "".join(byte_chars[b] for b in text.encode())  # noqa: E731
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+    tokens, merges = specials + byte_chars, []
+    for word in ["Hi", " there", ", ", " world", "\n\n", "!\n", "! ", "123", "45", "中文",
+                 "数字", " Κα", "  ", "   ", "한국", " 中", "Ｌ", "spaces", " \t"]:
+        w = to_bl(word)
+        cur = w[0]
+        for c in w[1:]:
+            if cur + c not in tokens:
+                merges.append(f"{cur} {c}")
+                tokens.append(cur + c)
+            cur += c
+    types = [3, 3] + [1] * (len(tokens) - 2)
+    conv = convert(hf["v2-lite"], tmp_path, "split", "F32",
+                   tokenizer=dict(pre="deepseek-llm", tokens=tokens, types=types, merges=merges))
+    tj = {
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}
+                         for i, t in enumerate(specials)],
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+            for p in _dsllm_patterns()] + [
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges}}
+    ref = Tokenizer.from_str(json.dumps(tj))
+    merged = 0
+    for text in DSLLM_TEXTS:
+        r = dsrun("-m", conv.path, "--tokenize", text)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        want = ref.encode(text, add_special_tokens=False).ids
+        assert got == want, (text, got, want)
+        merged += sum(i >= 2 + 256 for i in got)
+    assert merged >= 10, merged   # the merges are exercised
 
 
 # ------------------------------------------------------------------ errors

@@ -422,7 +422,7 @@ def test_unsupported_tokenizers_are_named(tmp_path):
     tokens = [chr(c) for c in range(33, 127)] + ["ab"]
     types = [NORMAL] * len(tokens)
     cases = [("llama", "smollm", '"llama" (SentencePiece) is not supported'),
-             ("gpt2", "falcon", "pre-tokenizer 'falcon' is not supported (known: deepseek-v3, "
+             ("gpt2", "falcon", "pre-tokenizer 'falcon' is not supported (known: deepseek-llm, deepseek-v3, "
                                 "gpt-2, gpt2, llama-bpe, llama3, qwen2, smollm)"),
              ("gpt2", None, "tokenizer.ggml.pre is missing")]
     for i, (model, pre, want) in enumerate(cases):

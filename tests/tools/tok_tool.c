@@ -9,7 +9,9 @@
  *   {"ids": [...], "skip_special": false}  ->  {"hex": "...", "stream": "..."}
  *       (hex: tok_decode's raw bytes; stream: the same ids through
  *        tok_stream_feed one by one + flush, always valid UTF-8)
- *   {"pretok": "..."}  ->  ["piece", ...]  (the Split cascade only, no added tokens)
+ *   {"pretok": "...", "preset": "deepseek-llm"}  ->  ["piece", ...]  (the Split
+ *       cascade only, no added tokens; preset: a tok_pretok_preset name,
+ *       default "deepseek-v3")
  *   {"chat": [messages], "template": null|"deepseek-v3"|"deepseek-r1", "gen": true}
  *       ->  {"template": name, "text": rendered prompt, "ids": [...]}
  *       (messages in OpenAI shape: role, content (string or null), tool_calls
@@ -190,7 +192,11 @@ static void do_line(const tok *t, const char *line, size_t len, double *enc_s)
 		free(v);
 	} else if (json_is_string(pre)) {
 		struct pieces p = { json_string_value(pre), json_array() };
-		if (tok_pretokenize(g_pats, g_npats, p.text, json_string_length(pre), add_piece, &p, &err) != 0) {
+		const char *preset = json_string_value(json_object_get(req, "preset"));
+		const char *const *pats = g_pats;
+		size_t npats = g_npats;
+		if ((preset && tok_pretok_preset(preset, &pats, &npats, &err) != 0) ||
+		    tok_pretokenize(pats, npats, p.text, json_string_length(pre), add_piece, &p, &err) != 0) {
 			print_error(err.msg);
 		} else {
 			char *js = jsonx_dumps(p.arr);

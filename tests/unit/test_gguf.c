@@ -1213,10 +1213,12 @@ TEST(gguf_tokenizer_errors_name_the_problem)
 		{ { "bert", "smollm", 1, 0, -1, -1, -1, NULL, 0, NULL }, DS_EUNSUPPORTED,
 		  "\"bert\" is not supported" },
 		{ { "gpt2", "falcon", 1, 0, -1, -1, -1, NULL, 0, NULL }, DS_EUNSUPPORTED,
-		  "pre-tokenizer 'falcon' is not supported (known: deepseek-v3, gpt-2, gpt2, llama-bpe, "
+		  "pre-tokenizer 'falcon' is not supported (known: deepseek-llm, deepseek-v3, gpt-2, gpt2, "
+		  "llama-bpe, "
 		  "llama3, qwen2, smollm)" },
 		{ { "gpt2", NULL, 1, 0, -1, -1, -1, NULL, 0, NULL }, DS_EUNSUPPORTED,
-		  "tokenizer.ggml.pre is missing, so the pre-tokenizer is not known (known: deepseek-v3" },
+		  "tokenizer.ggml.pre is missing, so the pre-tokenizer is not known (known: deepseek-llm, "
+		  "deepseek-v3" },
 		{ { NULL, "smollm", 1, 0, -1, -1, -1, NULL, 0, NULL }, DS_ENOTFOUND,
 		  "'tokenizer.ggml.model' not found" },
 		{ { "gpt2", "smollm", 1, 0, -1, -1, -1, "hello", 0, NULL }, DS_EFORMAT,
