@@ -67,7 +67,7 @@
 #define REPLAY_SENDERS 1024
 #define RECV_BATCH 256 /* datagrams read per poll round, so timers keep running */
 
-enum { PP_JOIN = 1, PP_PERIODIC, PP_RECONNECT, PP_INCOMING };
+enum { PP_JOIN = 1, PP_REFERRED, PP_PERIODIC, PP_RECONNECT, PP_INCOMING };
 enum { CONN_FREE = 0, CONN_CONNECTING, CONN_WRITE, CONN_READ };
 
 typedef struct conn {
@@ -80,6 +80,9 @@ typedef struct conn {
 	uint8_t hdr[4];
 	size_t hdr_got;
 	int64_t deadline_ms;
+	int refer;        /* PP_JOIN: the answer referred us to refer_id / refer_addr */
+	uint8_t refer_id[GOSSIP_ID_LEN];
+	struct sockaddr_in refer_addr;
 } conn;
 
 typedef struct relay {
@@ -115,6 +118,8 @@ struct gossip {
 	gossip_stats st;
 	int joined, join_inflight, join_round_ok;
 	int64_t next_join_ms, join_backoff_ms;
+	int64_t jw_start_ms; /* the one-second window of full join answers */
+	int jw_full;
 	struct {
 		int active, indirect_sent, expected_nacks, nacks;
 		uint32_t seq;
@@ -279,6 +284,11 @@ static int keep_gossip(const gossip *g, const gossip_node *nd, int64_t now)
 	if (nd->m.state == GOSSIP_ALIVE || nd->m.state == GOSSIP_SUSPECT)
 		return 1;
 	return nd->m.state == GOSSIP_DEAD && now - nd->changed_ms <= g->t.gossip_to_dead_ms;
+}
+
+static int keep_synced(const gossip *g, const gossip_node *nd, int64_t now)
+{
+	return nd->m.state == GOSSIP_ALIVE && nd->synced_ms != 0;
 }
 
 static int keep_dead(const gossip *g, const gossip_node *nd, int64_t now)
@@ -470,11 +480,12 @@ static conn *conn_slot(gossip *g)
 	return NULL;
 }
 
-/* Builds a sealed frame (u32 length + packet) of our whole table into c->buf. */
-static int frame_build(gossip *g, conn *c, int join)
+/* Builds a sealed frame (u32 length + packet) into c->buf: our whole table,
+ * or, for a referral (refer != NULL), the member `refer` and ourselves. */
+static int frame_build(gossip *g, conn *c, int flags, const uint8_t *refer)
 {
 	size_t cap = GOSSIP_FRAME_MAX - 4 - GOSSIP_OVERHEAD;
-	size_t want = 3 + GOSSIP_MSG_HDR + g->tab.n * GOSSIP_MSG_MAX;
+	size_t want = 3 + GOSSIP_MSG_HDR + (refer ? 2 : g->tab.n) * GOSSIP_MSG_MAX;
 	if (want < cap)
 		cap = want;
 	uint8_t *plain = malloc(cap);
@@ -485,14 +496,23 @@ static int frame_build(gossip *g, conn *c, int join)
 		return DS_ENOMEM;
 	}
 	size_t len = 0;
-	gossip_msg pp = {.type = GOSSIP_MSG_PUSH_PULL, .flags = join ? GOSSIP_PP_JOIN : 0};
+	gossip_msg pp = {.type = GOSSIP_MSG_PUSH_PULL, .flags = (uint8_t)flags};
 	gossip_msg_put(plain, cap, &len, &pp); /* count patched below */
 	uint16_t count = 0;
-	for (size_t i = 0; i < g->tab.n && count < UINT16_MAX; i++) {
+	const gossip_node *only[2] = {refer ? gossip_tab_find(&g->tab, refer) : NULL,
+				      &g->tab.nodes[0]};
+	if (refer && !only[0]) {
+		free(plain);
+		free(frame);
+		return DS_ENOTFOUND;
+	}
+	size_t total = refer ? 2 : g->tab.n;
+	for (size_t i = 0; i < total && count < UINT16_MAX; i++) {
+		const gossip_node *nd = refer ? only[i] : &g->tab.nodes[i];
 		gossip_msg m;
-		gossip_tab_msg_alive(&g->tab.nodes[i], &m);
+		gossip_tab_msg_alive(nd, &m);
 		m.type = GOSSIP_MSG_STATE;
-		m.state = (uint8_t)g->tab.nodes[i].m.state;
+		m.state = (uint8_t)nd->m.state;
 		if (gossip_msg_put(plain, cap, &len, &m) != DS_OK)
 			break; /* the frame is full: the rest travels by gossip */
 		count++;
@@ -514,6 +534,7 @@ static int frame_build(gossip *g, conn *c, int join)
 	c->phase = CONN_WRITE;
 	g->st.packets_out++;
 	g->st.bytes_out += n + 4;
+	g->st.tcp_bytes_out += n + 4;
 	return DS_OK;
 }
 
@@ -539,7 +560,10 @@ static int pp_start(gossip *g, const struct sockaddr_in *to, const uint8_t *id, 
 	c->purpose = purpose;
 	c->peer = *to;
 	c->deadline_ms = now + g->t.tcp_timeout_ms;
-	if (frame_build(g, c, purpose == PP_JOIN) != DS_OK) {
+	int flags = purpose == PP_JOIN	    ? GOSSIP_PP_JOIN
+		    : purpose == PP_REFERRED ? GOSSIP_PP_JOIN | GOSSIP_PP_REFERRED
+					     : 0;
+	if (frame_build(g, c, flags, NULL) != DS_OK) {
 		conn_close(g, c);
 		return DS_ENOMEM;
 	}
@@ -578,7 +602,18 @@ static void conn_finish(gossip *g, conn *c, int ok, int64_t now)
 		g->st.push_pulls++;
 	else if (c->purpose != PP_INCOMING)
 		g->st.tcp_failed++;
-	if (c->purpose == PP_JOIN)
+	if (c->purpose == PP_JOIN && ok && c->refer) {
+		/* Known to the seed now; the full state comes from the member it
+		 * named, and a first periodic push-pull 1-3 s later catches what
+		 * that member had not heard of yet (a join in the same burst whose
+		 * broadcasts were over before we were known). */
+		if (pp_start(g, &c->refer_addr, c->refer_id, PP_REFERRED, now) == DS_OK)
+			g->join_inflight++;
+		int64_t soon = now + 1000 + (int64_t)rnd(2000);
+		if (soon < g->next_pp_ms)
+			g->next_pp_ms = soon;
+	}
+	if (c->purpose == PP_JOIN || c->purpose == PP_REFERRED)
 		join_done(g, ok, now);
 	conn_close(g, c);
 }
@@ -883,6 +918,7 @@ static int frame_process(gossip *g, conn *c, int64_t now)
 		return 0;
 	g->st.packets_in++;
 	g->st.bytes_in += c->len + 4;
+	g->st.tcp_bytes_in += c->len + 4;
 	int why = accept_packet(g, c->buf, c->len, GOSSIP_FRAME_MAX, &c->peer, &h, plain, &plen,
 				now);
 	if (why) {
@@ -897,7 +933,7 @@ static int frame_process(gossip *g, conn *c, int64_t now)
 		g->st.drop_malformed++;
 		goto out;
 	}
-	int join = m.flags & GOSSIP_PP_JOIN;
+	int flags = m.flags, join = flags & GOSSIP_PP_JOIN, refer = flags & GOSSIP_PP_REFER;
 	size_t count = m.count, first = off, got = 0;
 	while ((rc = gossip_msg_next(plain, plen, &off, &m)) == 1 && m.type == GOSSIP_MSG_STATE)
 		got++;
@@ -906,20 +942,56 @@ static int frame_process(gossip *g, conn *c, int64_t now)
 		goto out;
 	}
 	off = first;
-	/* Like memberlist, what is new to us is gossiped on, the answer to our
-	 * join included: that redundancy is what lets a burst of joins converge
-	 * in a second or two rather than at the next push-pull. */
-	while (gossip_msg_next(plain, plen, &off, &m) == 1)
+	/* What is new to us is gossiped on, except what the answer to our own
+	 * join tells us: that is old news to the cluster (memberlist broadcasts
+	 * it again; in a burst of joins that is most of the UDP traffic). */
+	g->tab.quiet = c->purpose == PP_JOIN || c->purpose == PP_REFERRED;
+	int first_entry = 1;
+	while (gossip_msg_next(plain, plen, &off, &m) == 1) {
+		if (refer && first_entry && c->purpose == PP_JOIN &&
+		    memcmp(m.id, g->id, GOSSIP_ID_LEN) != 0 &&
+		    memcmp(m.id, h.sender, GOSSIP_ID_LEN) != 0) {
+			c->refer = 1;
+			memcpy(c->refer_id, m.id, GOSSIP_ID_LEN);
+			memset(&c->refer_addr, 0, sizeof c->refer_addr);
+			c->refer_addr.sin_family = AF_INET;
+			memcpy(&c->refer_addr.sin_addr, &m.ip, 4);
+			c->refer_addr.sin_port = htons(m.port);
+		}
+		first_entry = 0;
 		gossip_tab_merge(&g->tab, &m, h.sender, now);
+	}
+	g->tab.quiet = 0;
 	ok = 1;
+	int busy = 0;
 	if (c->purpose == PP_INCOMING) {
-		if (join) {
+		uint8_t to[1][GOSSIP_ID_LEN];
+		if (join && !(flags & GOSSIP_PP_REFERRED)) {
+			if (now - g->jw_start_ms >= 1000) {
+				g->jw_start_ms = now;
+				g->jw_full = 0;
+			}
+			busy = g->jw_full >= g->t.join_full_per_s &&
+			       pick(g, 1, keep_synced, h.sender, now, to) == 1;
+			if (!busy)
+				g->jw_full++;
 			char a[16];
 			inet_ntop(AF_INET, &c->peer.sin_addr, a, sizeof a);
-			log_debug("gossip", "join request", "from=%s members=%zu", a, count);
+			log_debug("gossip", busy ? "join request, referred" : "join request",
+				  "from=%s members=%zu", a, count);
 		}
-		ok = frame_build(g, c, 0) == DS_OK ? 2 : 0;
+		if (busy) {
+			g->st.joins_referred++;
+			ok = frame_build(g, c, GOSSIP_PP_REFER, to[0]) == DS_OK ? 2 : 0;
+		} else {
+			ok = frame_build(g, c, 0, NULL) == DS_OK ? 2 : 0;
+		}
 	}
+	/* Our full state went to the sender (in its answer, or in our request):
+	 * from now on it may answer joins that we refer to it. */
+	gossip_node *peer = gossip_tab_find(&g->tab, h.sender);
+	if (peer && ok && !busy)
+		peer->synced_ms = now;
 out:
 	free(plain);
 	return ok;
@@ -1268,7 +1340,8 @@ gossip *gossip_new(const gossip_params *p, ds_err *err)
 	if (p->timing.probe_interval_ms <= 0 || p->timing.probe_timeout_ms <= 0 ||
 	    p->timing.gossip_interval_ms <= 0 || p->timing.push_pull_ms <= 0 ||
 	    p->timing.reconnect_ms <= 0 || p->timing.tcp_timeout_ms <= 0 ||
-	    p->timing.max_skew_ms <= 0 || p->timing.join_backoff_min_ms <= 0) {
+	    p->timing.max_skew_ms <= 0 || p->timing.join_backoff_min_ms <= 0 ||
+	    p->timing.join_full_per_s <= 0) {
 		ds_err_set(err, DS_EINVAL, "gossip timing has a zero or negative interval");
 		return NULL;
 	}

@@ -89,6 +89,8 @@ typedef struct gossip_timing {
 	int join_backoff_min_ms;   /* seed retries: min, doubling up to max */
 	int join_backoff_max_ms;
 	int max_skew_ms;           /* packets whose send time is further off are stale */
+	int join_full_per_s;       /* joins answered with the full state per second; more
+				    * are referred to a member already synced (dsagent) */
 } gossip_timing;
 
 /* Fills *out with profile "lan" (memberlist DefaultLANConfig) or "test"
@@ -193,8 +195,10 @@ void gossip_event_json(const gossip_event *ev, char *out, size_t n);
 typedef struct gossip_stats {
 	uint64_t packets_in, bytes_in, packets_out, bytes_out; /* UDP datagrams + TCP frames */
 	uint64_t tcp_accepted, tcp_connected, tcp_failed;
+	uint64_t tcp_bytes_in, tcp_bytes_out; /* the TCP share of bytes_in / bytes_out */
 	uint64_t pings_out, acks_in, ping_reqs_out, nacks_in, probes_failed;
 	uint64_t push_pulls, joins_ok, join_attempts;
+	uint64_t joins_referred;    /* joins we answered by naming another member */
 	/* drops, one counter per reason (docs/cluster.md "Counters") */
 	uint64_t drop_too_large;    /* datagram over 1400 B or frame over the cap */
 	uint64_t drop_malformed;    /* shorter than a header, unknown version, bad messages */

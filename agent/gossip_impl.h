@@ -76,12 +76,15 @@ enum gossip_msg_type {
 	GOSSIP_MSG_ALIVE = 5,     /* id, inc u32, ip4, port, boot u64, name, meta */
 	GOSSIP_MSG_SUSPECT = 6,   /* id, inc u32, from id */
 	GOSSIP_MSG_DEAD = 7,      /* id, inc u32, from id (from == id: left) */
-	GOSSIP_MSG_PUSH_PULL = 8, /* flags u8 (1 = join), count u16; TCP only, first */
+	GOSSIP_MSG_PUSH_PULL = 8, /* flags u8 (GOSSIP_PP_*), count u16; TCP only, first */
 	GOSSIP_MSG_STATE = 9,     /* id, inc, state u8, ip4, port, boot, name, meta; TCP only */
 };
 #define GOSSIP_MSG_HDR 3
 #define GOSSIP_MSG_MAX (GOSSIP_MSG_HDR + 38 + GOSSIP_NAME_MAX + GOSSIP_META_MAX)
-#define GOSSIP_PP_JOIN 1
+#define GOSSIP_PP_JOIN 1     /* request: a newcomer's join */
+#define GOSSIP_PP_REFER 2    /* answer: busy with joins; the first entry is a member to
+			      * pull the full state from (the second is the answerer) */
+#define GOSSIP_PP_REFERRED 4 /* request: a join sent there by a REFER; answered in full */
 
 typedef struct gossip_msg {
 	int type;
@@ -160,6 +163,7 @@ int gossip_retransmit_limit(int mult, int n);
 typedef struct gossip_node {
 	gossip_member m;
 	int64_t changed_ms;     /* monotonic time of the last state change */
+	int64_t synced_ms;      /* last push-pull that gave it our full state (0: none) */
 	/* suspicion timer, while m.state == GOSSIP_SUSPECT */
 	int64_t susp_start_ms, susp_min_ms, susp_max_ms, susp_deadline_ms;
 	int susp_k, n_conf;
@@ -187,6 +191,8 @@ typedef struct gossip_tab {
 	uint64_t events_lost, table_full;
 	int awareness;           /* Lifeguard local health score, 0 .. awareness_max - 1 */
 	int leaving;             /* gossip_leave called: accept our own death, never refute */
+	int quiet;               /* merging the answer to our join: alive news is old news
+				  * to the cluster, not broadcast again */
 	double wall_offset_s;    /* wall clock - monotonic, for gossip_member.changed_s */
 } gossip_tab;
 

@@ -319,7 +319,8 @@ void gossip_tab_alive(gossip_tab *tab, const gossip_msg *a, int64_t now_ms)
 		node_fill(nd, a);
 		set_state(tab, nd, GOSSIP_ALIVE, now_ms);
 		emit(tab, GOSSIP_EV_JOIN, -1, 0, nd);
-		bcast_alive(tab, nd);
+		if (!tab->quiet)
+			bcast_alive(tab, nd);
 		return;
 	}
 	if (a->incarnation <= nd->m.incarnation)
@@ -337,7 +338,8 @@ void gossip_tab_alive(gossip_tab *tab, const gossip_msg *a, int64_t now_ms)
 		emit(tab, GOSSIP_EV_RESTART, prev, prev_inc, nd);
 	if (changed)
 		emit(tab, GOSSIP_EV_META, prev, prev_inc, nd);
-	bcast_alive(tab, nd);
+	if (!tab->quiet)
+		bcast_alive(tab, nd);
 }
 
 /* A confirmation from `from`: 1 when it counted (new, independent). */

@@ -310,7 +310,7 @@ int gossip_msg_next(const uint8_t *p, size_t len, size_t *off, gossip_msg *m)
 		memcpy(m->from, b + 20, GOSSIP_ID_LEN);
 		break;
 	case GOSSIP_MSG_PUSH_PULL:
-		if (n != fl || (b[0] & ~GOSSIP_PP_JOIN))
+		if (n != fl || (b[0] & ~(GOSSIP_PP_JOIN | GOSSIP_PP_REFER | GOSSIP_PP_REFERRED)))
 			return DS_EFORMAT;
 		m->flags = b[0];
 		m->count = get16(b + 1);
@@ -442,12 +442,14 @@ int gossip_retransmit_limit(int mult, int n)
 
 static const gossip_timing profiles[] = {
 	/* hashicorp/memberlist DefaultLANConfig; reconnect and reap as Serf
-	 * (ReconnectInterval 30 s), reap after an hour rather than 24 h. */
+	 * (ReconnectInterval 30 s), reap after an hour rather than 24 h; the
+	 * join referral limit is ours (memberlist answers every join in full). */
 	{"lan", 1000, 500, 3, 4, 6, 4, 200, 3, 30000, 30000, 30000, 3600000, 10000, 8, 1000,
-	 30000, 30000},
+	 30000, 30000, 4},
 	/* Fast timers for several agents on one machine: a crash is declared dead
 	 * in about 1-5 s, a partition heals within a few seconds. */
-	{"test", 200, 100, 2, 3, 6, 3, 50, 3, 2000, 3000, 1000, 60000, 1000, 8, 100, 1000, 30000},
+	{"test", 200, 100, 2, 3, 6, 3, 50, 3, 2000, 3000, 1000, 60000, 1000, 8, 100, 1000, 30000,
+	 2},
 };
 
 int gossip_timing_profile(const char *name, gossip_timing *out, ds_err *err)
@@ -612,9 +614,9 @@ void gossip_event_json(const gossip_event *ev, char *out, size_t n)
 #define S(f) {#f, offsetof(gossip_stats, f)}
 const gossip_stat_field gossip_stat_fields[] = {
 	S(packets_in),	     S(bytes_in),	     S(packets_out),	S(bytes_out),
-	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(pings_out),
+	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(tcp_bytes_in), S(tcp_bytes_out), S(pings_out),
 	S(acks_in),	     S(ping_reqs_out),	     S(nacks_in),	S(probes_failed),
-	S(push_pulls),	     S(joins_ok),	     S(join_attempts),	S(drop_too_large),
+	S(push_pulls),	     S(joins_ok),	     S(join_attempts), S(joins_referred),	S(drop_too_large),
 	S(drop_malformed),   S(drop_bad_key),	     S(drop_auth_fail), S(drop_replay),
 	S(drop_stale),	     S(drop_wrong_target),   S(drop_own_id),	S(drop_unknown_sender),
 	S(drop_test),	     S(send_errors),	     S(events_lost),	S(table_full),

@@ -142,7 +142,13 @@ def main():
         phase_end = last_start + 10.0
         while time.monotonic() < max(phase_end, last_start + 1) or converged_at is None:
             if time.monotonic() > last_start + 60:
-                sys.exit(f"not converged within 60 s of the last start ({a.nodes} agents)")
+                views = []
+                for ag in agents:
+                    ms = ag.members()["members"]
+                    alive = sum(1 for m in ms if m["state"] == "alive")
+                    views.append(f"{ag.name}:{alive}/{len(ms)}")
+                sys.exit(f"not converged within 60 s of the last start ({a.nodes} agents); "
+                         f"alive/known per agent: {' '.join(views)}")
             t = time.monotonic()
             snap, ok = {}, True
             for ag in agents:
@@ -155,17 +161,44 @@ def main():
                 converged_at = time.monotonic()
             time.sleep(max(0.0, 1.0 - (time.monotonic() - t)) if converged_at else 0.1)
         conv = converged_at - last_start
-        peak_out = peak_all = 0.0
-        for (t0_, a0), (t1_, a1) in zip(samples, samples[1:]):
-            if t1_ - t0_ < 0.5:
-                continue
-            peak_out = max(peak_out, max(per_node_rate(a0, a1, t1_ - t0_, ("bytes_out",))))
-            peak_all = max(peak_all, max(per_node_rate(a0, a1, t1_ - t0_)))
-        t_end, s_end = samples[-1]
+        # The worst window of at least one second of any node: each node's
+        # series starts at its own start (counters zero), then every sample;
+        # each sample is paired with the first one >= 1 s later.
         started = {ag.name: ag.started for ag in agents}
+        peak_out = peak_all = 0.0
+        peak_who = ""
+        for name in started:
+            zero = {k: 0 for k in samples[0][1][name]}
+            series = [(started[name], zero)] + [(t, snap[name]) for t, snap in samples]
+            j = 0
+            for i, (t0_, a0) in enumerate(series):
+                j = max(j, i + 1)
+                while j < len(series) and series[j][0] - t0_ < 1.0:
+                    j += 1
+                if j == len(series):
+                    break
+                t1_, a1 = series[j]
+                out = (a1["bytes_out"] - a0["bytes_out"]) / (t1_ - t0_)
+                both = out + (a1["bytes_in"] - a0["bytes_in"]) / (t1_ - t0_)
+                peak_out = max(peak_out, out)
+                if both > peak_all:
+                    tcp = sum(a1[k] - a0[k] for k in ("tcp_bytes_in", "tcp_bytes_out"))
+                    peak_all = both
+                    peak_who = (f"{name}, {t0_ - last_start:+.1f} s from the last start, "
+                                f"TCP {tcp / (t1_ - t0_) / 1024:.1f} KB/s")
+        t_end, s_end = samples[-1]
         join_out = [s_end[n]["bytes_out"] / (t_end - started[n]) for n in s_end]
         join_all = [(s_end[n]["bytes_out"] + s_end[n]["bytes_in"]) / (t_end - started[n])
                     for n in s_end]
+        # Where the busiest node's join-phase bytes went: TCP (push-pull) or UDP.
+        busiest = max(s_end, key=lambda n: s_end[n]["bytes_out"] + s_end[n]["bytes_in"])
+        b = s_end[busiest]
+        span = t_end - started[busiest]
+        split = (f"{busiest}: TCP sent {b['tcp_bytes_out'] / span / 1024:.2f} + received "
+                 f"{b['tcp_bytes_in'] / span / 1024:.2f} KB/s, UDP sent "
+                 f"{(b['bytes_out'] - b['tcp_bytes_out']) / span / 1024:.2f} + received "
+                 f"{(b['bytes_in'] - b['tcp_bytes_in']) / span / 1024:.2f} KB/s, "
+                 f"{b['push_pulls']} push-pulls")
         time.sleep(1.0)              # let the join broadcasts drain
         s0 = traffic(agents)
         t0 = time.monotonic()
@@ -176,18 +209,24 @@ def main():
         outs = per_node_rate(s0, s1, dt, ("bytes_out",))
         pkts = [(s1[n]["packets_in"] - s0[n]["packets_in"] + s1[n]["packets_out"]
                  - s0[n]["packets_out"]) / dt for n in s0]
-        drops = sum(s1[n][k] for n in s1 for k in s1[n] if k.startswith("drop_"))
+        drop_kinds = {k: sum(s1[n][k] for n in s1) for k in s1[agents[0].name]
+                      if k.startswith("drop_")}
+        drops = sum(drop_kinds.values())
         dead = sum(1 for ag in agents for m in ag.members()["members"] if m["state"] != "alive")
         print(f"gossip bench: {a.nodes} agents, profile {a.profile}, "
               f"started over {last_start - t_first:.1f} s")
         print(f"  converged {conv:.2f} s after the last start")
         print(f"  join phase (each agent's start .. {t_end - last_start:.0f} s after the last "
               f"start), per node: sent {kb(join_out)}; sent + received {kb(join_all)}")
+        print(f"  busiest node in the join phase, {split}")
         print(f"  worst one-second rate of any node in the join phase: sent "
-              f"{peak_out / 1024:.2f} KB/s, sent + received {peak_all / 1024:.2f} KB/s")
+              f"{peak_out / 1024:.2f} KB/s, sent + received {peak_all / 1024:.2f} KB/s "
+              f"({peak_who})")
         print(f"  steady state over {dt:.0f} s: per node sent {kb(outs)}; sent + received "
               f"{kb(rates)}; {statistics.mean(pkts):.1f} packets/s (in + out) mean")
-        print(f"  drops {drops}, members not alive at the end {dead}")
+        print(f"  drops {drops} ({', '.join(f'{k} {v}' for k, v in drop_kinds.items() if v)}), "
+              f"members not alive at the end {dead}; joins referred "
+              f"{sum(s1[n]['joins_referred'] for n in s1)}")
         print(f"| gossip, {a.nodes} agents on loopback ({a.profile}) | converged {conv:.2f} s "
               f"after the last start | steady ({dt:.0f} s), per node sent + received: "
               f"{kb(rates)} | join phase, per node sent + received: {kb(join_all)}; worst "

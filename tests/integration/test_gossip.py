@@ -18,7 +18,11 @@
   incarnation, alive again everywhere;
 - the test-only fault switch (--test-fault-injection, POST
   /v1/cluster/test/drop) cuts {A,B} from {C,D,E}: each side sees the other
-  dead; cleared, all five are alive again everywhere.
+  dead; cleared, all five are alive again everywhere;
+- a burst: ten agents join a fresh seed at once; the seed refers the joins
+  past its limit (two a second in the test profile) to members it synced
+  with, every referral becomes one more successful join elsewhere, and all
+  ten converge within 5 s of the last start.
 
 The fuzzer seals its packets itself: this file holds a second, independent
 implementation of the wire format of docs/cluster.md (header, associated
@@ -546,3 +550,38 @@ def test_partition_and_heal(cluster):
     print(f"healed: all alive everywhere after {t - t_heal:.2f} s")
     for n in nodes:
         assert n.proc.poll() is None
+
+
+def test_join_burst_is_referred(tmp_path):
+    """Ten agents join one seed at once.  The test profile lets a node answer
+    two joins a second with its full state; the seed refers the rest to
+    members it has synced with, each referred newcomer pulls the full state
+    there, and all ten still converge within CONVERGE_S of the last start."""
+    key = tmp_path / "cluster.key"
+    r = subprocess.run([binary("dsctl"), "cluster", "init", "--key-file", str(key)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    seed_port = free_port()
+    nodes = [Node(tmp_path / "s", "s", key, seed_port, gossip_port=seed_port)]
+    nodes[0].wait_listening()
+    try:
+        nodes += [Node(tmp_path / f"j{i}", f"j{i}", key, seed_port) for i in range(9)]
+        last_start = max(n.started for n in nodes)
+        for n in nodes:
+            n.wait_listening()
+        t = wait_for(lambda: converged(nodes), CONVERGE_S + 10, "convergence")
+        took = t - last_start
+        stats = {n.name: n.members()["stats"] for n in nodes}
+        referred = stats["s"]["joins_referred"]
+        # every referral became one more successful join at another member
+        second = sum(stats[n.name]["joins_ok"] - 1 for n in nodes[1:])
+        print(f"join burst: converged {took:.2f} s after the last start; the seed "
+              f"referred {referred} of 9 joins")
+        assert took <= CONVERGE_S
+        assert referred >= 1
+        assert second == referred, {n: (s["joins_ok"], s["joins_referred"])
+                                    for n, s in stats.items()}
+        assert all(stats[n]["drop_malformed"] == 0 for n in stats)
+    finally:
+        for n in nodes:
+            n.kill(signal.SIGTERM)

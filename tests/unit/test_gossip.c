@@ -59,7 +59,7 @@ static void rand_msg(gossip_msg *m, int type, int slot)
 	if (type == GOSSIP_MSG_PING_REQ)
 		m->want_nack = (uint8_t)rand_below(2);
 	if (type == GOSSIP_MSG_PUSH_PULL) {
-		m->flags = (uint8_t)rand_below(2);
+		m->flags = (uint8_t)rand_below(8); /* JOIN | REFER | REFERRED */
 		m->count = (uint16_t)ut_rand_u64();
 	}
 	if (type == GOSSIP_MSG_ALIVE || type == GOSSIP_MSG_STATE) {
@@ -164,6 +164,14 @@ TEST(gossip_codec_refuses_what_it_cannot_decode)
 	CHECK_EQ(len, 10);
 	/* an empty plaintext is malformed */
 	CHECK_EQ(gossip_msgs_check(buf, 0), DS_EFORMAT);
+	/* a push-pull with a flag bit nobody defined is malformed */
+	rand_msg(&m, GOSSIP_MSG_PUSH_PULL, 0);
+	m.flags = GOSSIP_PP_JOIN | GOSSIP_PP_REFERRED;
+	len = 0;
+	CHECK_EQ(gossip_msg_put(buf, sizeof buf, &len, &m), DS_OK);
+	CHECK_EQ(gossip_msgs_check(buf, len), 1);
+	buf[GOSSIP_MSG_HDR] |= 8;
+	CHECK_EQ(gossip_msgs_check(buf, len), DS_EFORMAT);
 }
 
 TEST(gossip_codec_every_truncation_rejected)
