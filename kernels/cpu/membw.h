@@ -16,4 +16,10 @@
  * buffer cannot be allocated.  Uses the pool: one caller at a time. */
 int kc_measure_read_bandwidth(size_t bytes, int threads, double *bytes_per_s);
 
+/* STREAM's Triad, a[i] = b[i] + s * c[i] over three arrays of `elements`
+ * doubles (use several times the last-level cache), counted as STREAM counts
+ * it (24 bytes per element: two reads, one write); best of 5 passes, with the
+ * same thread and error rules as above (DS_EINVAL below 128 Ki elements). */
+int kc_measure_triad_bandwidth(size_t elements, int threads, double *bytes_per_s);
+
 #endif

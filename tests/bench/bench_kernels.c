@@ -506,6 +506,15 @@ int main(int argc, char **argv)
 		for (int i = 0; i < 3; i++)
 			probe_bandwidth();
 		printf("read bandwidth (%d threads): %.2f GB/s\n", kc_pool_threads(), bw_best / 1e9);
+		double triad = 0, t;
+		for (int i = 0; i < 3; i++) {
+			if (kc_measure_triad_bandwidth((size_t)32 << 20, 0, &t) != DS_OK) {
+				fprintf(stderr, "bench_kernels: the triad probe failed\n");
+				return 1;
+			}
+			triad = t > triad ? t : triad;
+		}
+		printf("stream triad (%d threads): %.2f GB/s\n", kc_pool_threads(), triad / 1e9);
 		return 0;
 	}
 	if (decode) {

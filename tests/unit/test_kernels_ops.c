@@ -332,4 +332,11 @@ TEST(membw_probe_contract)
 	CHECK_EQ(kc_measure_read_bandwidth((size_t)8 << 20, 1, &bw), DS_OK);
 	CHECK(bw > 1e8); /* any machine reads more than 100 MB/s */
 	CHECK_EQ(kc_pool_threads(), before);
+	/* STREAM Triad: the same rules; it checks its own output */
+	bw = 0;
+	CHECK_EQ(kc_measure_triad_bandwidth(1000, 1, &bw), DS_EINVAL);
+	CHECK_EQ(kc_measure_triad_bandwidth((size_t)1 << 20, -1, &bw), DS_EINVAL);
+	CHECK_EQ(kc_measure_triad_bandwidth((size_t)1 << 20, 1, &bw), DS_OK);
+	CHECK(bw > 1e8);
+	CHECK_EQ(kc_pool_threads(), before);
 }
