@@ -13,6 +13,7 @@
  * after start and the keys service is thread-safe.
  */
 #include "agent/control.h"
+#include "agent/serve.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 #include "engine/engine.h"
@@ -66,11 +67,11 @@ static int admin_ok(const control_ctx *c, const http_req *req, http_resp *resp)
 		return 0;
 	}
 	const char *h = http_req_header(req, "Authorization");
-	const char *tok;
+	const char *bearer;
 	size_t len;
 	if (keys_admin_check(c->admin_token, h))
 		return 1;
-	if (!keys_bearer(h, &tok, &len))
+	if (!keys_bearer(h, &bearer, &len))
 		http_resp_error(resp, 401, "authentication_error", "missing_admin_token",
 				"missing admin token: send 'Authorization: Bearer <token>' with "
 				"the token of admin.token in the agent's data directory");
@@ -278,6 +279,39 @@ static void post_test_drop(void *ud, const http_req *req, http_resp *resp)
 	json_decref(body);
 }
 
+/* TEST ONLY (--test-fault-injection): fail the next N engine steps. */
+static void post_test_fail_steps(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	if (!c->test_faults) {
+		http_resp_error(resp, 404, "not_found_error", "route_not_found",
+				"no route POST /v1/test/fail-steps (it exists only with "
+				"--test-fault-injection)");
+		return;
+	}
+	if (!admin_ok(c, req, resp))
+		return;
+	serve *sv = __atomic_load_n(&c->serve, __ATOMIC_ACQUIRE);
+	if (!sv || !atomic_load(&sv->ready)) {
+		http_resp_error(resp, 503, "service_unavailable_error", "model_loading",
+				"the model is not loaded yet");
+		return;
+	}
+	ds_err e = {0};
+	int64_t steps = 0;
+	json_t *body = jsonx_parse(req->body, req->body_len, 4, &e);
+	if (!body || !json_is_object(body) ||
+	    jsonx_get_i64(body, "steps", 1, 0, 1000000, &steps, &e) != DS_OK) {
+		http_resp_error_param(resp, 400, "invalid_request_error", "invalid_value", "steps",
+				      "expected {\"steps\": N} with 0 <= N <= 1000000: %s",
+				      e.msg[0] ? e.msg : "not a JSON object");
+	} else {
+		sched_test_fail_steps(sv->sc, (int)steps);
+		reply(resp, json_pack("{s:I}", "steps", (json_int_t)steps));
+	}
+	json_decref(body);
+}
+
 /* ---- cluster state: operators (admin token) and other agents ---- */
 
 enum { AUTH_ADMIN = 1, AUTH_PEER = 2 };
@@ -288,7 +322,7 @@ static int cluster_auth(const control_ctx *c, const http_req *req, http_resp *re
 			char sender[GOSSIP_ID_HEX])
 {
 	const char *h = http_req_header(req, "Authorization");
-	const char *tok;
+	const char *bearer;
 	size_t len;
 	ds_err e = {0};
 	sender[0] = '\0';
@@ -318,7 +352,7 @@ static int cluster_auth(const control_ctx *c, const http_req *req, http_resp *re
 	}
 	if (keys_admin_check(c->admin_token, h))
 		return AUTH_ADMIN;
-	if (!keys_bearer(h, &tok, &len))
+	if (!keys_bearer(h, &bearer, &len))
 		http_resp_error(resp, 401, "authentication_error", "missing_admin_token",
 				"missing credentials: send 'Authorization: Bearer <token>' with the "
 				"token of admin.token in the agent's data directory");
@@ -395,6 +429,7 @@ const http_route control_routes[] = {
 	{"DELETE", "/v1/keys/*", delete_key},
 	{"GET", "/v1/cluster/members", get_cluster_members},
 	{"POST", "/v1/cluster/test/drop", post_test_drop},
+	{"POST", "/v1/test/fail-steps", post_test_fail_steps},
 	{"GET", "/v1/node", get_node},
 	{"GET", "/v1/cluster/state", get_cluster_state},
 	{"GET", "/v1/cluster/nodes", get_cluster_nodes},

@@ -15,6 +15,12 @@
  *          TEST ONLY: exists with --test-fault-injection (404 otherwise); cuts
  *          gossip with those members ("" restores it), and agent-to-agent
  *          calls with them (cluster_test_drop).
+ * Engine (admin):
+ *   POST   /v1/test/fail-steps {"steps": N} -> 200 {"steps": N}
+ *          TEST ONLY: exists with --test-fault-injection (404 otherwise); the
+ *          next N engine steps fail as a forward error would (the requests in
+ *          them end with 500 / an SSE error event); 0 cancels.  503 until the
+ *          model is loaded.
  * Cluster state (the admin token, or the cluster credential of another agent:
  * "Authorization: DSCluster ..." of agent/rpc.h; docs/cluster.md):
  *   GET    /v1/node             -> 200 this node: id, name, role, epoch, digest,
@@ -47,6 +53,8 @@ typedef struct control_ctx {
 	gossip *gossip;          /* NULL: single node, the cluster routes answer 503 */
 	int test_faults;         /* --test-fault-injection: the test/drop route exists */
 	cluster *cluster;        /* NULL: the cluster state routes answer 503 */
+	struct serve *serve;     /* the OpenAI API's state, published (atomic store,
+				  * release) once it exists: the engine test route */
 } control_ctx;
 
 extern const http_route control_routes[];

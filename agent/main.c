@@ -271,6 +271,7 @@ int main(int argc, char **argv)
 		rc = 2;
 		goto out;
 	}
+	__atomic_store_n(&ctx.serve, sv, __ATOMIC_RELEASE);
 	http_params ap = http_default_params();
 	ap.bind_addr = opts.api_bind;
 	ap.port = opts.api_port;

@@ -83,7 +83,8 @@ const cfg_opt agent_opts_table[] = {
 	{"gossip-profile", CFG_STR, O(gossip_profile), "lan", 1, 0,
 	 "gossip timers: lan (memberlist LAN defaults) or test (fast, for tests on one machine)"},
 	{"test-fault-injection", CFG_BOOL, O(test_fault_injection), "false", 1, 0,
-	 "TEST ONLY: enable POST /v1/cluster/test/drop, which cuts gossip with named peers"},
+	 "TEST ONLY: enable POST /v1/cluster/test/drop (cuts gossip with named peers) and "
+	 "POST /v1/test/fail-steps (makes engine steps fail)"},
 	{"expect", CFG_INT, O(expect), "0", 0, 1000,
 	 "cluster size N: no head before N members are alive, and a head needs the votes of a "
 	 "majority of N (0 = no election; without --cluster-key the node is its own head)"},
@@ -120,10 +121,10 @@ int agent_opts_load(agent_opts *o, int argc, char **argv, ds_err *err)
 				  "--log-level=%s is not one of debug, info, warn, error, off",
 				  o->log_level);
 	log_set_level(lv);
-	if (!o->cluster_key && (o->join || o->test_fault_injection))
+	if (!o->cluster_key && o->join)
 		return ds_err_set(err, DS_EINVAL,
-				  "--join and --test-fault-injection need --cluster-key FILE (gossip "
-				  "runs only with a cluster key; `dsctl cluster init` makes one)");
+				  "--join needs --cluster-key FILE (gossip runs only with a cluster "
+				  "key; `dsctl cluster init` makes one)");
 	if (!o->cluster_key && o->expect > 1)
 		return ds_err_set(err, DS_EINVAL,
 				  "--expect %d needs --cluster-key FILE (without it the agent is a "

@@ -41,7 +41,7 @@ typedef struct agent_opts {
 	char *join;              /* HOST:PORT[,...] seeds */
 	char *advertise_addr;
 	char *gossip_profile;    /* lan | test */
-	int test_fault_injection; /* TEST ONLY: POST /v1/cluster/test/drop */
+	int test_fault_injection; /* TEST ONLY: POST /v1/cluster/test/drop, /v1/test/fail-steps */
 	/* election and cluster inventory (agent/election.h, agent/cluster.h) */
 	int expect;              /* cluster size N; 0 = no election (gossip only) */
 	int settle_ms;           /* formation: membership unchanged this long */

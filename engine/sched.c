@@ -149,6 +149,7 @@ struct sched {
 	sched_step_seq *t_seqs;  /* [max_running] */
 	sched_trace_fn trace;
 	void *trace_ctx;
+	int test_fail; /* steps still to fail (sched_test_fail_steps) */
 
 	sched_stats stats;       /* under mu */
 };
@@ -527,6 +528,9 @@ static void *step_main(void *arg)
 		s->stats.steps++;
 		sched_trace_fn trace = s->trace;
 		void *trace_ctx = s->trace_ctx;
+		int fail = s->test_fail > 0;
+		if (fail)
+			s->test_fail--;
 		sched_step_info info = {s->stats.steps, b.n_tok, s->n_bseq, s->t_seqs, admitted, preempted,
 					s->stats.kv_pages_used};
 		pthread_mutex_unlock(&s->mu);
@@ -536,6 +540,10 @@ static void *step_main(void *arg)
 		if (rc)
 			ds_err_set(&err, rc, "step %llu failed by the trace hook (fault injection)",
 				   (unsigned long long)info.step);
+		else if (fail)
+			rc = ds_err_set(&err, DS_EINTERNAL,
+					"step %llu failed by test fault injection",
+					(unsigned long long)info.step);
 		else
 			rc = model_forward(s->m, &b, s->logits, &err);
 		if (rc == DS_OK)
@@ -914,6 +922,13 @@ void sched_get_stats(sched *s, sched_stats *out)
 {
 	pthread_mutex_lock(&s->mu);
 	*out = s->stats;
+	pthread_mutex_unlock(&s->mu);
+}
+
+void sched_test_fail_steps(sched *s, int n)
+{
+	pthread_mutex_lock(&s->mu);
+	s->test_fail = n > 0 ? n : 0;
 	pthread_mutex_unlock(&s->mu);
 }
 

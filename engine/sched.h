@@ -175,4 +175,9 @@ typedef int (*sched_trace_fn)(void *ctx, const sched_step_info *info);
  * may block: tests use that to hold the step thread still). */
 void sched_set_trace(sched *s, sched_trace_fn fn, void *ctx);
 
+/* TEST ONLY (dsagent --test-fault-injection): the next n steps fail as a
+ * model_forward failure would (every sequence in them ends with an error);
+ * n <= 0 cancels what is left. */
+void sched_test_fail_steps(sched *s, int n);
+
 #endif

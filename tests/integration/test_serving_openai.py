@@ -265,6 +265,55 @@ def test_error_statuses_map_to_sdk_exceptions(server):
     assert c.completions.create(model=server.model, prompt="Hi", max_tokens=2).usage
 
 
+def admin_post(agent, path, doc):
+    token = (agent.data_dir / "admin.token").read_text().strip()
+    return agent.get(path, "POST", json.dumps(doc).encode(),
+                     {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+
+
+def test_fault_route_exists_only_with_the_flag(server):
+    status, body = admin_post(server, "/v1/test/fail-steps", {"steps": 1})
+    assert status == 404 and "--test-fault-injection" in body["error"]["message"]
+
+
+def test_engine_failure_is_500_and_the_server_recovers(tmp_path):
+    """An engine step that fails (the test-only switch POST /v1/test/fail-steps
+    on the control API, as a forward error would) ends the requests in it: a
+    500 with a nested error object (openai.InternalServerError), or an error
+    event in a stream that already started (openai.APIError); the next
+    requests are served as usual."""
+    a = start_agent(tmp_path, "--threads", "2", "--test-fault-injection")
+    try:
+        a.wait_serving()
+        c = openai.OpenAI(base_url=a.api_url + "/v1", api_key=create_key(a, "t")["key"],
+                          max_retries=0, timeout=120)
+        status, body = admin_post(a, "/v1/test/fail-steps", {"steps": -1})
+        assert status == 400 and body["error"]["param"] == "steps"
+        ok = c.chat.completions.create(model=a.model, messages=FRANCE, max_tokens=8,
+                                       temperature=0)
+        assert admin_post(a, "/v1/test/fail-steps", {"steps": 1}) == (200, {"steps": 1})
+        with pytest.raises(openai.InternalServerError) as e:
+            c.chat.completions.create(model=a.model, messages=FRANCE, max_tokens=8,
+                                      temperature=0)
+        assert e.value.status_code == 500
+        assert e.value.body["type"] == "server_error" and e.value.body["code"] == "engine_error"
+        assert "fault injection" in e.value.body["message"]
+        assert admin_post(a, "/v1/test/fail-steps", {"steps": 1}) == (200, {"steps": 1})
+        with pytest.raises(openai.APIError) as e:
+            for _ in c.chat.completions.create(model=a.model, messages=FRANCE, max_tokens=8,
+                                               temperature=0, stream=True):
+                pass
+        assert not isinstance(e.value, openai.APIStatusError)   # in the stream, after 200
+        assert e.value.body["code"] == "engine_error"
+        # the engine is not left broken: the same request gives the same answer
+        again = c.chat.completions.create(model=a.model, messages=FRANCE, max_tokens=8,
+                                          temperature=0)
+        assert again.choices[0].message.content == ok.choices[0].message.content
+        assert a.get("/health")[0] == 200
+    finally:
+        assert a.stop() == 0
+
+
 def test_rate_limits_return_429_with_retry_after(server):
     k = create_key(server, "limited", "--rpm", "2")
     c = client(server, key=k["key"])
