@@ -251,17 +251,24 @@ static void get_cluster_members(void *ud, const http_req *req, http_resp *resp)
 	reply(resp, gossip_status_json(c->gossip));
 }
 
+/* The test-only routes exist with --test-fault-injection and the admin
+ * token; 0 after filling resp with the 404 or 401 otherwise. */
+static int test_route_ok(const control_ctx *c, const http_req *req, http_resp *resp)
+{
+	if (!c->test_faults) {
+		http_resp_error(resp, 404, "not_found_error", "route_not_found",
+				"no route %s %s (it exists only with --test-fault-injection)",
+				req->method, req->path);
+		return 0;
+	}
+	return admin_ok(c, req, resp);
+}
+
 /* TEST ONLY (--test-fault-injection): cut gossip with the named members. */
 static void post_test_drop(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
-	if (!c->test_faults) {
-		http_resp_error(resp, 404, "not_found_error", "route_not_found",
-				"no route POST /v1/cluster/test/drop (it exists only with "
-				"--test-fault-injection)");
-		return;
-	}
-	if (!admin_ok(c, req, resp) || !gossip_ok(c, resp))
+	if (!test_route_ok(c, req, resp) || !gossip_ok(c, resp))
 		return;
 	ds_err e = {0};
 	const char *peers = NULL;
@@ -283,13 +290,7 @@ static void post_test_drop(void *ud, const http_req *req, http_resp *resp)
 static void post_test_fail_steps(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
-	if (!c->test_faults) {
-		http_resp_error(resp, 404, "not_found_error", "route_not_found",
-				"no route POST /v1/test/fail-steps (it exists only with "
-				"--test-fault-injection)");
-		return;
-	}
-	if (!admin_ok(c, req, resp))
+	if (!test_route_ok(c, req, resp))
 		return;
 	serve *sv = __atomic_load_n(&c->serve, __ATOMIC_ACQUIRE);
 	if (!sv || !atomic_load(&sv->ready)) {
