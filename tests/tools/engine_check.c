@@ -6,7 +6,8 @@
  *   incremental   64 decode steps through the paged cache, each step's logits
  *                 equal a full recompute of the whole sequence from scratch
  *   batch         4 prompts of different lengths in one step equal each alone,
- *                 and a step mixing decodes with a prefill equals them alone
+ *                 a step mixing decodes with a prefill equals them alone, and
+ *                 so does a step of 4 decodes
  *   pages         every page returns to the free list when sequences end
  *
  * Usage: engine_check MODEL_DIR [--page-size N] [--tol T]
@@ -224,8 +225,27 @@ static void check_batch(model *m, double tol)
 	}
 	float *mixed = malloc(sizeof(float) * (size_t)mn * V);
 	step(m, ss, mn, mt, ms, mixed);
+	/* decodes only: sequences 0..3 one token each in one step (a decode
+	 * batch, where the tokens share experts: DeepSeek's grouped MoE path) */
+	int32_t dt[4], ds_[4] = {0, 1, 2, 3};
+	for (int s = 0; s < 4; s++)
+		dt[s] = (int32_t)((toks[s][lens[s] - 1] + 11 + s) % V);
+	float *dec = malloc(sizeof(float) * 4 * (size_t)V);
+	step(m, ss, 4, dt, ds_, dec);
 	release(m, ss);
 	float *ref = malloc(sizeof(float) * 40 * (size_t)V);
+	for (int s = 0; s < 4; s++) {
+		int32_t seqt[34];
+		int len = lens[s];
+		memcpy(seqt, toks[s], sizeof(int32_t) * (size_t)len);
+		if (s < 3)
+			seqt[len++] = mt[s];
+		seqt[len++] = dt[s];
+		prefill(m, seqt, len, ref);
+		double e = row_err(dec + (size_t)s * V, ref + (size_t)(len - 1) * V);
+		worst = e > worst ? e : worst;
+	}
+	free(dec);
 	for (int s = 0; s < 3; s++) {
 		int32_t seqt[32];
 		memcpy(seqt, toks[s], sizeof(int32_t) * (size_t)lens[s]);
