@@ -575,8 +575,16 @@ static void join_done(gossip *g, int ok, int64_t now)
 {
 	g->join_inflight--;
 	if (ok) {
-		if (!g->joined)
+		if (!g->joined) {
 			log_info("gossip", "joined the cluster", "members=%zu", g->tab.n);
+			/* A first periodic push-pull 1-3 s after joining, not a full
+			 * interval: it catches a join of the same burst whose broadcasts
+			 * were over before we were known (or that the member a referral
+			 * named had not heard of yet). */
+			int64_t soon = now + 1000 + (int64_t)rnd(2000);
+			if (soon < g->next_pp_ms)
+				g->next_pp_ms = soon;
+		}
 		g->joined = 1;
 		g->join_round_ok = 1;
 		g->st.joins_ok++;
@@ -604,14 +612,9 @@ static void conn_finish(gossip *g, conn *c, int ok, int64_t now)
 		g->st.tcp_failed++;
 	if (c->purpose == PP_JOIN && ok && c->refer) {
 		/* Known to the seed now; the full state comes from the member it
-		 * named, and a first periodic push-pull 1-3 s later catches what
-		 * that member had not heard of yet (a join in the same burst whose
-		 * broadcasts were over before we were known). */
+		 * named (and the early push-pull of join_done). */
 		if (pp_start(g, &c->refer_addr, c->refer_id, PP_REFERRED, now) == DS_OK)
 			g->join_inflight++;
-		int64_t soon = now + 1000 + (int64_t)rnd(2000);
-		if (soon < g->next_pp_ms)
-			g->next_pp_ms = soon;
 	}
 	if (c->purpose == PP_JOIN || c->purpose == PP_REFERRED)
 		join_done(g, ok, now);

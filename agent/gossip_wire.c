@@ -477,6 +477,8 @@ enum {
 	META_INVENTORY = 9,
 	META_CONTROL_PORT = 10,
 	META_API_PORT = 11,
+	META_STATE = 12, /* role, health, eligible: what 2, 3, 4 say, in one record */
+	META_PORTS = 13, /* control port, api port: what 10, 11 say, in one record */
 };
 
 static int tlv(uint8_t *out, size_t cap, size_t *len, int type, const void *v, size_t n)
@@ -498,6 +500,21 @@ static int all_zero(const uint8_t *p, size_t n)
 	return 1;
 }
 
+/* An epoch as 1..8 big-endian bytes, leading zero bytes dropped. */
+static int tlv_u64(uint8_t *out, size_t cap, size_t *len, int type, uint64_t v)
+{
+	uint8_t b8[8];
+	put64(b8, v);
+	size_t skip = 0;
+	while (skip < 7 && b8[skip] == 0)
+		skip++;
+	return tlv(out, cap, len, type, b8 + skip, 8 - skip);
+}
+
+/* Every member's metadata rides in every alive message and push-pull entry,
+ * so the encoder writes the compact records: state and ports in one record
+ * each, epochs without leading zero bytes, priority only when not 0.  The
+ * decoder also reads the one-field records 2, 3, 4, 10 and 11. */
 int gossip_meta_encode(const gossip_meta *m, uint8_t *out, size_t cap, size_t *len,
 		       ds_err *err)
 {
@@ -507,28 +524,34 @@ int gossip_meta_encode(const gossip_meta *m, uint8_t *out, size_t cap, size_t *l
 	size_t vl = strnlen(m->version, sizeof m->version);
 	if (vl)
 		rc |= tlv(out, cap, &l, META_VERSION, m->version, vl);
-	rc |= tlv(out, cap, &l, META_ROLE, &m->role, 1);
-	rc |= tlv(out, cap, &l, META_HEALTH, &m->health, 1);
-	rc |= tlv(out, cap, &l, META_ELIGIBLE, &m->eligible, 1);
-	put32(b8, (uint32_t)m->priority);
-	rc |= tlv(out, cap, &l, META_PRIORITY, b8, 4);
-	put64(b8, m->epoch);
-	rc |= tlv(out, cap, &l, META_EPOCH, b8, 8);
+	uint8_t st[3] = {m->role, m->health, m->eligible};
+	rc |= tlv(out, cap, &l, META_STATE, st, 3);
+	if (m->priority) {
+		put32(b8, (uint32_t)m->priority);
+		rc |= tlv(out, cap, &l, META_PRIORITY, b8, 4);
+	}
+	rc |= tlv_u64(out, cap, &l, META_EPOCH, m->epoch);
 	if (!all_zero(m->head_id, sizeof m->head_id)) {
 		rc |= tlv(out, cap, &l, META_HEAD_ID, m->head_id, sizeof m->head_id);
-		put64(b8, m->head_epoch);
-		rc |= tlv(out, cap, &l, META_HEAD_EPOCH, b8, 8);
+		rc |= tlv_u64(out, cap, &l, META_HEAD_EPOCH, m->head_epoch);
 	}
 	if (!all_zero(m->inventory, sizeof m->inventory))
 		rc |= tlv(out, cap, &l, META_INVENTORY, m->inventory, sizeof m->inventory);
 	put16(b8, m->control_port);
-	rc |= tlv(out, cap, &l, META_CONTROL_PORT, b8, 2);
-	put16(b8, m->api_port);
-	rc |= tlv(out, cap, &l, META_API_PORT, b8, 2);
+	put16(b8 + 2, m->api_port);
+	rc |= tlv(out, cap, &l, META_PORTS, b8, 4);
 	if (rc)
 		return ds_err_set(err, DS_ERANGE, "node metadata does not fit in %zu bytes", cap);
 	*len = l;
 	return DS_OK;
+}
+
+static uint64_t get_be(const uint8_t *v, size_t n)
+{
+	uint64_t x = 0;
+	for (size_t i = 0; i < n; i++)
+		x = x << 8 | v[i];
+	return x;
 }
 
 int gossip_meta_decode(const uint8_t *in, size_t len, gossip_meta *m, ds_err *err)
@@ -542,11 +565,16 @@ int gossip_meta_decode(const uint8_t *in, size_t len, gossip_meta *m, ds_err *er
 		int type = in[o];
 		size_t n = in[o + 1];
 		const uint8_t *v = in + o + 2;
-		static const uint8_t want[] = {0, 0, 1, 1, 1, 4, 8, 16, 8, 32, 2, 2};
-		if (type < (int)sizeof want && type != META_VERSION && want[type] && n != want[type])
+		/* bytes of each known type (0: any); epochs take 1..8 */
+		static const uint8_t want[] = {0, 0, 1, 1, 1, 4, 0, 16, 0, 32, 2, 2, 3, 4};
+		if (type < (int)sizeof want && want[type] && n != want[type])
 			return ds_err_set(err, DS_EFORMAT,
 					  "metadata record %d has %zu bytes, expected %u", type, n,
 					  want[type]);
+		if ((type == META_EPOCH || type == META_HEAD_EPOCH) && (n < 1 || n > 8))
+			return ds_err_set(err, DS_EFORMAT,
+					  "metadata record %d has %zu bytes, expected 1 to 8", type,
+					  n);
 		switch (type) {
 		case META_VERSION:
 			if (n >= sizeof m->version)
@@ -558,12 +586,21 @@ int gossip_meta_decode(const uint8_t *in, size_t len, gossip_meta *m, ds_err *er
 		case META_HEALTH: m->health = v[0]; break;
 		case META_ELIGIBLE: m->eligible = v[0]; break;
 		case META_PRIORITY: m->priority = (int32_t)get32(v); break;
-		case META_EPOCH: m->epoch = get64(v); break;
+		case META_EPOCH: m->epoch = get_be(v, n); break;
 		case META_HEAD_ID: memcpy(m->head_id, v, 16); break;
-		case META_HEAD_EPOCH: m->head_epoch = get64(v); break;
+		case META_HEAD_EPOCH: m->head_epoch = get_be(v, n); break;
 		case META_INVENTORY: memcpy(m->inventory, v, 32); break;
 		case META_CONTROL_PORT: m->control_port = get16(v); break;
 		case META_API_PORT: m->api_port = get16(v); break;
+		case META_STATE:
+			m->role = v[0];
+			m->health = v[1];
+			m->eligible = v[2];
+			break;
+		case META_PORTS:
+			m->control_port = get16(v);
+			m->api_port = get16(v + 2);
+			break;
 		default: break; /* a newer agent's record: skipped */
 		}
 		o += 2 + n;

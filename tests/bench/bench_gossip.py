@@ -140,7 +140,17 @@ def main():
         converged_at = None
         samples = []                 # (time, {name: stats})
         phase_end = last_start + 10.0
+        reported = False
         while time.monotonic() < max(phase_end, last_start + 1) or converged_at is None:
+            if converged_at is None and not reported and time.monotonic() > last_start + 10:
+                reported = True          # say who is missing what (and keep waiting)
+                for ag in agents:
+                    odd = [f"{m['name']}:{m['state']}" for m in ag.members()["members"]
+                           if m["state"] != "alive"]
+                    known = len(ag.members()["members"])
+                    if odd or known != a.nodes:
+                        print(f"  not converged at +10 s: {ag.name} knows {known}, not alive: "
+                              f"{' '.join(odd) or '-'}", flush=True)
             if time.monotonic() > last_start + 60:
                 views = []
                 for ag in agents:

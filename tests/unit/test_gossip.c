@@ -764,9 +764,30 @@ TEST(gossip_meta_roundtrip)
 		CHECK_EQ(gossip_meta_decode(buf, 1, &out, NULL), DS_EFORMAT);
 		CHECK_EQ(gossip_meta_encode(&m, buf, 10, &len, NULL), DS_ERANGE);
 	}
-	uint8_t bad[] = {6, 4, 1, 2, 3, 4}; /* epoch must be 8 bytes */
 	gossip_meta out;
-	CHECK_EQ(gossip_meta_decode(bad, sizeof bad, &out, NULL), DS_EFORMAT);
+	uint8_t bad9[] = {6, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9}; /* epochs: 1..8 bytes */
+	CHECK_EQ(gossip_meta_decode(bad9, sizeof bad9, &out, NULL), DS_EFORMAT);
+	uint8_t bad0[] = {8, 0};
+	CHECK_EQ(gossip_meta_decode(bad0, sizeof bad0, &out, NULL), DS_EFORMAT);
+	uint8_t bad_state[] = {12, 2, 3, 1}; /* role, health, eligible: 3 bytes */
+	CHECK_EQ(gossip_meta_decode(bad_state, sizeof bad_state, &out, NULL), DS_EFORMAT);
+	/* the one-field records (role 2, health 3, eligible 4, 8-byte epoch 6,
+	 * ports 10 and 11) still decode, to the same fields */
+	uint8_t old[] = {2, 1, 3, 3, 1, 5, 4, 1, 1, 6, 8, 0, 0, 0, 0, 0, 0, 1, 2,
+			 10, 2, 0x1d, 0x41, 11, 2, 0x1f, 0x40};
+	CHECK_EQ(gossip_meta_decode(old, sizeof old, &out, NULL), DS_OK);
+	CHECK(out.role == 3 && out.health == 5 && out.eligible == 1 && out.epoch == 258 &&
+	      out.control_port == 7489 && out.api_port == 8000);
+	/* and the encoder's records are smaller: epoch 258 takes 2 bytes */
+	gossip_meta m;
+	memset(&m, 0, sizeof m);
+	m.epoch = 258;
+	uint8_t buf[64];
+	size_t len = 0;
+	CHECK_EQ(gossip_meta_encode(&m, buf, sizeof buf, &len, NULL), DS_OK);
+	CHECK_EQ(len, 5 + 4 + 6); /* state, epoch, ports; no priority 0 */
+	CHECK_EQ(gossip_meta_decode(buf, len, &out, NULL), DS_OK);
+	CHECK(memcmp(&m, &out, sizeof m) == 0);
 }
 
 static char *tmpdir_new(void)
