@@ -22,7 +22,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,23 +30,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = ROOT / os.environ.get("DS_BUILD", "build")
-
-
-def free_port():
-    for _ in range(50):
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        t.bind(("127.0.0.1", 0))
-        port = t.getsockname()[1]
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            t.close()
-            u.close()
-    raise RuntimeError("no free port")
+sys.path.insert(0, str(ROOT))
+from tests.fixtures.net import free_port  # noqa: E402
 
 
 class Agent:

@@ -40,30 +40,13 @@ from conftest import ROOT, binary, start_agent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from tests.fixtures import sysroots as sr  # noqa: E402
+from tests.fixtures.net import free_port  # noqa: E402
 
 MODEL = ROOT / "models" / "default.gguf"
 LEASE_MS = 1500
 SETTLE_MS = 300
 CONVERGE_S = 5.0
 FAILOVER_S = 10.0
-
-
-def free_port():
-    import socket
-    for _ in range(50):
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        t.bind(("127.0.0.1", 0))
-        port = t.getsockname()[1]
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            t.close()
-            u.close()
-    raise RuntimeError("no free port")
 
 
 class Node:

@@ -45,11 +45,16 @@ import socket
 import stat
 import struct
 import subprocess
+import sys
 import time
 
 import pytest
 
 from conftest import ROOT, binary
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from tests.fixtures.net import free_port  # noqa: E402
 
 MODEL = ROOT / "models" / "default.gguf"
 HDR_LEN, TAG_LEN = 58, 16
@@ -203,24 +208,6 @@ class Node:
                 self.proc.kill()
                 self.proc.wait()
         self._conn = None
-
-
-def free_port():
-    """A port free for both UDP and TCP right now (for the seed)."""
-    for _ in range(50):
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        t.bind(("127.0.0.1", 0))
-        port = t.getsockname()[1]
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            t.close()
-            u.close()
-    raise RuntimeError("no free port")
 
 
 def wait_for(pred, timeout, what):
