@@ -57,16 +57,10 @@ static void get_version(void *ud, const http_req *req, http_resp *resp)
 
 /* ---- admin routes: API keys ---- */
 
-/* 1 when the request may use the admin routes; otherwise resp holds the 401
- * (or 503 when the agent has no key service). */
-static int admin_ok(const control_ctx *c, const http_req *req, http_resp *resp)
+/* 1 when the Authorization header h carries the admin token; otherwise
+ * resp holds the 401 (missing or invalid). */
+static int admin_token_ok(const control_ctx *c, const char *h, http_resp *resp)
 {
-	if (!c->keys) {
-		http_resp_error(resp, 503, "service_unavailable_error", NULL,
-				"the key service is not running on this agent");
-		return 0;
-	}
-	const char *h = http_req_header(req, "Authorization");
 	const char *bearer;
 	size_t len;
 	if (keys_admin_check(c->admin_token, h))
@@ -81,6 +75,18 @@ static int admin_ok(const control_ctx *c, const http_req *req, http_resp *resp)
 				"agent's data directory)");
 	http_resp_header(resp, "WWW-Authenticate", "Bearer");
 	return 0;
+}
+
+/* 1 when the request may use the admin routes; otherwise resp holds the 401
+ * (or 503 when the agent has no key service). */
+static int admin_ok(const control_ctx *c, const http_req *req, http_resp *resp)
+{
+	if (!c->keys) {
+		http_resp_error(resp, 503, "service_unavailable_error", NULL,
+				"the key service is not running on this agent");
+		return 0;
+	}
+	return admin_token_ok(c, http_req_header(req, "Authorization"), resp);
 }
 
 static json_t *opt_int(int64_t v)
@@ -323,8 +329,6 @@ static int cluster_auth(const control_ctx *c, const http_req *req, http_resp *re
 			char sender[GOSSIP_ID_HEX])
 {
 	const char *h = http_req_header(req, "Authorization");
-	const char *bearer;
-	size_t len;
 	ds_err e = {0};
 	sender[0] = '\0';
 	if (!c->cluster) {
@@ -351,18 +355,7 @@ static int cluster_auth(const control_ctx *c, const http_req *req, http_resp *re
 		http_resp_header(resp, "WWW-Authenticate", "DSCluster");
 		return 0;
 	}
-	if (keys_admin_check(c->admin_token, h))
-		return AUTH_ADMIN;
-	if (!keys_bearer(h, &bearer, &len))
-		http_resp_error(resp, 401, "authentication_error", "missing_admin_token",
-				"missing credentials: send 'Authorization: Bearer <token>' with the "
-				"token of admin.token in the agent's data directory");
-	else
-		http_resp_error(resp, 401, "authentication_error", "invalid_admin_token",
-				"invalid admin token (it is the content of admin.token in the "
-				"agent's data directory)");
-	http_resp_header(resp, "WWW-Authenticate", "Bearer");
-	return 0;
+	return admin_token_ok(c, h, resp) ? AUTH_ADMIN : 0;
 }
 
 static void get_node(void *ud, const http_req *req, http_resp *resp)

@@ -20,6 +20,7 @@
  * gossip thread).
  */
 #include "agent/gossip_impl.h"
+#include "common/fileutil.h"
 #include "common/strutil.h"
 
 #include <errno.h>
@@ -663,61 +664,6 @@ const gossip_stat_field gossip_stat_fields[] = {
 
 /* ---- files: node id and cluster key ---- */
 
-/* Reads a whole small file into out (cap bytes); checks regular file and,
- * when private, no group/other permission bits. */
-static int small_file_read(const char *path, int private_, char *out, size_t cap, size_t *len,
-			   ds_err *err)
-{
-	int rc = DS_OK;
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0) {
-		if (errno == ENOENT)
-			return ds_err_set(err, DS_ENOTFOUND, "%s does not exist", path);
-		return ds_err_set(err, DS_EIO, "cannot open %s: %s", path, strerror(errno));
-	}
-	struct stat st;
-	if (fstat(fd, &st) != 0) {
-		rc = ds_err_set(err, DS_EIO, "cannot stat %s: %s", path, strerror(errno));
-		goto out;
-	}
-	if (!S_ISREG(st.st_mode)) {
-		rc = ds_err_set(err, DS_EPERM, "%s is not a regular file", path);
-		goto out;
-	}
-	if (private_ && (st.st_mode & 077)) {
-		rc = ds_err_set(err, DS_EPERM,
-				"%s is accessible to group or others (mode %04o); it holds a secret: "
-				"run `chmod 600 %s`",
-				path, (unsigned)(st.st_mode & 07777), path);
-		goto out;
-	}
-	if ((size_t)st.st_size >= cap) {
-		rc = ds_err_set(err, DS_EFORMAT, "%s is %lld bytes, too large", path,
-				(long long)st.st_size);
-		goto out;
-	}
-	size_t got = 0;
-	for (;;) {
-		ssize_t r = read(fd, out + got, cap - 1 - got);
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r < 0) {
-			rc = ds_err_set(err, DS_EIO, "cannot read %s: %s", path, strerror(errno));
-			goto out;
-		}
-		if (r == 0)
-			break;
-		got += (size_t)r;
-		if (got == cap - 1)
-			break;
-	}
-	out[got] = '\0';
-	*len = got;
-out:
-	close(fd);
-	return rc;
-}
-
 static int hexval(char c)
 {
 	if (c >= '0' && c <= '9')
@@ -740,8 +686,9 @@ int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *cr
 	for (int attempt = 0; attempt < 2; attempt++) {
 		char text[128];
 		size_t len = 0;
-		int rc = small_file_read(path, 0, text, sizeof text, &len, err);
+		int rc = ds_file_read_small(path, 0, text, sizeof text - 1, &len, err);
 		if (rc == DS_OK) {
+			text[len] = '\0';
 			while (len && (text[len - 1] == '\n' || text[len - 1] == '\r' ||
 				       text[len - 1] == ' '))
 				len--;
@@ -873,8 +820,9 @@ int gossip_key_load(const char *path, gossip_keyring *out, ds_err *err)
 	memset(out, 0, sizeof *out);
 	if (sodium_init() < 0)
 		return ds_err_set(err, DS_EINTERNAL, "libsodium could not start");
-	int rc = small_file_read(path, 1, text, sizeof text, &len, err);
+	int rc = ds_file_read_small(path, DS_FILE_PRIVATE, text, sizeof text - 1, &len, err);
 	if (rc == DS_OK) {
+		text[len] = '\0';
 		rc = gossip_key_parse(text, len, out, err);
 		if (rc)
 			ds_err_wrap(err, "cluster key file %s", path);

@@ -31,6 +31,7 @@
  * admin_mu serialises create and revoke (which do I/O).
  */
 #include "agent/keys.h"
+#include "common/fileutil.h"
 #include "common/log.h"
 #include "common/strutil.h"
 
@@ -134,56 +135,6 @@ static int private_file_create(const char *path, const void *data, size_t len, d
 	return DS_OK;
 }
 
-/* Reads a whole private file (regular, no group/other permission bits) of at
- * most cap bytes.  DS_ENOTFOUND when it does not exist. */
-static int private_file_read(const char *path, void *out, size_t cap, size_t *len, ds_err *err)
-{
-	int rc = DS_OK;
-	int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-	if (fd < 0) {
-		if (errno == ENOENT)
-			return ds_err_set(err, DS_ENOTFOUND, "%s does not exist", path);
-		return ds_err_set(err, DS_EIO, "cannot open %s: %s", path, strerror(errno));
-	}
-	struct stat st;
-	if (fstat(fd, &st) != 0) {
-		rc = ds_err_set(err, DS_EIO, "cannot stat %s: %s", path, strerror(errno));
-		goto out;
-	}
-	if (!S_ISREG(st.st_mode)) {
-		rc = ds_err_set(err, DS_EFORMAT, "%s is not a regular file", path);
-		goto out;
-	}
-	if (st.st_mode & 077) {
-		rc = ds_err_set(err, DS_EPERM,
-				"%s is accessible to group or others (mode %04o); it holds a "
-				"secret: run `chmod 600 %s`",
-				path, (unsigned)(st.st_mode & 07777), path);
-		goto out;
-	}
-	if ((size_t)st.st_size > cap) {
-		rc = ds_err_set(err, DS_EFORMAT, "%s is %lld bytes; at most %zu expected", path,
-				(long long)st.st_size, cap);
-		goto out;
-	}
-	size_t got = 0;
-	while (got < (size_t)st.st_size) {
-		ssize_t r = read(fd, (char *)out + got, (size_t)st.st_size - got);
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r <= 0) {
-			rc = ds_err_set(err, DS_EIO, "cannot read %s: %s", path,
-					r < 0 ? strerror(errno) : "file shrank");
-			goto out;
-		}
-		got += (size_t)r;
-	}
-	*len = got;
-out:
-	close(fd);
-	return rc;
-}
-
 static int load_secret(const char *data_dir, uint8_t secret[SECRET_LEN], ds_err *err)
 {
 	char path[PATH_MAX];
@@ -193,7 +144,7 @@ static int load_secret(const char *data_dir, uint8_t secret[SECRET_LEN], ds_err 
 	for (int attempt = 0; attempt < 2; attempt++) {
 		uint8_t buf[SECRET_LEN + 1];
 		size_t len = 0;
-		rc = private_file_read(path, buf, sizeof buf, &len, err);
+		rc = ds_file_read_small(path, DS_FILE_PRIVATE | DS_FILE_NOFOLLOW, buf, sizeof buf, &len, err);
 		if (rc == DS_OK) {
 			if (len != SECRET_LEN) {
 				rc = ds_err_set(err, DS_EFORMAT,
@@ -250,7 +201,7 @@ int keys_admin_token_load(const char *data_dir, char out[KEYS_TOKEN_SIZE], int *
 	for (int attempt = 0; attempt < 2; attempt++) {
 		char buf[2 * KEYS_TOKEN_SIZE];
 		size_t len = 0;
-		rc = private_file_read(path, buf, sizeof buf - 1, &len, err);
+		rc = ds_file_read_small(path, DS_FILE_PRIVATE | DS_FILE_NOFOLLOW, buf, sizeof buf - 1, &len, err);
 		if (rc == DS_OK) {
 			size_t a = 0;
 			while (a < len && (buf[a] == ' ' || buf[a] == '\t' || buf[a] == '\n' ||
