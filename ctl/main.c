@@ -220,6 +220,23 @@ out:
 	return v;
 }
 
+/* GET path as admin and the array `field` of the reply: the reply (caller
+ * frees) with *list pointing into it, or NULL after saying what is wrong. */
+static json_t *call_list(const struct ctl_opts *o, const char *path, const char *field,
+			 json_t **list)
+{
+	json_t *v = call(o, "GET", path, NULL, 1);
+	if (!v)
+		return NULL;
+	*list = json_object_get(v, field);
+	if (!json_is_array(*list)) {
+		fprintf(stderr, "dsctl: the agent's reply has no \"%s\" list\n", field);
+		json_decref(v);
+		return NULL;
+	}
+	return v;
+}
+
 static int print_json(const json_t *v)
 {
 	char *s = json_dumps(v, JSON_INDENT(2) | JSON_SORT_KEYS);
@@ -337,15 +354,10 @@ enum { NCOL = 13, CELL = 72 };
 static int cmd_keys_list(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
 			 char **argv)
 {
-	json_t *v = call(o, "GET", "/v1/keys", NULL, 1);
+	json_t *data;
+	json_t *v = call_list(o, "/v1/keys", "data", &data);
 	if (!v)
 		return 1;
-	json_t *data = json_object_get(v, "data");
-	if (!json_is_array(data)) {
-		fprintf(stderr, "dsctl: the agent's reply has no \"data\" list\n");
-		json_decref(v);
-		return 1;
-	}
 	if (o->json) {
 		json_t *out = json_pack("{s:O}", "data", data);
 		int rc = out ? print_json(out) : 1;
@@ -547,15 +559,10 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 static int cmd_cluster_members(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
 			       char **argv)
 {
-	json_t *v = call(o, "GET", "/v1/cluster/members", NULL, 1);
+	json_t *ms;
+	json_t *v = call_list(o, "/v1/cluster/members", "members", &ms);
 	if (!v)
 		return 1;
-	json_t *ms = json_object_get(v, "members");
-	if (!json_is_array(ms)) {
-		fprintf(stderr, "dsctl: the agent's reply has no \"members\" list\n");
-		json_decref(v);
-		return 1;
-	}
 	if (o->json) {
 		int rc = print_json(v);
 		json_decref(v);
@@ -898,16 +905,11 @@ static void print_node_detail(const json_t *n)
 
 static int cmd_nodes(const struct ctl_opts *o, const struct cmd_flags *fl, int argc, char **argv)
 {
-	json_t *v = call(o, "GET", "/v1/cluster/nodes", NULL, 1);
+	json_t *nodes;
+	json_t *v = call_list(o, "/v1/cluster/nodes", "nodes", &nodes);
 	if (!v)
 		return 1;
 	int rc = 0;
-	const json_t *nodes = json_object_get(v, "nodes");
-	if (!json_is_array(nodes)) {
-		fprintf(stderr, "dsctl: the agent's reply has no \"nodes\" list\n");
-		json_decref(v);
-		return 1;
-	}
 	if (argc == 1) {
 		const json_t *n = find_node(nodes, argv[0]);
 		if (!n) {
