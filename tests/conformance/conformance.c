@@ -245,13 +245,14 @@ static void abs_weights(enum kb_dtype t, void *w, size_t n)
 	}
 }
 
-static const int64_t mm_ms[] = {1, 2, 3, 5, 8, 17, 64};
+static const int64_t mm_ms[] = {1, 2, 3, 4, 5, 8, 17, 64};
 static const int64_t mm_nk[][2] = {
 	{1, 1}, {3, 5}, {8, 16}, {9, 17}, {33, 100}, {130, 257}, {67, 1030}, {256, 1100}, {19, 2049},
 };
-/* 128 is DeepSeek's; 48 and 32 cut 16-wide vectors; 50 makes panels of 4
+/* 128 is DeepSeek's, 64 another power of two; 48 and 32 cut 16-wide
+ * vectors; 50 makes panels of 4
  * and 8 rows straddle two scale-block rows (per-row scaling path) */
-static const int64_t mm_blocks[] = {128, 48, 128, 50, 32};
+static const int64_t mm_blocks[] = {128, 48, 64, 50, 32};
 
 typedef struct mm_case {
 	kb_matmul_args a;
