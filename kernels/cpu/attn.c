@@ -269,6 +269,7 @@ static vec_ops pick_ops(void)
 typedef struct mla_job {
 	const kb_mla_attn_args *a;
 	vec_ops v;
+	int64_t group; /* heads per item (AVX-512 path) */
 } mla_job;
 
 typedef struct paged_job {
@@ -281,6 +282,203 @@ typedef struct attn_job {
 	vec_ops v;
 } attn_job;
 
+/* Cache row pointers of positions j0 .. j0 + n - 1 of token t. */
+static void mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows)
+{
+	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
+	for (int64_t i = 0; i < n; i++) {
+		int64_t j = j0 + i;
+		int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
+		rows[i] = a->cache + slot * a->row_stride;
+	}
+}
+
+#if defined(__x86_64__)
+/* ---- AVX-512: MLA for a group of up to MLA_G heads of one token ----
+ * Every head reads the same latent rows, so a group's heads share each row
+ * load: while a chunk of ATT_CHUNK rows (ATT_CHUNK * row_stride floats, in
+ * L2) is scored and summed, each row comes from memory once for the group
+ * instead of once per head.  Per head the arithmetic does not depend on the
+ * group size (one lane accumulator per (head, row) over the row's 16-float
+ * slices, lora part then rope part; the weighted sum in row order), so the
+ * result does not depend on how heads are grouped, hence not on the thread
+ * count or the batch either. */
+#define MLA_G 8
+#define MLA_PF 4 /* rows ahead that mla_scores_rows prefetches */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define MLA_INL AVX512 __attribute__((always_inline)) static inline
+
+MLA_INL __mmask16 tail_mask(int64_t left)
+{
+	return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (unsigned)left) - 1u);
+}
+
+/* sc[g][i] = scale * (ql[g] . rows[i][0..lora) + qp[g] . rows[i][lora..lora+rope)),
+ * R rows at a time. */
+MLA_INL void mla_scores_rows(const int G, const int R, float sc[][ATT_CHUNK], const float *const *ql,
+			     const float *const *qp, const float *const *rows, int64_t i, int64_t n,
+			     int64_t lora, int64_t rope, float scale)
+{
+	/* the cache rows come from memory (the weights of a whole step passed
+	 * through the caches since they were written): the rows MLA_PF on are
+	 * asked for line by line while these are scored */
+	const char *pf0 = i + MLA_PF < n ? (const char *)rows[i + MLA_PF] : NULL;
+	const char *pf1 = i + MLA_PF + 1 < n ? (const char *)rows[i + MLA_PF + 1] : NULL;
+	__m512 acc[2][MLA_G];
+#pragma GCC unroll 8
+	for (int g = 0; g < G; g++)
+#pragma GCC unroll 2
+		for (int r = 0; r < R; r++)
+			acc[r][g] = _mm512_setzero_ps();
+	for (int64_t k = 0; k < lora; k += 16) {
+		__mmask16 m = tail_mask(lora - k);
+		__m512 c[2];
+		if (pf0)
+			_mm_prefetch(pf0 + k * 4, _MM_HINT_T0);
+		if (pf1)
+			_mm_prefetch(pf1 + k * 4, _MM_HINT_T0);
+#pragma GCC unroll 2
+		for (int r = 0; r < R; r++)
+			c[r] = _mm512_maskz_loadu_ps(m, rows[i + r] + k);
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++) {
+			__m512 q = _mm512_maskz_loadu_ps(m, ql[g] + k);
+#pragma GCC unroll 2
+			for (int r = 0; r < R; r++)
+				acc[r][g] = _mm512_fmadd_ps(q, c[r], acc[r][g]);
+		}
+	}
+	for (int64_t k = 0; k < rope; k += 16) {
+		__mmask16 m = tail_mask(rope - k);
+		__m512 c[2];
+		if (pf0)
+			_mm_prefetch(pf0 + (lora + k) * 4, _MM_HINT_T0);
+		if (pf1)
+			_mm_prefetch(pf1 + (lora + k) * 4, _MM_HINT_T0);
+#pragma GCC unroll 2
+		for (int r = 0; r < R; r++)
+			c[r] = _mm512_maskz_loadu_ps(m, rows[i + r] + lora + k);
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++) {
+			__m512 q = _mm512_maskz_loadu_ps(m, qp[g] + k);
+#pragma GCC unroll 2
+			for (int r = 0; r < R; r++)
+				acc[r][g] = _mm512_fmadd_ps(q, c[r], acc[r][g]);
+		}
+	}
+#pragma GCC unroll 8
+	for (int g = 0; g < G; g++)
+#pragma GCC unroll 2
+		for (int r = 0; r < R; r++)
+			sc[g][i + r] = scale * _mm512_reduce_add_ps(acc[r][g]);
+}
+
+/* out[g][0..lora) += sum_i w[g][i] * rows[i][0..lora), 32 floats of every
+ * head's output in registers over the chunk's rows. */
+MLA_INL void mla_wsum(const int G, float *const *out, float w[][ATT_CHUNK], const float *const *rows,
+		      int64_t n, int64_t lora)
+{
+	for (int64_t d = 0; d < lora; d += 32) {
+		const __mmask16 m0 = tail_mask(lora - d), m1 = lora - d > 16 ? tail_mask(lora - d - 16) : 0;
+		__m512 a0[MLA_G], a1[MLA_G];
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++) {
+			a0[g] = _mm512_maskz_loadu_ps(m0, out[g] + d);
+			a1[g] = _mm512_maskz_loadu_ps(m1, out[g] + d + 16);
+		}
+		for (int64_t i = 0; i < n; i++) {
+			__m512 c0 = _mm512_maskz_loadu_ps(m0, rows[i] + d);
+			__m512 c1 = _mm512_maskz_loadu_ps(m1, rows[i] + d + 16);
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++) {
+				__m512 wi = _mm512_set1_ps(w[g][i]);
+				a0[g] = _mm512_fmadd_ps(wi, c0, a0[g]);
+				a1[g] = _mm512_fmadd_ps(wi, c1, a1[g]);
+			}
+		}
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++) {
+			_mm512_mask_storeu_ps(out[g] + d, m0, a0[g]);
+			_mm512_mask_storeu_ps(out[g] + d + 16, m1, a1[g]);
+		}
+	}
+}
+
+MLA_INL void mla_group_fixed(const int G, const kb_mla_attn_args *a, int64_t t, int64_t h0)
+{
+	const int64_t lora = a->kv_lora, rope = a->rope_dim;
+	const float *ql[MLA_G], *qp[MLA_G];
+	float *out[MLA_G], m[MLA_G], l[MLA_G];
+	_Alignas(64) float sc[MLA_G][ATT_CHUNK];
+	const float *rows[ATT_CHUNK];
+	for (int g = 0; g < G; g++) {
+		ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * lora;
+		qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * rope;
+		out[g] = a->out + t * a->out_stride + (h0 + g) * lora;
+		memset(out[g], 0, (size_t)lora * sizeof(float));
+		m[g] = -INFINITY;
+		l[g] = 0.0f;
+	}
+	for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
+		int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
+		mla_rows(a, t, j0, n, rows);
+		int64_t i = 0;
+		for (; i + 2 <= n; i += 2)
+			mla_scores_rows(G, 2, sc, ql, qp, rows, i, n, lora, rope, a->scale);
+		if (i < n)
+			mla_scores_rows(G, 1, sc, ql, qp, rows, i, n, lora, rope, a->scale);
+		for (int g = 0; g < G; g++) {
+			float cmax = -INFINITY;
+			for (i = 0; i < n; i++)
+				cmax = sc[g][i] > cmax ? sc[g][i] : cmax;
+			if (cmax > m[g]) { /* the running max grows: rescale what is summed */
+				float c = expf(m[g] - cmax);
+				scale_add_avx512(out[g], c, 0.0f, out[g], lora);
+				l[g] *= c;
+				m[g] = cmax;
+			}
+			l[g] += exp_sub_avx512(sc[g], m[g], n);
+		}
+		mla_wsum(G, out, sc, rows, n, lora);
+	}
+	for (int g = 0; g < G; g++) {
+		float inv = 1.0f / l[g];
+		for (int64_t k = 0; k < lora; k++)
+			out[g][k] *= inv;
+	}
+}
+
+AVX512 static void mla_group_avx512(const kb_mla_attn_args *a, int64_t t, int64_t h0, int g)
+{
+	switch (g) {
+	case 1: mla_group_fixed(1, a, t, h0); break;
+	case 2: mla_group_fixed(2, a, t, h0); break;
+	case 3: mla_group_fixed(3, a, t, h0); break;
+	case 4: mla_group_fixed(4, a, t, h0); break;
+	case 5: mla_group_fixed(5, a, t, h0); break;
+	case 6: mla_group_fixed(6, a, t, h0); break;
+	case 7: mla_group_fixed(7, a, t, h0); break;
+	default: mla_group_fixed(8, a, t, h0); break;
+	}
+}
+#endif
+
+/* items = (token, group of job->group heads); the last group of a token may
+ * be smaller */
+static void mla_groups_range(void *ctx, int64_t begin, int64_t end)
+{
+#if defined(__x86_64__)
+	const mla_job *j = ctx;
+	const int64_t H = j->a->n_heads, per_tok = (H + j->group - 1) / j->group;
+	for (int64_t it = begin; it < end; it++) {
+		int64_t t = it / per_tok, h0 = it % per_tok * j->group;
+		mla_group_avx512(j->a, t, h0, (int)(H - h0 < j->group ? H - h0 : j->group));
+	}
+#else
+	(void)ctx, (void)begin, (void)end;
+#endif
+}
+
 static void mla_range(void *ctx, int64_t begin, int64_t end)
 {
 	const kb_mla_attn_args *a = ((const mla_job *)ctx)->a;
@@ -290,18 +488,13 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 		const float *ql = a->q_lat + t * a->q_lat_stride + h * a->kv_lora;
 		const float *qp = a->q_pe + t * a->q_pe_stride + h * a->rope_dim;
 		float *out = a->out + t * a->out_stride + h * a->kv_lora;
-		const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
 		float m = -INFINITY, l = 0.0f, sc[ATT_CHUNK];
 		const float *rows[ATT_CHUNK];
 		memset(out, 0, (size_t)a->kv_lora * sizeof *out);
 		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 			float cmax = -INFINITY;
-			for (int64_t i = 0; i < n; i++) {
-				int64_t j = j0 + i;
-				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
-				rows[i] = a->cache + slot * a->row_stride;
-			}
+			mla_rows(a, t, j0, n, rows);
 			v.scores(sc, ql, rows, 0, n, a->kv_lora, a->scale, 0);
 			v.scores(sc, qp, rows, a->kv_lora, n, a->rope_dim, a->scale, 1);
 			for (int64_t i = 0; i < n; i++)
@@ -326,7 +519,19 @@ int kc_mla_attn(const kb_mla_attn_args *a)
 	if (a->n_tok < 0 || a->n_heads <= 0 || a->kv_lora <= 0 || a->rope_dim < 0 ||
 	    a->page_size <= 0 || a->row_stride < a->kv_lora + a->rope_dim)
 		return DS_EINVAL;
-	mla_job job = {a, pick_ops()};
+	mla_job job = {a, pick_ops(), 1};
+#if defined(__x86_64__)
+	if (kc_isa_active() >= KC_ISA_AVX512) {
+		/* the largest group (at most MLA_G) that still gives every thread an item */
+		const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
+		job.group = MLA_G;
+		while (job.group > 1 && a->n_tok * ((a->n_heads + job.group - 1) / job.group) < threads)
+			job.group /= 2;
+		const int64_t per_tok = (a->n_heads + job.group - 1) / job.group;
+		kc_parallel_for(a->n_tok * per_tok, 1, mla_groups_range, &job);
+		return DS_OK;
+	}
+#endif
 	kc_parallel_for(a->n_tok * a->n_heads, 1, mla_range, &job);
 	return DS_OK;
 }
