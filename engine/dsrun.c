@@ -9,7 +9,7 @@
  *   dsrun -m DIR --tokens 1,2,3 --dump-logits FILE   (f32 LE [n_tokens][vocab])
  *   dsrun -m DIR --tokens 1,2,3 -n N --temp 0 --ids  (JSON array of the N ids)
  *   dsrun -m DIR --tokenize TEXT | --detokenize 1,2,3
- *   dsrun -m DIR --bench [--prompt-len 512] [-n 128] [--batch B] [--json]
+ *   dsrun -m DIR --bench [--prompt-len 512] [-n 128] [--batch B] [--json] [--membw]
  *
  * Options come from one table (common/config.h), so each is also DSRUN_<NAME>
  * in the environment.  Errors go to stderr with a non-zero exit: 2 for bad
@@ -26,6 +26,7 @@
 #include "engine/sampler.h"
 #include "engine/tok.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/membw.h"
 
 #include <stddef.h>
 #include <stdio.h>
@@ -38,7 +39,7 @@
 struct run_cfg {
 	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn;
 	char *system, *stop_ids;
-	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos;
+	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos, membw;
 	int version, backends, help, show_prompt;
 	double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;
 	int64_t seed;
@@ -75,6 +76,9 @@ static const cfg_opt opts[] = {
 	{"prompt-len", CFG_INT, O(prompt_len), "512", 1, 1 << 20, "--bench prompt length"},
 	{"batch", CFG_INT, O(batch), "1", 1, 4096, "--bench sequences decoded together"},
 	{"json", CFG_BOOL, O(json), "false", 1, 0, "--bench: one JSON object on stdout"},
+	{"membw", CFG_BOOL, O(membw), "false", 1, 0,
+	 "--bench on the cpu backend: then decode N more steps, each followed by one read and one "
+	 "Triad pass of a memory probe, and report both rates over that stretch"},
 	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
 	{"backend", CFG_STR, O(backend), "auto", 1, 0, "compute backend: auto, cpu or cuda"},
 	{"backends", CFG_BOOL, O(backends), "false", 1, 0, "list compute backends and exit"},
@@ -247,6 +251,60 @@ static long peak_rss_bytes(void)
 	return ru.ru_maxrss * 1024L;
 }
 
+/* Rates over the stretch of --bench --membw. */
+typedef struct bw_stretch {
+	double decode_tok_s, read_bytes_s, triad_bytes_s;
+} bw_stretch;
+
+#define MEMBW_READ_BYTES ((size_t)128 << 20) /* 4x the L3 of the machines we measure on */
+#define MEMBW_TRIAD_ELEMENTS ((size_t)4 << 20) /* 3 arrays of 32 MiB */
+
+/* Decodes c->n_predict more steps from where the bench left ss; after each
+ * step one read pass and one Triad pass of the probe.  Each of the three
+ * rates is its work over its own time, so they cover the same stretch of
+ * wall time, interleaved step by step: on a shared machine the bandwidth
+ * moves by tens of percent from one second to the next, and a probe taken
+ * before or after the decode does not see the bandwidth the decode had.
+ * The probe also empties the caches before every step, which can only
+ * slow the decode. */
+static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *next, bw_stretch *out,
+		       ds_err *err)
+{
+	const int V = model_vocab_size(r->m), B = c->batch;
+	kc_membw *p = NULL;
+	int rc = kc_membw_open(&p, MEMBW_READ_BYTES, MEMBW_TRIAD_ELEMENTS);
+	if (rc)
+		return ds_err_set(err, rc, "--membw: cannot allocate the probe's buffers");
+	double t_dec = 0.0, t_rd = 0.0, t_tr = 0.0, b_rd = 0.0, b_tr = 0.0;
+	for (int step = 0; step < c->n_predict && !rc; step++) {
+		double t0 = ds_now_s();
+		if ((rc = decode_step(r, ss, next, B, err)))
+			break;
+		for (int b = 0; b < B; b++) {
+			const float *lg = r->logits + (int64_t)b * V;
+			int32_t best = 0;
+			for (int v = 1; v < V; v++)
+				best = lg[v] > lg[best] ? v : best;
+			next[b] = best;
+		}
+		t_dec += ds_now_s() - t0;
+		double nb = 0.0;
+		t_rd += kc_membw_read_pass(p, &nb);
+		b_rd += nb;
+		t_tr += kc_membw_triad_pass(p, &nb);
+		b_tr += nb;
+	}
+	if (!rc && (rc = kc_membw_triad_check(p)))
+		ds_err_set(err, rc, "--membw: the Triad pass did not compute a = b + s * c");
+	kc_membw_close(p);
+	if (rc)
+		return rc;
+	out->decode_tok_s = (double)c->n_predict * B / t_dec;
+	out->read_bytes_s = b_rd / t_rd;
+	out->triad_bytes_s = b_tr / t_tr;
+	return DS_OK;
+}
+
 static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 {
 	const int V = model_vocab_size(m), B = c->batch;
@@ -292,9 +350,17 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	double t_decode = ds_now_s() - t0;
 	double pf = (double)c->prompt_len * B / t_prefill;
 	double dc = c->n_predict ? (double)c->n_predict * B / t_decode : 0.0;
-	if (c->json)
-		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld}\n", pf, dc,
-		       peak_rss_bytes());
+	long rss = peak_rss_bytes(); /* before the probe's buffers exist */
+	bw_stretch bw = {0};
+	if (c->membw && (rc = bench_membw(c, r, ss, next, &bw, err)))
+		goto out;
+	if (c->json && c->membw)
+		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld,"
+		       "\"membw\":{\"steps\":%d,\"decode_tok_s\":%.3f,\"read_bytes_s\":%.0f,"
+		       "\"triad_bytes_s\":%.0f}}\n",
+		       pf, dc, rss, c->n_predict, bw.decode_tok_s, bw.read_bytes_s, bw.triad_bytes_s);
+	else if (c->json)
+		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld}\n", pf, dc, rss);
 	else
 		printf("model %s (%s), batch %d, threads %d\n"
 		       "prefill: %d tokens x %d in %.3f s = %.2f tok/s\n"
@@ -302,9 +368,13 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 		       "peak RSS: %.1f MiB (weights %.1f MiB, engine buffers %.1f MiB, kv cache %.1f MiB)\n",
 		       c->model, model_arch_name(m), B, kc_isa_active() >= 0 ? c->threads : 0,
 		       c->prompt_len, B, t_prefill, pf, c->n_predict, B, t_decode, dc,
-		       (double)peak_rss_bytes() / (1 << 20), (double)model_weight_bytes(m) / (1 << 20),
+		       (double)rss / (1 << 20), (double)model_weight_bytes(m) / (1 << 20),
 		       (double)model_extra_bytes(m) / (1 << 20),
 		       (double)kv_cache_bytes(model_kv(m)) / (1 << 20));
+	if (!c->json && c->membw)
+		printf("with the memory probe between steps: decode %.2f tok/s, read %.2f GB/s, "
+		       "Triad %.2f GB/s\n",
+		       bw.decode_tok_s, bw.read_bytes_s / 1e9, bw.triad_bytes_s / 1e9);
 out:
 	for (int b = 0; ss && b < B; b++)
 		kv_seq_free(model_kv(m), &ss[b].kv);
@@ -522,7 +592,17 @@ static int run(const struct run_cfg *c, ds_err *err)
 		rc = ds_err_set(err, DS_EINVAL, "--attn must be auto, naive or absorbed, got '%s'", c->attn);
 		goto out;
 	}
-	int64_t need = c->bench ? (int64_t)c->prompt_len + c->n_predict : (int64_t)n_prompt + c->n_predict;
+	if (c->membw && !c->bench) {
+		rc = ds_err_set(err, DS_EINVAL, "--membw is a --bench option");
+		goto out;
+	}
+	if (c->membw && c->n_predict < 1) {
+		rc = ds_err_set(err, DS_EINVAL, "--membw needs -n of at least 1");
+		goto out;
+	}
+	/* --membw decodes n_predict steps twice */
+	int64_t need = c->bench ? (int64_t)c->prompt_len + (int64_t)c->n_predict * (c->membw ? 2 : 1)
+				: (int64_t)n_prompt + c->n_predict;
 	mp.max_ctx = c->ctx > 0 ? c->ctx : (int)need;
 	mp.max_seqs = c->bench ? c->batch : 1;
 	/* --dump-logits is one prefill: the step must hold the whole prompt */
@@ -549,7 +629,10 @@ static int run(const struct run_cfg *c, ds_err *err)
 	int n_seq = c->bench ? c->batch : 1;
 	if ((rc = runner_init(&r, m, n_seq, c->dump_logits ? model_max_batch_tokens(m) : n_seq, err)))
 		goto out;
-	if (c->bench) {
+	if (c->bench && c->membw && strcmp(model_backend_name(m), "cpu") != 0) {
+		rc = ds_err_set(err, DS_EINVAL, "--membw probes host memory: it applies to the cpu backend, "
+						"not %s", model_backend_name(m));
+	} else if (c->bench) {
 		rc = cmd_bench(c, m, &r, err);
 	} else if (c->dump_logits) {
 		size_t n = n_prompt * (size_t)model_vocab_size(m);

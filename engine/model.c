@@ -198,6 +198,11 @@ const char *model_arch_name(const model *m)
 	return m->arch;
 }
 
+const char *model_backend_name(const model *m)
+{
+	return m->be->name;
+}
+
 size_t model_weight_bytes(const model *m)
 {
 	return m->weight_bytes;

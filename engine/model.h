@@ -71,6 +71,8 @@ int model_max_batch_tokens(const model *m);
 int model_bos_id(const model *m);     /* -1 when the config has none */
 int model_eos_ids(const model *m, const int **ids); /* count; ids borrowed */
 const char *model_arch_name(const model *m);
+/* "cpu" or "cuda": the backend the model runs on. */
+const char *model_backend_name(const model *m);
 size_t model_weight_bytes(const model *m);  /* bytes of the checkpoint's tensors used */
 size_t model_extra_bytes(const model *m);   /* bytes the engine allocated beside them */
 

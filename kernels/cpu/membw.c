@@ -108,59 +108,16 @@ static void read_item(void *ctx, int64_t b, int64_t e)
 	__atomic_fetch_xor(&j->sink[(size_t)b % KC_POOL_MAX_THREADS], v, __ATOMIC_RELAXED);
 }
 
-int kc_measure_read_bandwidth(size_t bytes, int threads, double *bytes_per_s)
-{
-	if (bytes < ((size_t)1 << 20) || threads < 0 || threads > KC_POOL_MAX_THREADS || !bytes_per_s)
-		return DS_EINVAL;
-	int rc = DS_OK;
-	int prev = kc_pool_threads();
-	int64_t pages = (int64_t)((bytes + PAGE - 1) / PAGE);
-	bw_job *j = calloc(1, sizeof *j);
-	if (!j)
-		return DS_ENOMEM;
-	j->buf = aligned_alloc(PAGE, (size_t)pages * PAGE);
-	j->isa = kc_isa_active();
-	if (!j->buf) {
-		rc = DS_ENOMEM;
-		goto out;
-	}
-	if (threads > 0 && threads != prev && (rc = kc_pool_set_threads(threads)) != DS_OK)
-		goto out;
-	int nt = kc_pool_threads();
-	int64_t grain = (pages + nt - 1) / nt; /* one contiguous slice per thread */
-	kc_parallel_for(pages, grain, touch_item, j);
-	double best = 1e30;
-	for (int rep = 0; rep < 5; rep++) {
-		double t0 = ds_now_s();
-		kc_parallel_for(pages, grain, read_item, j);
-		double dt = ds_now_s() - t0;
-		if (dt < best)
-			best = dt;
-	}
-	uint64_t s = 0;
-	for (int i = 0; i < KC_POOL_MAX_THREADS; i++)
-		s ^= j->sink[i];
-	__atomic_store_n(&bw_sink, s, __ATOMIC_RELAXED);
-	*bytes_per_s = (double)pages * PAGE / best;
-out:
-	if (threads > 0 && threads != prev)
-		kc_pool_set_threads(prev);
-	if (j)
-		free(j->buf);
-	free(j);
-	return rc;
-}
+/* ---- STREAM Triad: a[i] = b[i] + s * c[i] ---- */
 
-/* ---- STREAM Triad ---- */
-
-typedef struct triad_job {
+struct triad_job {
 	double *a, *b, *c;
 	double s;
-} triad_job;
+};
 
 static void triad_init(void *ctx, int64_t b, int64_t e)
 {
-	triad_job *j = ctx;
+	struct triad_job *j = ctx;
 	for (int64_t i = b; i < e; i++) {
 		j->a[i] = 1.0;
 		j->b[i] = 2.0;
@@ -170,7 +127,7 @@ static void triad_init(void *ctx, int64_t b, int64_t e)
 
 static void triad_item(void *ctx, int64_t b, int64_t e)
 {
-	triad_job *j = ctx;
+	struct triad_job *j = ctx;
 	double *restrict a = j->a;
 	const double *restrict bb = j->b, *restrict c = j->c;
 	const double s = j->s;
@@ -178,47 +135,144 @@ static void triad_item(void *ctx, int64_t b, int64_t e)
 		a[i] = bb[i] + s * c[i];
 }
 
-int kc_measure_triad_bandwidth(size_t elements, int threads, double *bytes_per_s)
+/* ---- the probe kept open (kc_membw_*) ---- */
+
+struct kc_membw {
+	bw_job *rd;        /* read buffer, `pages` pages */
+	int64_t pages, rd_grain;
+	struct triad_job *tr; /* Triad arrays, `elements` doubles each */
+	int64_t elements, tr_grain;
+};
+
+int kc_membw_open(kc_membw **out, size_t read_bytes, size_t triad_elements)
 {
-	if (elements < ((size_t)1 << 17) || threads < 0 || threads > KC_POOL_MAX_THREADS ||
-	    !bytes_per_s)
+	if (!out || (read_bytes && read_bytes < ((size_t)1 << 20)) ||
+	    (triad_elements && triad_elements < ((size_t)1 << 17)))
 		return DS_EINVAL;
-	int rc = DS_OK;
-	int prev = kc_pool_threads();
-	size_t bytes = (elements * sizeof(double) + PAGE - 1) / PAGE * PAGE;
-	triad_job j = {.s = 3.0};
-	j.a = aligned_alloc(PAGE, bytes);
-	j.b = aligned_alloc(PAGE, bytes);
-	j.c = aligned_alloc(PAGE, bytes);
-	if (!j.a || !j.b || !j.c) {
-		rc = DS_ENOMEM;
-		goto out;
-	}
-	if (threads > 0 && threads != prev && (rc = kc_pool_set_threads(threads)) != DS_OK)
-		goto out;
+	*out = NULL;
+	kc_membw *p = calloc(1, sizeof *p);
+	if (!p)
+		return DS_ENOMEM;
 	int nt = kc_pool_threads();
-	int64_t n = (int64_t)elements, grain = (n + nt - 1) / nt;
-	kc_parallel_for(n, grain, triad_init, &j); /* first touch by the same split */
-	double best = 1e30;
-	for (int rep = 0; rep < 5; rep++) {
-		double t0 = ds_now_s();
-		kc_parallel_for(n, grain, triad_item, &j);
-		double dt = ds_now_s() - t0;
-		if (dt < best)
-			best = dt;
-	}
-	/* a[] = 2 + 3 * c[] must hold, or the loop was not run as written */
-	for (int64_t i = 0; i < n; i += 4099)
-		if (j.a[i] != 2.0 + 3.0 * (0.5 + (double)(i & 7))) {
-			rc = DS_EINTERNAL;
-			goto out;
+	if (read_bytes) {
+		p->pages = (int64_t)((read_bytes + PAGE - 1) / PAGE);
+		p->rd = calloc(1, sizeof *p->rd);
+		if (!p->rd || !(p->rd->buf = aligned_alloc(PAGE, (size_t)p->pages * PAGE))) {
+			kc_membw_close(p);
+			return DS_ENOMEM;
 		}
-	*bytes_per_s = 3.0 * sizeof(double) * (double)elements / best;
-out:
+		p->rd->isa = kc_isa_active();
+		p->rd_grain = (p->pages + nt - 1) / nt; /* one contiguous slice per thread */
+		kc_parallel_for(p->pages, p->rd_grain, touch_item, p->rd);
+	}
+	if (triad_elements) {
+		size_t bytes = (triad_elements * sizeof(double) + PAGE - 1) / PAGE * PAGE;
+		p->elements = (int64_t)triad_elements;
+		p->tr = calloc(1, sizeof *p->tr);
+		if (!p->tr || !(p->tr->a = aligned_alloc(PAGE, bytes)) ||
+		    !(p->tr->b = aligned_alloc(PAGE, bytes)) || !(p->tr->c = aligned_alloc(PAGE, bytes))) {
+			kc_membw_close(p);
+			return DS_ENOMEM;
+		}
+		p->tr->s = 3.0;
+		p->tr_grain = (p->elements + nt - 1) / nt;
+		kc_parallel_for(p->elements, p->tr_grain, triad_init, p->tr); /* first touch by the same split */
+	}
+	*out = p;
+	return DS_OK;
+}
+
+double kc_membw_read_pass(kc_membw *p, double *bytes)
+{
+	if (!p || !p->rd)
+		return 0.0;
+	double t0 = ds_now_s();
+	kc_parallel_for(p->pages, p->rd_grain, read_item, p->rd);
+	double dt = ds_now_s() - t0;
+	uint64_t s = 0;
+	for (int i = 0; i < KC_POOL_MAX_THREADS; i++)
+		s ^= p->rd->sink[i];
+	__atomic_store_n(&bw_sink, s, __ATOMIC_RELAXED);
+	if (bytes)
+		*bytes = (double)p->pages * PAGE;
+	return dt;
+}
+
+double kc_membw_triad_pass(kc_membw *p, double *bytes)
+{
+	if (!p || !p->tr)
+		return 0.0;
+	double t0 = ds_now_s();
+	kc_parallel_for(p->elements, p->tr_grain, triad_item, p->tr);
+	double dt = ds_now_s() - t0;
+	if (bytes)
+		*bytes = 3.0 * sizeof(double) * (double)p->elements;
+	return dt;
+}
+
+int kc_membw_triad_check(const kc_membw *p)
+{
+	/* a[] = 2 + 3 * c[] must hold after a pass, or the loop was not run as written */
+	if (!p || !p->tr)
+		return DS_OK;
+	for (int64_t i = 0; i < p->elements; i += 4099)
+		if (p->tr->a[i] != 2.0 + 3.0 * (0.5 + (double)(i & 7)))
+			return DS_EINTERNAL;
+	return DS_OK;
+}
+
+void kc_membw_close(kc_membw *p)
+{
+	if (!p)
+		return;
+	if (p->rd)
+		free(p->rd->buf);
+	free(p->rd);
+	if (p->tr) {
+		free(p->tr->a);
+		free(p->tr->b);
+		free(p->tr->c);
+	}
+	free(p->tr);
+	free(p);
+}
+
+/* Best of 5 passes of one kind on a probe opened with `threads` threads. */
+static int measure_best(size_t read_bytes, size_t triad_elements, int threads, double *bytes_per_s)
+{
+	if (threads < 0 || threads > KC_POOL_MAX_THREADS || !bytes_per_s)
+		return DS_EINVAL;
+	int prev = kc_pool_threads(), rc = DS_OK;
+	kc_membw *p = NULL;
+	if (threads > 0 && threads != prev && (rc = kc_pool_set_threads(threads)) != DS_OK)
+		return rc;
+	if ((rc = kc_membw_open(&p, read_bytes, triad_elements)) == DS_OK) {
+		double best = 1e30, bytes = 0.0;
+		for (int rep = 0; rep < 5; rep++) {
+			double dt = read_bytes ? kc_membw_read_pass(p, &bytes) : kc_membw_triad_pass(p, &bytes);
+			if (dt < best)
+				best = dt;
+		}
+		rc = kc_membw_triad_check(p);
+		if (rc == DS_OK)
+			*bytes_per_s = bytes / best;
+		kc_membw_close(p);
+	}
 	if (threads > 0 && threads != prev)
 		kc_pool_set_threads(prev);
-	free(j.a);
-	free(j.b);
-	free(j.c);
 	return rc;
+}
+
+int kc_measure_read_bandwidth(size_t bytes, int threads, double *bytes_per_s)
+{
+	if (bytes < ((size_t)1 << 20))
+		return DS_EINVAL;
+	return measure_best(bytes, 0, threads, bytes_per_s);
+}
+
+int kc_measure_triad_bandwidth(size_t elements, int threads, double *bytes_per_s)
+{
+	if (elements < ((size_t)1 << 17))
+		return DS_EINVAL;
+	return measure_best(0, elements, threads, bytes_per_s);
 }

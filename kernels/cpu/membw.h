@@ -1,8 +1,11 @@
 /*
- * membw.h - the machine's memory read bandwidth, measured the way the
- * decode matmuls read weights: a STREAM-like pass over a large buffer split
- * over the thread pool, best of a few repetitions.  The engine's benchmark
- * reports matmul throughput as a fraction of this bound.
+ * membw.h - the machine's memory bandwidth, measured the way the decode
+ * matmuls read weights (a pass over a large buffer split over the thread
+ * pool) and as STREAM's Triad.  Two forms: a best-of-5 measurement, and a
+ * probe kept open whose single passes a benchmark can interleave with the
+ * work it measures (dsrun --bench --membw), so that both rates come from the
+ * same stretch of time on a machine whose bandwidth moves from second to
+ * second.
  */
 #ifndef DS_KERNELS_CPU_MEMBW_H
 #define DS_KERNELS_CPU_MEMBW_H
@@ -21,5 +24,22 @@ int kc_measure_read_bandwidth(size_t bytes, int threads, double *bytes_per_s);
  * it (24 bytes per element: two reads, one write); best of 5 passes, with the
  * same thread and error rules as above (DS_EINVAL below 128 Ki elements). */
 int kc_measure_triad_bandwidth(size_t elements, int threads, double *bytes_per_s);
+
+/* An open probe: a read buffer and/or three Triad arrays, allocated and
+ * first-touched by the pool at its current thread count. */
+typedef struct kc_membw kc_membw;
+
+/* read_bytes (>= 1 MiB, rounded up to 4 KiB) or 0 for no read buffer;
+ * triad_elements (>= 128 Ki) or 0 for no Triad arrays.  DS_EINVAL for sizes
+ * below those minimums, DS_ENOMEM when the buffers cannot be allocated. */
+int kc_membw_open(kc_membw **out, size_t read_bytes, size_t triad_elements);
+/* One pass: returns its seconds and sets *bytes to the bytes it counts
+ * (Triad: 24 per element, as STREAM counts).  0 when the probe has no such
+ * buffer.  Uses the pool: one caller at a time. */
+double kc_membw_read_pass(kc_membw *p, double *bytes);
+double kc_membw_triad_pass(kc_membw *p, double *bytes);
+/* DS_EINTERNAL when the Triad result is not what the loop must compute. */
+int kc_membw_triad_check(const kc_membw *p);
+void kc_membw_close(kc_membw *p);
 
 #endif

@@ -100,3 +100,29 @@ def test_bad_usage_is_named(tmp_path):
     assert r.returncode == 2 and "-m DIR is required" in r.stderr
     r = dsrun("-m", tmp_path, "--tokens", "1", "--attn", "fancy")
     assert r.returncode != 0 and "fancy" in r.stderr
+
+
+def test_bench_json_and_the_interleaved_memory_probe(tmp_path):
+    d = write_model("v3", tmp_path / "v3")
+    base = ["-m", d, "--bench", "--prompt-len", "9", "-n", "4", "--threads", "2", "--json"]
+    r = dsrun(*base)
+    assert r.returncode == 0, r.stderr
+    plain = json.loads(r.stdout)
+    assert set(plain) == {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes"}
+    assert plain["prefill_tok_s"] > 0 and plain["decode_tok_s"] > 0
+    assert plain["peak_rss_bytes"] > 1 << 20
+    r = dsrun(*base, "--membw")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "membw"}
+    bw = out["membw"]
+    assert set(bw) == {"steps", "decode_tok_s", "read_bytes_s", "triad_bytes_s"}
+    assert bw["steps"] == 4 and bw["decode_tok_s"] > 0
+    # any machine moves more than 100 MB/s; the probe's own buffers (224 MB)
+    # are not in the reported peak
+    assert bw["read_bytes_s"] > 1e8 and bw["triad_bytes_s"] > 1e8
+    assert out["peak_rss_bytes"] < plain["peak_rss_bytes"] + (64 << 20)
+    r = dsrun("-m", d, "--tokens", "1,2", "--membw")
+    assert r.returncode != 0 and "--membw is a --bench option" in r.stderr
+    r = dsrun("-m", d, "--bench", "-n", "0", "--membw")
+    assert r.returncode != 0 and "--membw needs -n" in r.stderr

@@ -339,4 +339,21 @@ TEST(membw_probe_contract)
 	CHECK_EQ(kc_measure_triad_bandwidth((size_t)1 << 20, 1, &bw), DS_OK);
 	CHECK(bw > 1e8);
 	CHECK_EQ(kc_pool_threads(), before);
+	/* the probe kept open: sizes below the minimums, then single passes
+	 * that count what they move */
+	kc_membw *p = NULL;
+	CHECK_EQ(kc_membw_open(&p, 1000, 0), DS_EINVAL);
+	CHECK_EQ(kc_membw_open(&p, 0, 1000), DS_EINVAL);
+	CHECK(p == NULL);
+	CHECK_EQ(kc_membw_open(&p, (size_t)4 << 20, 0), DS_OK);
+	double bytes = 0;
+	CHECK(kc_membw_read_pass(p, &bytes) > 0.0);
+	CHECK(bytes == (double)((size_t)4 << 20));
+	CHECK(kc_membw_triad_pass(p, &bytes) == 0.0); /* no Triad arrays in this one */
+	kc_membw_close(p);
+	CHECK_EQ(kc_membw_open(&p, (size_t)3 << 20, (size_t)1 << 17), DS_OK);
+	CHECK(kc_membw_read_pass(p, &bytes) > 0.0 && bytes == (double)((size_t)3 << 20));
+	CHECK(kc_membw_triad_pass(p, &bytes) > 0.0 && bytes == 24.0 * (double)((size_t)1 << 17));
+	CHECK_EQ(kc_membw_triad_check(p), DS_OK);
+	kc_membw_close(p);
 }
