@@ -11,11 +11,14 @@ speed at batch 1 as a fraction of the memory-bandwidth bound:
 
     bound tok/s = bandwidth / weight bytes read per token
 
-with the bandwidth probed right before and right after each batch-1 run (the
-host's bandwidth moves by a third from minute to minute on a shared VM): the
-read probe (pure loads, the decode's access pattern; the higher of the two
-probes, so the stricter figure) and STREAM's Triad (the conventional
-"stream bandwidth"), each ratio printed.
+with the bandwidth measured in the same seconds as the decode: the batch-1
+runs add --membw, which decodes another n steps with one pass of a read probe
+(pure loads, 2 streams per thread) and one pass of STREAM's Triad after each
+step, and reports the three rates over that stretch (the host's bandwidth
+moves by a third from one second to the next on a shared VM, so a probe run
+before or after the decode measures another machine).  Both ratios are
+printed; the higher bandwidth gives the stricter one.  Batch 1 runs three
+times.
 
 where the bytes per token are counted from the checkpoint itself: every tensor
 that one token touches (attention, dense MLP, router, shared expert, the
@@ -99,20 +102,11 @@ def bytes_per_token(d):
     return total, sum(tb.values())
 
 
-def read_bandwidth(threads):
-    """(read probe, STREAM triad) in bytes/s, each the best of three."""
-    r = subprocess.run([str(BUILD / "tests" / "bench_kernels"), "--membw", "--threads",
-                        str(threads)], capture_output=True, text=True, timeout=300)
-    m = re.search(r"read bandwidth \(\d+ threads\): ([0-9.]+) GB/s", r.stdout)
-    t = re.search(r"stream triad \(\d+ threads\): ([0-9.]+) GB/s", r.stdout)
-    if r.returncode != 0 or not m or not t:
-        sys.exit(f"bench: cannot measure the read bandwidth: {r.stdout}{r.stderr}")
-    return float(m.group(1)) * 1e9, float(t.group(1)) * 1e9
-
-
-def run_bench(d, batch, threads, prompt_len, n):
+def run_bench(d, batch, threads, prompt_len, n, membw=False):
     cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
            "-n", str(n), "--batch", str(batch), "--threads", str(threads), "--json"]
+    if membw:
+        cmd.append("--membw")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed: {r.stderr}")
@@ -163,26 +157,26 @@ def main():
     shape, tag = (QUICK, "quick") if a.quick else (SHAPE, "v3shape")
     prompt_len, n = (128, 32) if a.quick else (512, 128)
     print(f"{'model':<10}{'ckpt GB':>9}{'B/tok MB':>10}{'batch':>6}{'prefill t/s':>13}"
-          f"{'decode t/s':>12}{'peak RSS GB':>13}{'RSS/ckpt':>9}{'read GB/s':>14}"
-          f"{'of bound':>9}{'triad GB/s':>14}{'of bound':>9}")
+          f"{'decode t/s':>12}{'peak RSS GB':>13}{'RSS/ckpt':>9}"
+          f" | with the probe:{'decode t/s':>11}{'read GB/s':>11}{'of bound':>9}"
+          f"{'triad GB/s':>12}{'of bound':>9}")
     for kind in ("v3-fp8", "v3"):
         d = model_dir(kind, shape, tag)
         per_tok, ckpt = bytes_per_token(d)
         cfg = json.loads((d / "config.json").read_text())
         kv = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-        for batch in (1, 16):
-            bw0 = read_bandwidth(a.threads) if batch == 1 else None
-            r = run_bench(d, batch, a.threads, prompt_len, n)
-            kv_bytes = kv * (prompt_len + n) * batch
+        for batch in (1, 1, 1, 16):
+            r = run_bench(d, batch, a.threads, prompt_len, n, membw=batch == 1)
+            # --membw decodes n more steps: the cache holds prompt + 2n then
+            kv_bytes = kv * (prompt_len + n * (2 if batch == 1 else 1)) * batch
             cols = ""
             if batch == 1:
-                bw1 = read_bandwidth(a.threads)
-                rd, tr = max(bw0[0], bw1[0]), max(bw0[1], bw1[1])
-                tok = r["decode_tok_s"]
-                cols = (f"{f'{bw0[0] / 1e9:.1f}/{bw1[0] / 1e9:.1f}':>14}"
-                        f"{tok / (rd / per_tok):>9.2f}"
-                        f"{f'{bw0[1] / 1e9:.1f}/{bw1[1] / 1e9:.1f}':>14}"
-                        f"{tok / (tr / per_tok):>9.2f}")
+                m = r["membw"]
+                tok = m["decode_tok_s"]
+                cols = (f" |{'':15}{tok:>11.2f}{m['read_bytes_s'] / 1e9:>11.1f}"
+                        f"{tok / (m['read_bytes_s'] / per_tok):>9.2f}"
+                        f"{m['triad_bytes_s'] / 1e9:>12.1f}"
+                        f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}")
             print(f"{'fp8' if kind == 'v3-fp8' else 'bf16':<10}{ckpt / 1e9:>9.2f}"
                   f"{per_tok / 1e6:>10.1f}{batch:>6}{r['prefill_tok_s']:>13.1f}"
                   f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"
