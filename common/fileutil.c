@@ -1,11 +1,15 @@
 /*
- * fileutil.c - small private files (see fileutil.h).  Thread-safe.
+ * fileutil.c - small private files and mapped model files (see fileutil.h).
+ * Thread-safe.
  */
 #include "common/fileutil.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -56,4 +60,76 @@ int ds_file_read_small(const char *path, int flags, void *out, size_t cap, size_
 out:
 	close(fd);
 	return rc;
+}
+
+#define HUGE_PAGE ((size_t)2 << 20)
+
+int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, void **map,
+		size_t *map_len, ds_err *err)
+{
+	*map = NULL;
+	*map_len = 0;
+	if (mode == DS_MAP_FILE) {
+		void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+		if (p == MAP_FAILED)
+			return ds_err_set(err, DS_EIO, "%s: mmap of %zu bytes: %s", path, size,
+					  strerror(errno));
+		*map = p;
+		*map_len = size;
+		return DS_OK;
+	}
+	/* a huge-page-aligned stretch: map one huge page more, trim both ends */
+	size_t len = (size + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+	if (len == 0)
+		len = HUGE_PAGE;
+	char *raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (raw == MAP_FAILED)
+		return ds_err_set(err, DS_ENOMEM, "%s: no memory for a copy of %zu bytes: %s", path, size,
+				  strerror(errno));
+	char *p = (char *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+	if (p > raw)
+		munmap(raw, (size_t)(p - raw));
+	if (raw + len + HUGE_PAGE > p + len)
+		munmap(p + len, (size_t)(raw + len + HUGE_PAGE - (p + len)));
+	(void)madvise(p, len, MADV_HUGEPAGE); /* a hint: without THP the copy is plain pages */
+	size_t got = 0;
+	while (got < size) {
+		ssize_t r = pread(fd, p + got, size - got, (off_t)got);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0) {
+			int e = r < 0 ? errno : 0;
+			munmap(p, len);
+			return e ? ds_err_set(err, DS_EIO, "%s: read at byte %zu: %s", path, got, strerror(e))
+				 : ds_err_set(err, DS_EIO, "%s: the file ended at byte %zu of %zu while it "
+							   "was read", path, got, size);
+		}
+		got += (size_t)r;
+	}
+	if (mprotect(p, len, PROT_READ) != 0) {
+		int e = errno;
+		munmap(p, len);
+		return ds_err_set(err, DS_EIO, "%s: mprotect: %s", path, strerror(e));
+	}
+	*map = p;
+	*map_len = len;
+	return DS_OK;
+}
+
+void ds_file_unmap(void *map, size_t map_len)
+{
+	if (map)
+		munmap(map, map_len);
+}
+
+int ds_thp_usable(void)
+{
+	char buf[128] = {0};
+	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+	if (!f)
+		return 0;
+	size_t n = fread(buf, 1, sizeof buf - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	return strstr(buf, "[always]") != NULL || strstr(buf, "[madvise]") != NULL;
 }

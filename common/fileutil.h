@@ -1,6 +1,7 @@
 /*
- * fileutil.h - reading the small files an agent keeps beside its data: the
- * node id, the cluster key, the key-hash secret, the admin token.
+ * fileutil.h - reading the small files an agent keeps beside its data (the
+ * node id, the cluster key, the key-hash secret, the admin token), and
+ * mapping the large ones a model is made of.
  */
 #ifndef DS_FILEUTIL_H
 #define DS_FILEUTIL_H
@@ -21,5 +22,26 @@ enum {
  * how to fix it. */
 int ds_file_read_small(const char *path, int flags, void *out, size_t cap, size_t *len,
 		       ds_err *err);
+
+/* How ds_file_map holds a file's bytes. */
+enum ds_map_mode {
+	DS_MAP_FILE = 0, /* mmap of the file: page cache, 4 KiB pages, shared */
+	/* anonymous memory in 2 MiB transparent huge pages, filled with pread and
+	 * then made read-only: a decode step streams every weight once, and with
+	 * 4 KiB pages each 4 KiB costs a TLB miss whose page walk the hardware
+	 * prefetchers do not run ahead of (docs/engine.md) */
+	DS_MAP_HUGE_COPY = 1,
+};
+
+/* Maps size bytes of the open file fd (path for messages) read-only;
+ * *map_len is what ds_file_unmap needs.  DS_EIO (mmap, read errors, a file
+ * shorter than size), DS_ENOMEM. */
+int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, void **map,
+		size_t *map_len, ds_err *err);
+void ds_file_unmap(void *map, size_t map_len); /* NULL is a no-op */
+
+/* 1 when transparent huge pages can back a madvise'd mapping
+ * (/sys/kernel/mm/transparent_hugepage/enabled is [always] or [madvise]). */
+int ds_thp_usable(void);
 
 #endif

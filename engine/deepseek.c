@@ -627,7 +627,10 @@ model *ds_model_load(const model_params *p, ds_err *err)
 		goto fail;
 	if (m->be->set_threads)
 		m->be->set_threads(p->threads);
-	if (!gg && !(m->st = st_open(p->path, err)))
+	enum ds_map_mode mode = p->weights == MODEL_WEIGHTS_HUGE ? DS_MAP_HUGE_COPY : DS_MAP_FILE;
+	if (p->weights == MODEL_WEIGHTS_AUTO && strcmp(m->be->name, "cpu") == 0 && ds_thp_usable())
+		mode = DS_MAP_HUGE_COPY;
+	if (!gg && !(m->st = st_open_mode(p->path, mode, err)))
 		goto fail;
 	m->H = c->num_attention_heads;
 	m->nope = c->qk_nope_head_dim;

@@ -40,6 +40,7 @@ struct run_cfg {
 	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn;
 	char *system, *stop_ids;
 	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos, membw;
+	int mmap_weights;
 	int version, backends, help, show_prompt;
 	double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;
 	int64_t seed;
@@ -81,6 +82,9 @@ static const cfg_opt opts[] = {
 	 "Triad pass of a memory probe, and report both rates over that stretch"},
 	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
 	{"backend", CFG_STR, O(backend), "auto", 1, 0, "compute backend: auto, cpu or cuda"},
+	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
+	 "keep safetensors weights in the file mapping (the cpu backend otherwise copies them "
+	 "into huge pages)"},
 	{"backends", CFG_BOOL, O(backends), "false", 1, 0, "list compute backends and exit"},
 	{"version", CFG_BOOL, O(version), "false", 1, 0, "print the version"},
 	{"help", CFG_BOOL, O(help), "false", 1, 0, "this help", 'h'},
@@ -585,6 +589,7 @@ static int run(const struct run_cfg *c, ds_err *err)
 	mp.path = c->model;
 	mp.backend = c->backend;
 	mp.threads = c->threads;
+	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
 	mp.attn = strcmp(c->attn, "naive") == 0      ? MODEL_ATTN_NAIVE
 		  : strcmp(c->attn, "absorbed") == 0 ? MODEL_ATTN_ABSORBED
 						     : MODEL_ATTN_AUTO;

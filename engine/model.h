@@ -40,6 +40,14 @@ enum model_attn {
 	MODEL_ATTN_ABSORBED = 2, /* latent form (MLA) */
 };
 
+enum model_weights {
+	/* the cpu backend copies safetensors weights into huge pages when the
+	 * kernel offers transparent huge pages; other backends map the files */
+	MODEL_WEIGHTS_AUTO = 0,
+	MODEL_WEIGHTS_MMAP = 1, /* always the file mapping (page cache) */
+	MODEL_WEIGHTS_HUGE = 2, /* always the huge-page copy */
+};
+
 typedef struct model_params {
 	const char *path;     /* checkpoint directory */
 	const char *backend;  /* "auto", "cpu", "cuda" */
@@ -51,6 +59,7 @@ typedef struct model_params {
 	int n_pages;          /* 0 = enough for max_seqs sequences of max_ctx ... */
 	size_t kv_bytes;      /* ... but at most this many bytes of KV cache (0 = no cap) */
 	enum model_attn attn;
+	enum model_weights weights; /* how safetensors shards are held */
 } model_params;
 
 typedef struct model model;

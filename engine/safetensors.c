@@ -29,6 +29,7 @@
  */
 #include "engine/safetensors.h"
 
+#include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 
@@ -133,8 +134,8 @@ static void map_free(strmap *mp)
 typedef struct shard_file {
 	char *name;  /* as in the index, e.g. "model-00001-of-000163.safetensors" */
 	char *path;  /* dir/name */
-	void *map;   /* PROT_READ, MAP_PRIVATE; NULL until mapped */
-	size_t size;
+	void *map;   /* read-only (ds_file_map); NULL until mapped */
+	size_t size, map_len;
 } shard_file;
 
 typedef struct entry {
@@ -152,6 +153,7 @@ struct st_model {
 	strmap tensor_ix; /* tensor name -> index into ents */
 	size_t total_bytes, file_bytes;
 	char *index_path; /* dir/model.safetensors.index.json, or NULL (single file) */
+	enum ds_map_mode map_mode;
 };
 
 /* dtype strings of the safetensors format; kb < 0: not supported by kernels. */
@@ -252,13 +254,8 @@ static int map_shard(st_model *m, shard_file *s, ds_err *err)
 				"8-byte header length", s->path, s->size);
 		goto out;
 	}
-	void *p = mmap(NULL, s->size, PROT_READ, MAP_PRIVATE, fd, 0);
-	if (p == MAP_FAILED) {
-		rc = ds_err_set(err, DS_EIO, "%s: mmap of %zu bytes: %s", s->path, s->size,
-				strerror(errno));
+	if ((rc = ds_file_map(fd, s->path, s->size, m->map_mode, &s->map, &s->map_len, err)))
 		goto out;
-	}
-	s->map = p;
 	m->file_bytes += s->size;
 out:
 	close(fd);
@@ -590,12 +587,19 @@ static int locate(st_model *m, ds_err *err)
 
 st_model *st_open(const char *dir, ds_err *err)
 {
+	return st_open_mode(dir, DS_MAP_FILE, err);
+}
+
+st_model *st_open_mode(const char *dir, enum ds_map_mode mode, ds_err *err)
+{
 	ds_err local = {0};
 	if (!err)
 		err = &local;
 	json_t *root = NULL, *wmap = NULL;
 	st_model *m = calloc(1, sizeof *m);
 	int rc = m ? DS_OK : ds_err_set(err, DS_ENOMEM, "out of memory");
+	if (m)
+		m->map_mode = mode;
 	if (!rc && !(m->dir = strdup(dir)))
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
 	if (!rc)
@@ -624,8 +628,7 @@ void st_close(st_model *m)
 	for (size_t i = 0; i < m->n; i++)
 		free((char *)m->ents[i].t.name);
 	for (int i = 0; i < m->n_shards; i++) {
-		if (m->shards[i].map)
-			munmap(m->shards[i].map, m->shards[i].size);
+		ds_file_unmap(m->shards[i].map, m->shards[i].map_len);
 		free(m->shards[i].name);
 		free(m->shards[i].path);
 	}

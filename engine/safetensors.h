@@ -27,6 +27,7 @@
 #ifndef DS_ENGINE_SAFETENSORS_H
 #define DS_ENGINE_SAFETENSORS_H
 
+#include "common/fileutil.h"
 #include "common/status.h"
 #include "kernels/backend.h"
 
@@ -62,6 +63,8 @@ typedef struct st_model st_model;
  * missing), DS_EIO, DS_EFORMAT (corrupt header/index, tensor listed in the
  * index but absent from its shard, duplicate tensor), DS_ENOMEM. */
 st_model *st_open(const char *dir, ds_err *err);
+/* The same with the shards held as mode says (st_open: DS_MAP_FILE). */
+st_model *st_open_mode(const char *dir, enum ds_map_mode mode, ds_err *err);
 void st_close(st_model *m); /* NULL is a no-op */
 
 /* O(1) lookup; NULL when absent.  May return an ST_DTYPE_NONE tensor. */

@@ -126,3 +126,16 @@ def test_bench_json_and_the_interleaved_memory_probe(tmp_path):
     assert r.returncode != 0 and "--membw is a --bench option" in r.stderr
     r = dsrun("-m", d, "--bench", "-n", "0", "--membw")
     assert r.returncode != 0 and "--membw needs -n" in r.stderr
+
+
+def test_huge_page_copy_and_mmap_give_the_same_logits(tmp_path):
+    """The cpu backend copies safetensors weights into huge pages unless
+    --mmap; the bytes and so the logits are the same either way."""
+    d = write_model("v3-fp8", tmp_path / "v3f")
+    outs = []
+    for extra in ([], ["--mmap"]):
+        f = tmp_path / f"logits{len(extra)}.bin"
+        r = dsrun("-m", d, "--tokens", "5,9,2,7,3", "--dump-logits", f, *extra)
+        assert r.returncode == 0, r.stderr
+        outs.append(f.read_bytes())
+    assert len(outs[0]) > 0 and outs[0] == outs[1]

@@ -383,6 +383,40 @@ out:
 	tmpdir_free(dir);
 }
 
+TEST(st_huge_page_copy_holds_the_same_bytes)
+{
+	char *dir = tmpdir_new();
+	size_t offs[3][4];
+	unsigned char *data[3];
+	write_shards(dir, offs, data);
+	write_index(dir, NULL);
+	ds_err err = {0};
+	st_model *a = st_open(dir, &err), *b = st_open_mode(dir, DS_MAP_HUGE_COPY, &err);
+	CHECK(a != NULL && b != NULL);
+	if (a && b) {
+		CHECK_EQ(st_count(b), st_count(a));
+		CHECK_EQ(st_file_bytes(b), st_file_bytes(a));
+		for (size_t i = 0; i < st_count(a); i++) {
+			const st_tensor *ta = st_at(a, i), *tb = st_find(b, ta->name);
+			CHECK(tb != NULL && tb->nbytes == ta->nbytes && tb->data != ta->data);
+			if (tb)
+				CHECK(memcmp(tb->data, ta->data, ta->nbytes) == 0);
+		}
+		const st_tensor *w = st_find(b, "model.layers.0.self_attn.q_a_proj.weight");
+		CHECK(w != NULL && memcmp(w->data, data[0] + offs[0][1], w->nbytes) == 0);
+	}
+	st_close(a);
+	st_close(b);
+	/* errors as in the mapped form: a missing shard is named */
+	char p[1024];
+	path_in(p, sizeof p, dir, shard_names[1]);
+	remove(p);
+	CHECK(st_open_mode(dir, DS_MAP_HUGE_COPY, &err) == NULL);
+	CHECK(strstr(err.msg, shard_names[1]) != NULL);
+	free3(data);
+	tmpdir_free(dir);
+}
+
 TEST(st_index_errors_name_tensor_and_shard)
 {
 	char *dir = tmpdir_new(), p[1024], want[2048];
