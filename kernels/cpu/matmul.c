@@ -255,7 +255,7 @@ static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
 	kb_matmul_args ap;
 	_Alignas(64) float xs[XPERM_STACK];
 	float *xheap = NULL;
-	int g = a->M <= kn->mr_max && kn->xperm ? kn->xperm(a->wtype, a->block) : 0;
+	int g = a->M <= kn->mr_max && kn->xperm ? kn->xperm(a->wtype, a->block, a->M) : 0;
 	if (g) {
 		float *xb = a->M * a->K <= XPERM_STACK ? xs : (xheap = malloc((size_t)(a->M * a->K) * sizeof(float)));
 		if (xb) {

@@ -84,11 +84,13 @@ typedef struct kc_mm_kernels {
 	 * dst, row r at dst + r * ld. */
 	void (*pack)(float *dst, int64_t ld, const kc_mm_tile *t);
 	/* Decode only: elements per x group the tile wants permuted for dtype
-	 * dt and FP8 block (kc_mm_permute_x), or 0 for x in natural order.
-	 * The permutation lets a kernel widen 16-bit weights inside 32-bit
-	 * lanes (a shift or a mask) instead of with lane-crossing widening
-	 * moves, which cost the AVX-512 BF16 decode about a third of its rate. */
-	int (*xperm)(enum kb_dtype dt, int64_t block);
+	 * dt, FP8 block and M x rows (kc_mm_permute_x), or 0 for x in natural
+	 * order.
+	 * The permutation lets a kernel widen 16-bit and 8-bit weights inside
+	 * 32-bit lanes (shifts and masks) instead of with lane-crossing widening
+	 * moves, which cost the AVX-512 decode a quarter to a third of its
+	 * rate. */
+	int (*xperm)(enum kb_dtype dt, int64_t block, int64_t M);
 	/* kc_mm_permute_x's result, with the kernel's instruction set */
 	void (*permute_x)(float *dst, const float *x, int64_t n, int g);
 } kc_mm_kernels;
