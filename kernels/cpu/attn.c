@@ -313,6 +313,32 @@ MLA_INL __mmask16 tail_mask(int64_t left)
 	return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (unsigned)left) - 1u);
 }
 
+/* acc[r][g] += lanes of q[g][0..len) * rows[i + r][off..off+len), prefetching
+ * the same stretch of the rows pf0 and pf1 (NULL: none). */
+MLA_INL void mla_dot_part(const int G, const int R, __m512 acc[2][MLA_G], const float *const *q,
+			  const float *const *rows, int64_t i, int64_t off, int64_t len, const char *pf0,
+			  const char *pf1)
+{
+	for (int64_t k = 0; k < len; k += 16) {
+		__mmask16 m = tail_mask(len - k);
+		__m512 c[2];
+		if (pf0)
+			_mm_prefetch(pf0 + (off + k) * 4, _MM_HINT_T0);
+		if (pf1)
+			_mm_prefetch(pf1 + (off + k) * 4, _MM_HINT_T0);
+#pragma GCC unroll 2
+		for (int r = 0; r < R; r++)
+			c[r] = _mm512_maskz_loadu_ps(m, rows[i + r] + off + k);
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++) {
+			__m512 qv = _mm512_maskz_loadu_ps(m, q[g] + k);
+#pragma GCC unroll 2
+			for (int r = 0; r < R; r++)
+				acc[r][g] = _mm512_fmadd_ps(qv, c[r], acc[r][g]);
+		}
+	}
+}
+
 /* sc[g][i] = scale * (ql[g] . rows[i][0..lora) + qp[g] . rows[i][lora..lora+rope)),
  * R rows at a time. */
 MLA_INL void mla_scores_rows(const int G, const int R, float sc[][ATT_CHUNK], const float *const *ql,
@@ -330,42 +356,8 @@ MLA_INL void mla_scores_rows(const int G, const int R, float sc[][ATT_CHUNK], co
 #pragma GCC unroll 2
 		for (int r = 0; r < R; r++)
 			acc[r][g] = _mm512_setzero_ps();
-	for (int64_t k = 0; k < lora; k += 16) {
-		__mmask16 m = tail_mask(lora - k);
-		__m512 c[2];
-		if (pf0)
-			_mm_prefetch(pf0 + k * 4, _MM_HINT_T0);
-		if (pf1)
-			_mm_prefetch(pf1 + k * 4, _MM_HINT_T0);
-#pragma GCC unroll 2
-		for (int r = 0; r < R; r++)
-			c[r] = _mm512_maskz_loadu_ps(m, rows[i + r] + k);
-#pragma GCC unroll 8
-		for (int g = 0; g < G; g++) {
-			__m512 q = _mm512_maskz_loadu_ps(m, ql[g] + k);
-#pragma GCC unroll 2
-			for (int r = 0; r < R; r++)
-				acc[r][g] = _mm512_fmadd_ps(q, c[r], acc[r][g]);
-		}
-	}
-	for (int64_t k = 0; k < rope; k += 16) {
-		__mmask16 m = tail_mask(rope - k);
-		__m512 c[2];
-		if (pf0)
-			_mm_prefetch(pf0 + (lora + k) * 4, _MM_HINT_T0);
-		if (pf1)
-			_mm_prefetch(pf1 + (lora + k) * 4, _MM_HINT_T0);
-#pragma GCC unroll 2
-		for (int r = 0; r < R; r++)
-			c[r] = _mm512_maskz_loadu_ps(m, rows[i + r] + lora + k);
-#pragma GCC unroll 8
-		for (int g = 0; g < G; g++) {
-			__m512 q = _mm512_maskz_loadu_ps(m, qp[g] + k);
-#pragma GCC unroll 2
-			for (int r = 0; r < R; r++)
-				acc[r][g] = _mm512_fmadd_ps(q, c[r], acc[r][g]);
-		}
-	}
+	mla_dot_part(G, R, acc, ql, rows, i, 0, lora, pf0, pf1);
+	mla_dot_part(G, R, acc, qp, rows, i, lora, rope, pf0, pf1);
 #pragma GCC unroll 8
 	for (int g = 0; g < G; g++)
 #pragma GCC unroll 2
