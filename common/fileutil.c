@@ -78,20 +78,11 @@ int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, vo
 		*map_len = size;
 		return DS_OK;
 	}
-	/* a huge-page-aligned stretch: map one huge page more, trim both ends */
-	size_t len = (size + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-	if (len == 0)
-		len = HUGE_PAGE;
-	char *raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (raw == MAP_FAILED)
+	size_t len;
+	char *p = ds_huge_alloc(size, &len);
+	if (!p)
 		return ds_err_set(err, DS_ENOMEM, "%s: no memory for a copy of %zu bytes: %s", path, size,
 				  strerror(errno));
-	char *p = (char *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-	if (p > raw)
-		munmap(raw, (size_t)(p - raw));
-	if (raw + len + HUGE_PAGE > p + len)
-		munmap(p + len, (size_t)(raw + len + HUGE_PAGE - (p + len)));
-	(void)madvise(p, len, MADV_HUGEPAGE); /* a hint: without THP the copy is plain pages */
 	size_t got = 0;
 	while (got < size) {
 		ssize_t r = pread(fd, p + got, size - got, (off_t)got);
@@ -114,6 +105,31 @@ int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, vo
 	*map = p;
 	*map_len = len;
 	return DS_OK;
+}
+
+void *ds_huge_alloc(size_t bytes, size_t *len)
+{
+	/* a huge-page-aligned stretch: map one huge page more, trim both ends */
+	size_t n = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+	if (n == 0)
+		n = HUGE_PAGE;
+	char *raw = mmap(NULL, n + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (raw == MAP_FAILED)
+		return NULL;
+	char *p = (char *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+	if (p > raw)
+		munmap(raw, (size_t)(p - raw));
+	if (raw + n + HUGE_PAGE > p + n)
+		munmap(p + n, (size_t)(raw + n + HUGE_PAGE - (p + n)));
+	(void)madvise(p, n, MADV_HUGEPAGE); /* a hint: without THP, plain pages */
+	*len = n;
+	return p;
+}
+
+void ds_huge_free(void *p, size_t len)
+{
+	if (p)
+		munmap(p, len);
 }
 
 void ds_file_unmap(void *map, size_t map_len)

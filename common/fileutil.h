@@ -40,6 +40,13 @@ int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, vo
 		size_t *map_len, ds_err *err);
 void ds_file_unmap(void *map, size_t map_len); /* NULL is a no-op */
 
+/* Anonymous read-write memory of at least bytes, 2 MiB aligned and advised
+ * for transparent huge pages (plain pages where the kernel has none);
+ * *len (a multiple of 2 MiB) is what ds_huge_free needs.  NULL when mmap
+ * fails (errno set). */
+void *ds_huge_alloc(size_t bytes, size_t *len);
+void ds_huge_free(void *p, size_t len); /* NULL is a no-op */
+
 /* 1 when transparent huge pages can back a madvise'd mapping
  * (/sys/kernel/mm/transparent_hugepage/enabled is [always] or [madvise]). */
 int ds_thp_usable(void);

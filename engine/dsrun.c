@@ -255,6 +255,20 @@ static long peak_rss_bytes(void)
 	return ru.ru_maxrss * 1024L;
 }
 
+/* next[b] = the argmax of sequence b's logits (the bench's tokens: argmax
+ * keeps its runs deterministic). */
+static void greedy_next(const runner *r, int B, int32_t *next)
+{
+	const int V = model_vocab_size(r->m);
+	for (int b = 0; b < B; b++) {
+		const float *lg = r->logits + (int64_t)b * V;
+		int32_t best = 0;
+		for (int v = 1; v < V; v++)
+			best = lg[v] > lg[best] ? v : best;
+		next[b] = best;
+	}
+}
+
 /* Rates over the stretch of --bench --membw. */
 typedef struct bw_stretch {
 	double decode_tok_s, read_bytes_s, triad_bytes_s;
@@ -274,7 +288,7 @@ typedef struct bw_stretch {
 static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *next, bw_stretch *out,
 		       ds_err *err)
 {
-	const int V = model_vocab_size(r->m), B = c->batch;
+	const int B = c->batch;
 	kc_membw *p = NULL;
 	int rc = kc_membw_open(&p, MEMBW_READ_BYTES, MEMBW_TRIAD_ELEMENTS);
 	if (rc)
@@ -284,13 +298,7 @@ static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *n
 		double t0 = ds_now_s();
 		if ((rc = decode_step(r, ss, next, B, err)))
 			break;
-		for (int b = 0; b < B; b++) {
-			const float *lg = r->logits + (int64_t)b * V;
-			int32_t best = 0;
-			for (int v = 1; v < V; v++)
-				best = lg[v] > lg[best] ? v : best;
-			next[b] = best;
-		}
+		greedy_next(r, B, next);
 		t_dec += ds_now_s() - t0;
 		double nb = 0.0;
 		t_rd += kc_membw_read_pass(p, &nb);
@@ -343,13 +351,7 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	for (int step = 0; step < c->n_predict; step++) {
 		if ((rc = decode_step(r, ss, next, B, err)))
 			goto out;
-		for (int b = 0; b < B; b++) { /* argmax keeps the run deterministic */
-			const float *lg = r->logits + (int64_t)b * V;
-			int32_t best = 0;
-			for (int v = 1; v < V; v++)
-				best = lg[v] > lg[best] ? v : best;
-			next[b] = best;
-		}
+		greedy_next(r, B, next);
 	}
 	double t_decode = ds_now_s() - t0;
 	double pf = (double)c->prompt_len * B / t_prefill;

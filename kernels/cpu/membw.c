@@ -12,6 +12,7 @@
  */
 #include "kernels/cpu/membw.h"
 
+#include "common/fileutil.h"
 #include "common/status.h"
 #include "common/strutil.h"
 #include "kernels/cpu/cpu.h"
@@ -20,7 +21,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -138,29 +138,10 @@ static void triad_item(void *ctx, int64_t b, int64_t e)
 		a[i] = bb[i] + s * c[i];
 }
 
-/* Buffers in 2 MiB transparent huge pages where the kernel offers them (as
- * the engine holds its weights on the cpu backend): with 4 KiB pages every
- * 4 KiB read costs a TLB miss, and the probe read about a third less at the
- * machine's best moments.  bytes is a multiple of PAGE. */
-static void *huge_alloc(size_t bytes)
-{
-	const size_t H = (size_t)2 << 20;
-	char *raw = mmap(NULL, bytes + H, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (raw == MAP_FAILED)
-		return NULL;
-	char *p = (char *)(((uintptr_t)raw + H - 1) & ~(uintptr_t)(H - 1));
-	if (p > raw)
-		munmap(raw, (size_t)(p - raw));
-	munmap(p + bytes, (size_t)(raw + bytes + H - (p + bytes)));
-	(void)madvise(p, bytes, MADV_HUGEPAGE);
-	return p;
-}
-
-static void huge_free(void *p, size_t bytes)
-{
-	if (p)
-		munmap(p, bytes);
-}
+/* Buffers come from ds_huge_alloc, in 2 MiB transparent huge pages where
+ * the kernel offers them (as the engine holds its weights on the cpu
+ * backend): with 4 KiB pages every 4 KiB read costs a TLB miss, and the
+ * probe read about a third less at the machine's best moments. */
 
 /* ---- the probe kept open (kc_membw_*) ---- */
 
@@ -168,7 +149,7 @@ struct kc_membw {
 	bw_job *rd;        /* read buffer, `pages` pages */
 	int64_t pages, rd_grain;
 	struct triad_job *tr; /* Triad arrays, `elements` doubles each */
-	size_t tr_bytes;      /* of each Triad array */
+	size_t rd_len, tr_len; /* ds_huge_alloc lengths of the read buffer, each Triad array */
 	int64_t elements, tr_grain;
 };
 
@@ -185,7 +166,7 @@ int kc_membw_open(kc_membw **out, size_t read_bytes, size_t triad_elements)
 	if (read_bytes) {
 		p->pages = (int64_t)((read_bytes + PAGE - 1) / PAGE);
 		p->rd = calloc(1, sizeof *p->rd);
-		if (!p->rd || !(p->rd->buf = huge_alloc((size_t)p->pages * PAGE))) {
+		if (!p->rd || !(p->rd->buf = ds_huge_alloc((size_t)p->pages * PAGE, &p->rd_len))) {
 			kc_membw_close(p);
 			return DS_ENOMEM;
 		}
@@ -197,9 +178,9 @@ int kc_membw_open(kc_membw **out, size_t read_bytes, size_t triad_elements)
 		size_t bytes = (triad_elements * sizeof(double) + PAGE - 1) / PAGE * PAGE;
 		p->elements = (int64_t)triad_elements;
 		p->tr = calloc(1, sizeof *p->tr);
-		p->tr_bytes = bytes;
-		if (!p->tr || !(p->tr->a = huge_alloc(bytes)) || !(p->tr->b = huge_alloc(bytes)) ||
-		    !(p->tr->c = huge_alloc(bytes))) {
+		if (!p->tr || !(p->tr->a = ds_huge_alloc(bytes, &p->tr_len)) ||
+		    !(p->tr->b = ds_huge_alloc(bytes, &p->tr_len)) ||
+		    !(p->tr->c = ds_huge_alloc(bytes, &p->tr_len))) {
 			kc_membw_close(p);
 			return DS_ENOMEM;
 		}
@@ -259,12 +240,12 @@ void kc_membw_close(kc_membw *p)
 	if (!p)
 		return;
 	if (p->rd)
-		huge_free(p->rd->buf, (size_t)p->pages * PAGE);
+		ds_huge_free(p->rd->buf, p->rd_len);
 	free(p->rd);
 	if (p->tr) {
-		huge_free(p->tr->a, p->tr_bytes);
-		huge_free(p->tr->b, p->tr_bytes);
-		huge_free(p->tr->c, p->tr_bytes);
+		ds_huge_free(p->tr->a, p->tr_len);
+		ds_huge_free(p->tr->b, p->tr_len);
+		ds_huge_free(p->tr->c, p->tr_len);
 	}
 	free(p->tr);
 	free(p);
