@@ -2,12 +2,12 @@
  * gguf.c - open and validate a GGUF file (see gguf.h for the layout and the API).
  *
  * Called by the model loader, tok_gguf.c (tokenizer metadata) and tests; calls
- * mmap and common/.  Thread rule: gguf_open/gguf_close on one thread; the
+ * common/ (ds_file_map).  Thread rule: gguf_open/gguf_close on one thread; the
  * gguf_file is immutable in between, so lookups from many threads need no lock.
  *
  * Load sequence (gguf_open):
  *
- *   path --map_file (open, fstat, mmap, close fd)--> mapping
+ *   path --map_file (open, fstat, ds_file_map, close fd)--> mapping
  *        --parse_header: magic, version, counts (bounded by the file size)
  *        --parse_kvs: n_kv x (key, type, value); values become `rec`s
  *        --parse_tensor_infos: n_tensors x (name, dims, type, offset)
@@ -37,12 +37,13 @@
  */
 #include "engine/gguf.h"
 
+#include "common/fileutil.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -556,12 +557,10 @@ static int map_file(gguf_file *g, ds_err *err)
 				"the magic \"GGUF\"", g->path, g->size);
 		goto out;
 	}
-	void *p = mmap(NULL, g->size, PROT_READ, MAP_PRIVATE, fd, 0);
-	if (p == MAP_FAILED) {
-		rc = ds_err_set(err, DS_EIO, "%s: mmap of %zu bytes: %s", g->path, g->size,
-				strerror(errno));
+	void *p = NULL;
+	size_t len = 0;
+	if ((rc = ds_file_map(fd, g->path, g->size, DS_MAP_FILE, &p, &len, err)))
 		goto out;
-	}
 	g->map = p;
 out:
 	close(fd);
@@ -670,7 +669,7 @@ void gguf_close(gguf_file *g)
 	free(g->recs);
 	free(g->kvs);
 	if (g->map)
-		munmap((void *)g->map, g->size);
+		ds_file_unmap((void *)g->map, g->size); /* DS_MAP_FILE: the length is the size */
 	free(g->path);
 	free(g);
 }

@@ -1,7 +1,8 @@
 /*
  * safetensors.c - open a Hugging Face safetensors checkpoint (see safetensors.h).
  *
- * Called by the model loader (and tests); calls jansson, mmap and common/.
+ * Called by the model loader (and tests); calls jansson and common/
+ * (ds_file_map).
  * Thread rule: st_open/st_close on one thread; the st_model is immutable in
  * between, so lookups from many threads need no lock.
  *
@@ -11,7 +12,7 @@
  *                      |                             |
  *                      no -> one shard "model.safetensors"
  *                                                    v
- *            for each shard: map_shard (open, fstat, mmap, close fd)
+ *            for each shard: map_shard (open, fstat, ds_file_map, close fd)
  *                            parse_header (bounds, JSON, one add_tensor per entry)
  *                                                    v
  *            indexed only: check_index (every listed tensor sits in its shard)
@@ -39,7 +40,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -6,13 +6,15 @@
  *     int64_t shape[2] = {1536, 7168};
  *     const st_tensor *w = st_get(m, "model.layers.0.self_attn.q_a_proj.weight",
  *                                 KB_F8_E4M3, 2, shape, &err);
- *     ... w->data points into the mmap of its shard ...
+ *     ... w->data points into its shard's bytes ...
  *     st_close(m);
  *
  * A checkpoint directory holds either `model.safetensors` or
  * `model.safetensors.index.json` ({"weight_map": {tensor: shard file}}) plus
- * the shards it names.  Every shard is mapped read-only (MAP_PRIVATE,
- * PROT_READ) once; nothing is copied.  Tensor data is row-major, PyTorch
+ * the shards it names.  Every shard is held read-only once: mapped
+ * (st_open, DS_MAP_FILE), or read into huge pages (st_open_mode with
+ * DS_MAP_HUGE_COPY; the model loader's choice on the cpu backend, see
+ * common/fileutil.h).  Tensor data is row-major, PyTorch
  * Linear weights are [out_features][in_features].
  *
  * Everything read from the files is validated at st_open (header bounds, JSON,
