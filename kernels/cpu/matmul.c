@@ -12,7 +12,11 @@
  *             items to threads, each writes a disjoint block of y.
  *   panel   = nr rows of W (8 when M <= m_wide: 1 on AVX2, 3 on AVX-512;
  *             else 4): more rows in flight, more memory streams per tile.
- *   M <= mr_max (decode): one tile of x rows; each panel is streamed once,
+ *   M = 1 with whole contiguous BF16 or FP8 rows (AVX-512, kc_mm_rows):
+ *             each thread reads its share of W row by row in memory order,
+ *             one sequential stream with a software prefetch 8 KiB ahead;
+ *             no tiles, no panels.
+ *   M <= mr_max (other decode): one tile of x rows; each panel is streamed once,
  *             K chunk by K chunk (KC_MM_KC elements), converted in registers,
  *             the vector accumulators parked between chunks: every W byte
  *             is read from memory once per call, lanes summed once.
@@ -246,6 +250,48 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
 	}
 }
 
+/* Decode with one x row through kc_mm_kernels.rows: each thread one share
+ * of whole rows, starting on a 16-row boundary so that no two threads write
+ * one cache line of y.  (Letting a thread that is done take the back half
+ * of another's share made no difference: a thread left alone on the memory
+ * streams faster.) */
+typedef struct rows_job {
+	kc_mm_rows proto; /* all but n0, n1, xs, pf_end */
+	const kc_mm_kernels *kn;
+	int64_t N, per;   /* rows, rows per share */
+} rows_job;
+
+static void rows_item(void *ctx, int64_t b, int64_t e)
+{
+	const rows_job *j = ctx;
+	_Alignas(64) float xs[KC_MM_ROWS_XS];
+	const size_t rb = (size_t)j->proto.K * kb_dtype_size(j->proto.dt);
+	for (int64_t it = b; it < e; it++) {
+		kc_mm_rows t = j->proto;
+		t.n0 = it * j->per;
+		t.n1 = t.n0 + j->per < j->N ? t.n0 + j->per : j->N;
+		t.xs = xs;
+		t.pf_end = (const char *)t.w + (size_t)t.n1 * rb;
+		j->kn->rows(&t);
+	}
+}
+
+static void rows_run(const kb_matmul_args *a, const kc_mm_kernels *kn, int64_t threads)
+{
+	rows_job j = {.kn = kn, .N = a->N};
+	j.proto = (kc_mm_rows){
+		.dt = a->wtype, .x = a->x, .w = a->w, .K = a->K, .y = a->y, .store = !a->accumulate,
+		.scale = a->w_scale, .scale_stride = a->scale_stride, .block = a->block, .pf_bytes = PF_BYTES,
+	};
+	j.per = (a->N + threads - 1) / threads;
+	j.per = (j.per + 15) / 16 * 16;
+	const int64_t items = (a->N + j.per - 1) / j.per;
+	if (items == 1)
+		rows_item(&j, 0, 1);
+	else
+		kc_parallel_for(items, 1, rows_item, &j);
+}
+
 #define XPERM_STACK 16384 /* floats of permuted x on the stack; more are malloc'ed */
 
 static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
@@ -268,6 +314,14 @@ static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
 			j.xperm = 1;
 		}
 	}
+	const double macs = (double)a->M * (double)a->N * (double)a->K;
+	const int64_t threads = macs < 65536.0 ? 1 : kc_pool_threads();
+	if (j.xperm && a->M == 1 && kn->rows && a->w_stride == a->K &&
+	    (a->wtype != KB_F8_E4M3 || a->K <= KC_MM_ROWS_XS)) {
+		rows_run(a, kn, threads);
+		free(xheap);
+		return;
+	}
 	j.nr = a->M <= kn->m_wide ? kn->nr_m1 : kn->nr;
 	j.pack = a->M > kn->mr_max;
 	j.mc = a->M > kn->mr_max ? 16 * (int64_t)kn->mr_max : a->M;
@@ -277,8 +331,6 @@ static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
 	 * out; decode: one contiguous stretch of W per thread, which streams
 	 * better than 4 (each item starts with a cold panel), 1 MB expert
 	 * matrices about 10-20% faster (bench_kernels --decode) */
-	const double macs = (double)a->M * (double)a->N * (double)a->K;
-	const int64_t threads = macs < 65536.0 ? 1 : kc_pool_threads();
 	int64_t want = (threads * (a->M <= kn->mr_max ? 1 : 4) + m_blocks - 1) / m_blocks;
 	if (want < 1)
 		want = 1;

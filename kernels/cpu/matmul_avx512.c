@@ -412,6 +412,134 @@ TGT static void pack(float *dst, int64_t ld, const kc_mm_tile *t)
 	}
 }
 
+/* ---- decode with one x row, whole rows in memory order (kc_mm_rows) ---- */
+
+/* Asks for the line pf_bytes past p unless that is past pf_end (the end of
+ * the share). */
+INL void rows_prefetch(const kc_mm_rows *t, const char *pf_end, const char *p)
+{
+	if (p + t->pf_bytes < pf_end)
+		__builtin_prefetch(p + t->pf_bytes, 0, 1);
+}
+
+/* One BF16 row against permuted x: 128 bytes a step, four accumulators (one
+ * per phase and half, so that the FMA latency is hidden), the tail (K % 32
+ * elements, x in natural order) widened the plain way. */
+INL __m512 row_bf16(const kc_mm_rows *t, const char *pf_end, const uint16_t *w)
+{
+	const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000);
+	const float *x = t->x;
+	__m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+	int64_t k = 0;
+	for (; k + 64 <= t->K; k += 64) {
+		rows_prefetch(t, pf_end, (const char *)(w + k));
+		rows_prefetch(t, pf_end, (const char *)(w + k + 32));
+		__m512i v0 = _mm512_loadu_si512((const void *)(w + k));
+		__m512i v1 = _mm512_loadu_si512((const void *)(w + k + 32));
+		a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(x + k), a0);
+		a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v0, hi16)), _mm512_loadu_ps(x + k + 16), a1);
+		a2 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), _mm512_loadu_ps(x + k + 32), a2);
+		a3 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v1, hi16)), _mm512_loadu_ps(x + k + 48), a3);
+	}
+	if (k + 32 <= t->K) {
+		rows_prefetch(t, pf_end, (const char *)(w + k));
+		__m512i v0 = _mm512_loadu_si512((const void *)(w + k));
+		a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(x + k), a0);
+		a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v0, hi16)), _mm512_loadu_ps(x + k + 16), a1);
+		k += 32;
+	}
+	for (; k < t->K; k += 16) {
+		int64_t left = t->K - k;
+		__mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)left) - 1u);
+		a2 = _mm512_fmadd_ps(w_load_mask(KB_BF16, w, k, m), _mm512_maskz_loadu_ps(m, x + k), a2);
+	}
+	return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+}
+
+/* One FP8 row against xs (x permuted in groups of 64, times the block row's
+ * scales * FP8_SC): the widening of steps_fp8_perm, one accumulator per
+ * phase; the tail (K % 64, natural order) 16 bytes at a time. */
+INL __m512 row_fp8(const kc_mm_rows *t, const char *pf_end, const uint8_t *w)
+{
+	const __m512i f8m = _mm512_set1_epi32((int)0x87F00000);
+	const float *x = t->xs;
+	__m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+	int64_t k = 0;
+	for (; k + 64 <= t->K; k += 64) {
+		rows_prefetch(t, pf_end, (const char *)(w + k));
+		__m512i b = _mm512_loadu_si512((const void *)(w + k));
+		__m512i hi = _mm512_srai_epi16(b, 4), lo = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 4);
+		a3 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(hi, f8m)), _mm512_loadu_ps(x + k + 48), a3);
+		a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(hi, 16), f8m)),
+				     _mm512_loadu_ps(x + k + 16), a1);
+		a2 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(lo, f8m)), _mm512_loadu_ps(x + k + 32), a2);
+		a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(lo, 16), f8m)),
+				     _mm512_loadu_ps(x + k), a0);
+	}
+	for (; k < t->K; k += 16) {
+		int64_t left = t->K - k;
+		__mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)left) - 1u);
+		a0 = _mm512_fmadd_ps(w_load_mask(KB_F8_E4M3, w, k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
+	}
+	return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+}
+
+/* xs = x * (scale of block row sb) * FP8_SC, element by element. */
+INL void rows_fp8_scale_x(const kc_mm_rows *t, int64_t sb)
+{
+	const float *s = t->scale + sb * t->scale_stride;
+	for (int64_t k0 = 0, kb = 0; k0 < t->K; k0 += t->block, kb++) {
+		const __m512 sc = _mm512_set1_ps(s[kb] * FP8_SC);
+		int64_t k1 = k0 + t->block < t->K ? k0 + t->block : t->K;
+		for (int64_t k = k0; k < k1; k += 16) {
+			__mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)(k1 - k)) - 1u);
+			_mm512_mask_storeu_ps(t->xs + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, t->x + k), sc));
+		}
+	}
+}
+
+/* Writes the sums of the rows n - nd + 1 .. n (nd <= 4 vectors in v).  sum4
+ * sums each vector by the same tree whatever the others hold, so a row's
+ * result does not depend on where a thread's share starts or ends. */
+INL void rows_write(const kc_mm_rows *t, __m512 v[4], int nd, int64_t n)
+{
+	for (int i = nd; i < 4; i++)
+		v[i] = _mm512_setzero_ps();
+	__m128 s = sum4(v[0], v[1], v[2], v[3]);
+	if (t->dt == KB_F8_E4M3)
+		s = _mm_mul_ps(s, _mm_set1_ps(FP8_UNDO));
+	_Alignas(16) float r[4];
+	_mm_store_ps(r, s);
+	float *y = t->y + n - nd + 1;
+	for (int i = 0; i < nd; i++)
+		y[i] = t->store ? r[i] : y[i] + r[i];
+}
+
+TGT static void rows(const kc_mm_rows *t)
+{
+	const size_t rb = (size_t)t->K * (t->dt == KB_BF16 ? 2 : 1);
+	const char *w = (const char *)t->w + (size_t)t->n0 * rb, *pf_end = t->pf_end;
+	/* the share's first pf_bytes: nothing ran ahead of them */
+	for (const char *p = w; p < w + t->pf_bytes && p < pf_end; p += 64)
+		__builtin_prefetch(p, 0, 1);
+	__m512 v[4];
+	int nd = 0;
+	int64_t sb = -1;
+	for (int64_t n = t->n0; n < t->n1; n++, w += rb) {
+		if (t->dt == KB_BF16) {
+			v[nd++] = row_bf16(t, pf_end, (const uint16_t *)w);
+		} else {
+			if (n / t->block != sb)
+				rows_fp8_scale_x(t, sb = n / t->block);
+			v[nd++] = row_fp8(t, pf_end, (const uint8_t *)w);
+		}
+		if (nd == 4 || n + 1 == t->n1) {
+			rows_write(t, v, nd, n);
+			nd = 0;
+		}
+	}
+}
+
 /* BF16: groups of 32 for any decode M.  FP8: groups of 64 for one x row
  * (the form's 4 x vectors and 8 accumulators would not fit with more) when
  * scale blocks hold whole groups (a block edge inside a group would need
@@ -462,6 +590,7 @@ static const kc_mm_kernels kernels = {
 	.pack = pack,
 	.xperm = xperm,
 	.permute_x = permute_x,
+	.rows = rows,
 };
 
 const kc_mm_kernels *kc_mm_kernels_avx512(void)

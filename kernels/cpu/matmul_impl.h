@@ -69,6 +69,35 @@ static inline void kc_mm_prefetch(const kc_mm_tile *t, size_t es, int64_t k0, in
 			__builtin_prefetch(t->pf + (size_t)r * rs + (size_t)b, 0, 1);
 }
 
+/* Decode with one x row over whole rows (kc_mm_kernels.rows): W is
+ * [N][K] with rows K elements apart (contiguous), and rows [n0, n1) are read
+ * start to end in memory order, one at a time.  A thread's share of W is then
+ * one sequential stream, which the hardware prefetchers follow and a software
+ * prefetch pf_bytes ahead keeps deep; the tile order's 8 rows side by side
+ * are 8 streams a row apart that leave the prefetchers behind (the lm_head
+ * 1.1-1.2x, FP8 expert matrices up to 1.45x faster, docs/benchmarks.md). */
+typedef struct kc_mm_rows {
+	enum kb_dtype dt;    /* KB_BF16 or KB_F8_E4M3 */
+	const float *x;      /* [K], permuted as kc_mm_kernels.xperm(dt, block, 1) says */
+	const void *w;       /* W[0][0]; row n at w + n * K elements */
+	int64_t K;
+	/* FP8: scale [ceil(N / block)][scale_stride], block edge (a multiple of
+	 * the x group), and xs, K floats of scratch: x times one scale block
+	 * row's scales, rebuilt whenever n enters another block row */
+	const float *scale;
+	int64_t scale_stride, block;
+	float *xs;
+	float *y;            /* y[0] of the matmul; y[n] is written */
+	int store;           /* 1: y = sum, 0: y += sum */
+	int64_t n0, n1;      /* the rows of this call */
+	int64_t pf_bytes;    /* software prefetch distance ... */
+	const char *pf_end;  /* ... never at or past this byte (end of the share) */
+} kc_mm_rows;
+
+/* Floats of kc_mm_rows.xs a thread keeps on its stack: FP8 matrices with a
+ * longer K take the tile order. */
+#define KC_MM_ROWS_XS 16384
+
 #define KC_MM_ACC_R 16                          /* floats per (m, r) slot */
 #define KC_MM_ACC_M (KC_MM_NR_MAX * KC_MM_ACC_R) /* floats per x row */
 #define KC_MM_ACC_TILE (KC_MM_MR_MAX * KC_MM_ACC_M)
@@ -93,6 +122,9 @@ typedef struct kc_mm_kernels {
 	int (*xperm)(enum kb_dtype dt, int64_t block, int64_t M);
 	/* kc_mm_permute_x's result, with the kernel's instruction set */
 	void (*permute_x)(float *dst, const float *x, int64_t n, int g);
+	/* Decode with one x row, whole contiguous rows (kc_mm_rows), for every
+	 * dtype and block xperm gives a group for when M = 1; NULL: not offered. */
+	void (*rows)(const kc_mm_rows *t);
 } kc_mm_kernels;
 
 /* dst = x with every whole group of g elements (g = 16 * P) reordered so

@@ -1,7 +1,8 @@
 /*
  * test_kernels_ops.c - unit tests of kernels/cpu that conformance does not
  * cover: the thread pool (coverage, nesting, concurrent callers, resizing),
- * thread-count independence of the matmul, rope / silu_mul / softmax / axpy
+ * thread-count independence of the matmul, its one-row decode path against
+ * the reference, rope / silu_mul / softmax / axpy
  * against hand-computed values, the backend's argument checks, matmul with
  * K = 0, and the bandwidth probe's contract.
  */
@@ -170,6 +171,91 @@ TEST(matmul_same_bits_for_any_thread_count)
 		free(x);
 		free(y1);
 		free(y2);
+	}
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+}
+
+/* Decode with one x row over whole contiguous rows (the AVX-512 kernels'
+ * kc_mm_rows path): K with tails after the 64- and 32-element groups, N that
+ * crosses FP8 scale-block rows inside a thread's share, y written and added
+ * to.  Each result within 1e-5 of sum |x| |W| of the scalar reference, and
+ * the same bits for 1 to 4 threads. */
+TEST(matmul_decode_rows_match_reference_and_thread_count)
+{
+	static const int64_t shapes[][3] = {{300, 1000, 128}, {131, 2085, 64}, {77, 64, 128}, {1030, 520, 128}};
+	static const enum kb_dtype dts[] = {KB_BF16, KB_F8_E4M3};
+	for (size_t s = 0; s < 4; s++) {
+		for (size_t d = 0; d < 2; d++) {
+			const int64_t N = shapes[s][0], K = shapes[s][1], block = shapes[s][2];
+			const enum kb_dtype dt = dts[d];
+			const size_t es = kb_dtype_size(dt);
+			const int64_t scols = (K + block - 1) / block, srows = (N + block - 1) / block;
+			unsigned char *w = malloc((size_t)(N * K) * es), *wa = malloc((size_t)(N * K) * es);
+			float *sc = malloc((size_t)(srows * scols) * sizeof(float));
+			float *x = malloc((size_t)K * sizeof(float)), *xa = malloc((size_t)K * sizeof(float));
+			float *y0 = malloc((size_t)N * sizeof(float)), *ref = malloc((size_t)N * sizeof(float));
+			float *bound = malloc((size_t)N * sizeof(float)), *y1 = malloc((size_t)N * sizeof(float));
+			float *y2 = malloc((size_t)N * sizeof(float));
+			for (size_t i = 0; i < (size_t)(N * K) * es; i++)
+				w[i] = (unsigned char)(ut_rand_u64() & 0xFF);
+			for (int64_t i = 0; i < N * K; i++) {
+				if (dt == KB_BF16) {
+					((uint16_t *)w)[i] &= 0xBFFF; /* exponent < 128: finite */
+					((uint16_t *)wa)[i] = ((uint16_t *)w)[i] & 0x7FFF;
+				} else {
+					if ((w[i] & 0x7F) == 0x7F)
+						w[i] = 0x30; /* no E4M3 NaN */
+					wa[i] = w[i] & 0x7F;
+				}
+			}
+			for (int64_t i = 0; i < srows * scols; i++)
+				sc[i] = ut_rand_float(1e-3f, 1e-1f);
+			for (int64_t k = 0; k < K; k++) {
+				x[k] = ut_rand_float(-1, 1);
+				xa[k] = x[k] < 0 ? -x[k] : x[k];
+			}
+			for (int64_t n = 0; n < N; n++)
+				y0[n] = ut_rand_float(-1, 1);
+			for (int acc = 0; acc <= 1; acc++) {
+				kb_matmul_args a = {ref, x, w, sc, dt, 1, N, K, K, N, K, scols, block, acc};
+				kb_matmul_args ab = a;
+				ab.x = xa;
+				ab.w = wa;
+				ab.y = bound;
+				ab.accumulate = 0;
+				kc_matmul_ref(&ab);
+				memcpy(ref, y0, (size_t)N * sizeof(float));
+				kc_matmul_ref(&a);
+				for (int isa = 1; isa <= (int)kc_isa_detect(); isa++) {
+					for (int t = 1; t <= 4; t++) {
+						float *y = t == 1 ? y1 : y2;
+						CHECK_EQ(kc_pool_set_threads(t), DS_OK);
+						memcpy(y, y0, (size_t)N * sizeof(float));
+						a.y = y;
+						CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &a), DS_OK);
+						if (t > 1)
+							CHECK(memcmp(y1, y2, (size_t)N * sizeof(float)) == 0);
+					}
+					int bad = 0;
+					for (int64_t n = 0; n < N; n++) {
+						float tol = 1e-5f * (bound[n] + (acc ? (y0[n] < 0 ? -y0[n] : y0[n]) : 0.0f)) + 1e-30f;
+						float e = y1[n] - ref[n];
+						bad += !(e <= tol && -e <= tol);
+					}
+					CHECK_EQ(bad, 0);
+				}
+			}
+			free(w);
+			free(wa);
+			free(sc);
+			free(x);
+			free(xa);
+			free(y0);
+			free(ref);
+			free(bound);
+			free(y1);
+			free(y2);
+		}
 	}
 	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
 }
