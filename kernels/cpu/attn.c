@@ -304,7 +304,11 @@ static void mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n
  * result does not depend on how heads are grouped, hence not on the thread
  * count or the batch either. */
 #define MLA_G 8
-#define MLA_PF 4 /* rows ahead that mla_scores_rows prefetches */
+/* Rows ahead that mla_scores_rows asks for, into L2 (prefetcht2): when the
+ * cache rows come from memory, 8 rows (18 KiB) ahead into L2 scored a cold
+ * layer up to a quarter faster than 4 rows into L1, whose miss buffers the
+ * 36 lines of each row fill up (docs/benchmarks.md). */
+#define MLA_PF 8
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define MLA_INL AVX512 __attribute__((always_inline)) static inline
 
@@ -323,9 +327,9 @@ MLA_INL void mla_dot_part(const int G, const int R, __m512 acc[2][MLA_G], const 
 		__mmask16 m = tail_mask(len - k);
 		__m512 c[2];
 		if (pf0)
-			_mm_prefetch(pf0 + (off + k) * 4, _MM_HINT_T0);
+			_mm_prefetch(pf0 + (off + k) * 4, _MM_HINT_T2);
 		if (pf1)
-			_mm_prefetch(pf1 + (off + k) * 4, _MM_HINT_T0);
+			_mm_prefetch(pf1 + (off + k) * 4, _MM_HINT_T2);
 #pragma GCC unroll 2
 		for (int r = 0; r < R; r++)
 			c[r] = _mm512_maskz_loadu_ps(m, rows[i + r] + off + k);
@@ -340,16 +344,17 @@ MLA_INL void mla_dot_part(const int G, const int R, __m512 acc[2][MLA_G], const 
 }
 
 /* sc[g][i] = scale * (ql[g] . rows[i][0..lora) + qp[g] . rows[i][lora..lora+rope)),
- * R rows at a time. */
+ * R rows at a time; rows[0..npf) are known (the chunk's and a few of the
+ * next chunk's, for the prefetch). */
 MLA_INL void mla_scores_rows(const int G, const int R, float sc[][ATT_CHUNK], const float *const *ql,
-			     const float *const *qp, const float *const *rows, int64_t i, int64_t n,
+			     const float *const *qp, const float *const *rows, int64_t i, int64_t npf,
 			     int64_t lora, int64_t rope, float scale)
 {
 	/* the cache rows come from memory (the weights of a whole step passed
 	 * through the caches since they were written): the rows MLA_PF on are
 	 * asked for line by line while these are scored */
-	const char *pf0 = i + MLA_PF < n ? (const char *)rows[i + MLA_PF] : NULL;
-	const char *pf1 = i + MLA_PF + 1 < n ? (const char *)rows[i + MLA_PF + 1] : NULL;
+	const char *pf0 = i + MLA_PF < npf ? (const char *)rows[i + MLA_PF] : NULL;
+	const char *pf1 = i + MLA_PF + 1 < npf ? (const char *)rows[i + MLA_PF + 1] : NULL;
 	__m512 acc[2][MLA_G];
 #pragma GCC unroll 8
 	for (int g = 0; g < G; g++)
@@ -402,7 +407,7 @@ MLA_INL void mla_group_fixed(const int G, const kb_mla_attn_args *a, int64_t t, 
 	const float *ql[MLA_G], *qp[MLA_G];
 	float *out[MLA_G], m[MLA_G], l[MLA_G];
 	_Alignas(64) float sc[MLA_G][ATT_CHUNK];
-	const float *rows[ATT_CHUNK];
+	const float *rows[ATT_CHUNK + MLA_PF + 1];
 	for (int g = 0; g < G; g++) {
 		ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * lora;
 		qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * rope;
@@ -413,12 +418,13 @@ MLA_INL void mla_group_fixed(const int G, const kb_mla_attn_args *a, int64_t t, 
 	}
 	for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 		int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
-		mla_rows(a, t, j0, n, rows);
+		int64_t npf = a->tok_pos[t] + 1 - j0 < n + MLA_PF + 1 ? a->tok_pos[t] + 1 - j0 : n + MLA_PF + 1;
+		mla_rows(a, t, j0, npf, rows);
 		int64_t i = 0;
 		for (; i + 2 <= n; i += 2)
-			mla_scores_rows(G, 2, sc, ql, qp, rows, i, n, lora, rope, a->scale);
+			mla_scores_rows(G, 2, sc, ql, qp, rows, i, npf, lora, rope, a->scale);
 		if (i < n)
-			mla_scores_rows(G, 1, sc, ql, qp, rows, i, n, lora, rope, a->scale);
+			mla_scores_rows(G, 1, sc, ql, qp, rows, i, npf, lora, rope, a->scale);
 		for (int g = 0; g < G; g++) {
 			float cmax = -INFINITY;
 			for (i = 0; i < n; i++)

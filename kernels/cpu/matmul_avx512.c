@@ -524,13 +524,17 @@ TGT static void rows(const kc_mm_rows *t)
 		__builtin_prefetch(p, 0, 1);
 	__m512 v[4];
 	int nd = 0;
-	int64_t sb = -1;
+	/* FP8: the first row of the next scale block row (no division per row:
+	 * with K = 128 a row is only two steps) */
+	int64_t sb_end = t->n0;
 	for (int64_t n = t->n0; n < t->n1; n++, w += rb) {
 		if (t->dt == KB_BF16) {
 			v[nd++] = row_bf16(t, pf_end, (const uint16_t *)w);
 		} else {
-			if (n / t->block != sb)
-				rows_fp8_scale_x(t, sb = n / t->block);
+			if (n == sb_end) {
+				rows_fp8_scale_x(t, n / t->block);
+				sb_end = (n / t->block + 1) * t->block;
+			}
 			v[nd++] = row_fp8(t, pf_end, (const uint8_t *)w);
 		}
 		if (nd == 4 || n + 1 == t->n1) {
