@@ -54,21 +54,6 @@ static int cpu_rmsnorm(const kb_rmsnorm_args *a)
 	return kc_rmsnorm_isa(kc_isa_active(), a);
 }
 
-static void matmul_items(void *ctx, int64_t begin, int64_t end)
-{
-	const kb_matmul_args *a = ctx;
-	for (int64_t i = begin; i < end; i++) {
-		kb_matmul_args one = *a;
-		one.batch = 0;
-		one.x = a->x + i * a->x_bstride;
-		one.y = a->y + i * a->y_bstride;
-		one.w = (const char *)a->w + kb_dtype_bytes(a->wtype, i * a->w_bstride);
-		if (a->w_scale)
-			one.w_scale = a->w_scale + i * a->s_bstride;
-		kc_matmul_isa(kc_isa_active(), &one);
-	}
-}
-
 static int cpu_matmul(const kb_matmul_args *a)
 {
 	if (!a || a->M < 0 || a->N < 0 || a->K < 0 ||
@@ -96,13 +81,7 @@ static int cpu_matmul(const kb_matmul_args *a)
 	if (a->batch < 0 || (a->batch > 1 && (a->x_bstride < 0 || a->y_bstride < 0 ||
 					      a->w_bstride < 0 || a->s_bstride < 0)))
 		return DS_EINVAL;
-	if (a->batch > 1) {
-		/* one item per task; each item's own matmul runs serially inside
-		 * the job (the pool does not nest), so items go in parallel */
-		kc_parallel_for(a->batch, 1, matmul_items, (void *)a);
-		return DS_OK;
-	}
-	return kc_matmul_isa(kc_isa_active(), a);
+	return kc_matmul_batch_isa(kc_isa_active(), a);
 }
 
 static int cpu_embed(const kb_embed_args *a)

@@ -59,6 +59,12 @@ float kc_bf16_to_f32(uint16_t h);
  * +-480 instead of NaN: those patterns never occur in real weights. */
 void kc_matmul_ref(const kb_matmul_args *a);
 int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a);
+/* a->batch > 1 products (kb_matmul_args' batched form; arguments checked by
+ * the caller).  With one x row each and the W matrices back to back (the
+ * absorbed-MLA per-head matrices) one pass streams them all, each thread one
+ * stretch of rows; otherwise one product per pool item.  Either way each y
+ * element is what kc_matmul_isa gives for its product alone. */
+int kc_matmul_batch_isa(enum kc_isa isa, const kb_matmul_args *a);
 
 /* --- embed, rope, silu_mul, axpy, softmax --- */
 void kc_embed_ref(const kb_embed_args *a);

@@ -425,10 +425,9 @@ INL void rows_prefetch(const kc_mm_rows *t, const char *pf_end, const char *p)
 /* One BF16 row against permuted x: 128 bytes a step, four accumulators (one
  * per phase and half, so that the FMA latency is hidden), the tail (K % 32
  * elements, x in natural order) widened the plain way. */
-INL __m512 row_bf16(const kc_mm_rows *t, const char *pf_end, const uint16_t *w)
+INL __m512 row_bf16(const kc_mm_rows *t, const char *pf_end, const float *x, const uint16_t *w)
 {
 	const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000);
-	const float *x = t->x;
 	__m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 	int64_t k = 0;
 	for (; k + 64 <= t->K; k += 64) {
@@ -484,24 +483,23 @@ INL __m512 row_fp8(const kc_mm_rows *t, const char *pf_end, const uint8_t *w)
 	return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
 }
 
-/* xs = x * (scale of block row sb) * FP8_SC, element by element. */
-INL void rows_fp8_scale_x(const kc_mm_rows *t, int64_t sb)
+/* xs = x * (scale row s) * FP8_SC, element by element. */
+INL void rows_fp8_scale_x(const kc_mm_rows *t, const float *x, const float *s)
 {
-	const float *s = t->scale + sb * t->scale_stride;
 	for (int64_t k0 = 0, kb = 0; k0 < t->K; k0 += t->block, kb++) {
 		const __m512 sc = _mm512_set1_ps(s[kb] * FP8_SC);
 		int64_t k1 = k0 + t->block < t->K ? k0 + t->block : t->K;
 		for (int64_t k = k0; k < k1; k += 16) {
 			__mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)(k1 - k)) - 1u);
-			_mm512_mask_storeu_ps(t->xs + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, t->x + k), sc));
+			_mm512_mask_storeu_ps(t->xs + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), sc));
 		}
 	}
 }
 
-/* Writes the sums of the rows n - nd + 1 .. n (nd <= 4 vectors in v).  sum4
- * sums each vector by the same tree whatever the others hold, so a row's
- * result does not depend on where a thread's share starts or ends. */
-INL void rows_write(const kc_mm_rows *t, __m512 v[4], int nd, int64_t n)
+/* y[0 .. nd) = (or +=) the sums of the nd <= 4 vectors in v.  sum4 sums
+ * each vector by the same tree whatever the others hold, so a row's result
+ * does not depend on where a thread's share or a group of four starts. */
+INL void rows_write(const kc_mm_rows *t, __m512 v[4], int nd, float *y)
 {
 	for (int i = nd; i < 4; i++)
 		v[i] = _mm512_setzero_ps();
@@ -510,7 +508,6 @@ INL void rows_write(const kc_mm_rows *t, __m512 v[4], int nd, int64_t n)
 		s = _mm_mul_ps(s, _mm_set1_ps(FP8_UNDO));
 	_Alignas(16) float r[4];
 	_mm_store_ps(r, s);
-	float *y = t->y + n - nd + 1;
 	for (int i = 0; i < nd; i++)
 		y[i] = t->store ? r[i] : y[i] + r[i];
 }
@@ -522,23 +519,32 @@ TGT static void rows(const kc_mm_rows *t)
 	/* the share's first pf_bytes: nothing ran ahead of them */
 	for (const char *p = w; p < w + t->pf_bytes && p < pf_end; p += 64)
 		__builtin_prefetch(p, 0, 1);
+	/* product i, its row r, its x, y and scales (no division per row: with
+	 * K = 128 a row is only two steps) */
+	int64_t i = t->n0 / t->per_item, r = t->n0 - i * t->per_item;
+	const float *x = t->x + i * t->K, *s = t->scale ? t->scale + i * t->s_bstride : NULL;
+	float *y = t->y + i * t->y_bstride;
+	int64_t sb_end = r; /* FP8: the first row of the next scale block row */
 	__m512 v[4];
 	int nd = 0;
-	/* FP8: the first row of the next scale block row (no division per row:
-	 * with K = 128 a row is only two steps) */
-	int64_t sb_end = t->n0;
-	for (int64_t n = t->n0; n < t->n1; n++, w += rb) {
+	for (int64_t n = t->n0; n < t->n1; n++, r++, w += rb) {
+		if (r == t->per_item) {
+			r = 0, sb_end = 0;
+			x += t->K, y += t->y_bstride;
+			if (s)
+				s += t->s_bstride;
+		}
 		if (t->dt == KB_BF16) {
-			v[nd++] = row_bf16(t, pf_end, (const uint16_t *)w);
+			v[nd++] = row_bf16(t, pf_end, x, (const uint16_t *)w);
 		} else {
-			if (n == sb_end) {
-				rows_fp8_scale_x(t, n / t->block);
-				sb_end = (n / t->block + 1) * t->block;
+			if (r == sb_end) {
+				rows_fp8_scale_x(t, x, s + r / t->block * t->scale_stride);
+				sb_end = (r / t->block + 1) * t->block;
 			}
 			v[nd++] = row_fp8(t, pf_end, (const uint8_t *)w);
 		}
-		if (nd == 4 || n + 1 == t->n1) {
-			rows_write(t, v, nd, n);
+		if (nd == 4 || n + 1 == t->n1 || r + 1 == t->per_item) {
+			rows_write(t, v, nd, y + r - nd + 1);
 			nd = 0;
 		}
 	}

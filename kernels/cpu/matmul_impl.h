@@ -78,18 +78,24 @@ static inline void kc_mm_prefetch(const kc_mm_tile *t, size_t es, int64_t k0, in
  * 1.1-1.2x, FP8 expert matrices up to 1.45x faster, docs/benchmarks.md). */
 typedef struct kc_mm_rows {
 	enum kb_dtype dt;    /* KB_BF16 or KB_F8_E4M3 */
-	const float *x;      /* [K], permuted as kc_mm_kernels.xperm(dt, block, 1) says */
+	const float *x;      /* [K] per product, permuted as kc_mm_kernels.xperm(dt, block, 1) says */
 	const void *w;       /* W[0][0]; row n at w + n * K elements */
 	int64_t K;
-	/* FP8: scale [ceil(N / block)][scale_stride], block edge (a multiple of
-	 * the x group), and xs, K floats of scratch: x times one scale block
-	 * row's scales, rebuilt whenever n enters another block row */
+	/* FP8: scale [ceil(per_item / block)][scale_stride] per product, block
+	 * edge (a multiple of the x group), and xs, K floats of scratch: x times
+	 * one scale block row's scales, rebuilt whenever n enters another block
+	 * row or product */
 	const float *scale;
 	int64_t scale_stride, block;
 	float *xs;
-	float *y;            /* y[0] of the matmul; y[n] is written */
+	float *y;            /* y[0] of the first product; y[n] is written */
 	int store;           /* 1: y = sum, 0: y += sum */
-	int64_t n0, n1;      /* the rows of this call */
+	/* Several products back to back (kb_matmul_args.batch with the W
+	 * matrices contiguous): row n belongs to product i = n / per_item, which
+	 * takes its x at x + i * K, its y at y + i * y_bstride and its scales at
+	 * scale + i * s_bstride.  One product: per_item = its N. */
+	int64_t per_item, y_bstride, s_bstride;
+	int64_t n0, n1;      /* the rows of this call, counted over all products */
 	int64_t pf_bytes;    /* software prefetch distance ... */
 	const char *pf_end;  /* ... never at or past this byte (end of the share) */
 } kc_mm_rows;

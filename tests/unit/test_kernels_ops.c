@@ -260,6 +260,118 @@ TEST(matmul_decode_rows_match_reference_and_thread_count)
 	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
 }
 
+/* The batched form with one x row per product and the W matrices back to
+ * back (the absorbed-MLA per-head matrices): products of 37 rows (groups of
+ * four and thread shares straddle them), K with tails, FP8 scale grids per
+ * product; the same bits as each product alone, for 1 to 4 threads, and
+ * within 1e-5 of sum |x| |W| of the scalar reference. */
+TEST(matmul_batched_one_row_equals_each_product_alone)
+{
+	static const int64_t shapes[][3] = {{37, 130, 128}, {512, 128, 128}, {128, 512, 64}};
+	static const enum kb_dtype dts[] = {KB_BF16, KB_F8_E4M3};
+	enum { B = 16 };
+	for (size_t si = 0; si < 3; si++) {
+		for (size_t d = 0; d < 2; d++) {
+			const int64_t N = shapes[si][0], K = shapes[si][1], block = shapes[si][2];
+			const enum kb_dtype dt = dts[d];
+			const size_t es = kb_dtype_size(dt);
+			const int64_t scols = (K + block - 1) / block, srows = (N + block - 1) / block;
+			const int64_t xs = K + 3, ys = N + 5, ss = srows * scols + 2; /* padded strides */
+			unsigned char *w = malloc((size_t)(B * N * K) * es), *wa = malloc((size_t)(B * N * K) * es);
+			float *sc = malloc((size_t)(B * ss) * sizeof(float));
+			float *x = malloc((size_t)(B * xs) * sizeof(float)), *xa = malloc((size_t)(B * xs) * sizeof(float));
+			float *y0 = malloc((size_t)(B * ys) * sizeof(float)), *yb = malloc((size_t)(B * ys) * sizeof(float));
+			float *y1 = malloc((size_t)(B * ys) * sizeof(float)), *ref = malloc((size_t)(B * ys) * sizeof(float));
+			float *bound = malloc((size_t)(B * ys) * sizeof(float));
+			for (size_t i = 0; i < (size_t)(B * N * K) * es; i++)
+				w[i] = (unsigned char)(ut_rand_u64() & 0xFF);
+			for (int64_t i = 0; i < B * N * K; i++) {
+				if (dt == KB_BF16) {
+					((uint16_t *)w)[i] &= 0xBFFF;
+					((uint16_t *)wa)[i] = ((uint16_t *)w)[i] & 0x7FFF;
+				} else {
+					if ((w[i] & 0x7F) == 0x7F)
+						w[i] = 0x30;
+					wa[i] = w[i] & 0x7F;
+				}
+			}
+			for (int64_t i = 0; i < B * ss; i++)
+				sc[i] = ut_rand_float(1e-3f, 1e-1f);
+			for (int64_t i = 0; i < B * xs; i++) {
+				x[i] = ut_rand_float(-1, 1);
+				xa[i] = x[i] < 0 ? -x[i] : x[i];
+			}
+			for (int64_t i = 0; i < B * ys; i++)
+				y0[i] = ut_rand_float(-1, 1);
+			for (int acc = 0; acc <= 1; acc++) {
+				kb_matmul_args a = {yb, x, w, dt == KB_F8_E4M3 ? sc : NULL, dt, 1, N, K, K, N, K,
+						    scols, block, acc};
+				a.batch = B;
+				a.x_bstride = xs;
+				a.y_bstride = ys;
+				a.w_bstride = N * K;
+				a.s_bstride = dt == KB_F8_E4M3 ? ss : 0;
+				int bad_ref = 0;
+				for (int64_t b = 0; b < B; b++) {
+					kb_matmul_args one = a, ab;
+					one.batch = 0;
+					one.x = x + b * xs;
+					one.w = w + (size_t)(b * N * K) * es;
+					one.w_scale = a.w_scale ? sc + b * ss : NULL;
+					one.y = ref + b * ys;
+					ab = one;
+					ab.x = xa + b * xs;
+					ab.w = wa + (size_t)(b * N * K) * es;
+					ab.y = bound + b * ys;
+					ab.accumulate = 0;
+					kc_matmul_ref(&ab);
+					memcpy(ref + b * ys, y0 + b * ys, (size_t)ys * sizeof(float));
+					kc_matmul_ref(&one);
+				}
+				for (int isa = 1; isa <= (int)kc_isa_detect(); isa++) {
+					for (int t = 1; t <= 4; t++) {
+						CHECK_EQ(kc_pool_set_threads(t), DS_OK);
+						memcpy(yb, y0, (size_t)(B * ys) * sizeof(float));
+						memcpy(y1, y0, (size_t)(B * ys) * sizeof(float));
+						a.y = yb;
+						CHECK_EQ(kc_matmul_batch_isa((enum kc_isa)isa, &a), DS_OK);
+						for (int64_t b = 0; b < B; b++) {
+							kb_matmul_args one = a;
+							one.batch = 0;
+							one.x = x + b * xs;
+							one.w = w + (size_t)(b * N * K) * es;
+							one.w_scale = a.w_scale ? sc + b * ss : NULL;
+							one.y = y1 + b * ys;
+							CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &one), DS_OK);
+						}
+						CHECK(memcmp(yb, y1, (size_t)(B * ys) * sizeof(float)) == 0);
+					}
+					for (int64_t b = 0; b < B; b++)
+						for (int64_t n = 0; n < ys; n++) {
+							int64_t i = b * ys + n;
+							float y0a = y0[i] < 0 ? -y0[i] : y0[i];
+							float tol = n < N ? 1e-5f * (bound[i] + (acc ? y0a : 0.0f)) + 1e-30f : 0.0f;
+							float e = yb[i] - (n < N ? ref[i] : y0[i]); /* padding untouched */
+							bad_ref += !(e <= tol && -e <= tol);
+						}
+				}
+				CHECK_EQ(bad_ref, 0);
+			}
+			free(w);
+			free(wa);
+			free(sc);
+			free(x);
+			free(xa);
+			free(y0);
+			free(yb);
+			free(y1);
+			free(ref);
+			free(bound);
+		}
+	}
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+}
+
 TEST(matmul_k0_and_empty)
 {
 	float y[4] = {1, 2, 3, 4}, x[2] = {1, 1}, w[2] = {1, 1};
