@@ -265,7 +265,7 @@ typedef struct rows_job {
 static void rows_item(void *ctx, int64_t b, int64_t e)
 {
 	const rows_job *j = ctx;
-	_Alignas(64) float xs[KC_MM_ROWS_XS];
+	_Alignas(64) float xs[KC_MM_ROWS_MAXK];
 	const size_t rb = (size_t)j->proto.K * kb_dtype_size(j->proto.dt);
 	for (int64_t it = b; it < e; it++) {
 		kc_mm_rows t = j->proto;
@@ -303,7 +303,7 @@ static void rows_run(const kb_matmul_args *a, const kc_mm_kernels *kn, const flo
 static int rows_fit(const kb_matmul_args *a, const kc_mm_kernels *kn, int g)
 {
 	return g && kn && a->M == 1 && kn->rows && a->w_stride == a->K &&
-	       (a->wtype != KB_F8_E4M3 || a->K <= KC_MM_ROWS_XS) &&
+	       a->K <= KC_MM_ROWS_MAXK &&
 	       (a->batch <= 1 || a->w_bstride == a->N * a->K);
 }
 

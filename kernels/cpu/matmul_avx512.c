@@ -414,6 +414,12 @@ TGT static void pack(float *dst, int64_t ld, const kc_mm_tile *t)
 
 /* ---- decode with one x row, whole rows in memory order (kc_mm_rows) ---- */
 
+/* The first min(left, 16) lanes. */
+INL __mmask16 mask_upto(int64_t left)
+{
+	return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)left) - 1u);
+}
+
 /* Asks for the line pf_bytes past p unless that is past pf_end (the end of
  * the share). */
 INL void rows_prefetch(const kc_mm_rows *t, const char *pf_end, const char *p)
@@ -448,8 +454,7 @@ INL __m512 row_bf16(const kc_mm_rows *t, const char *pf_end, const float *x, con
 		k += 32;
 	}
 	for (; k < t->K; k += 16) {
-		int64_t left = t->K - k;
-		__mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)left) - 1u);
+		const __mmask16 m = mask_upto(t->K - k);
 		a2 = _mm512_fmadd_ps(w_load_mask(KB_BF16, w, k, m), _mm512_maskz_loadu_ps(m, x + k), a2);
 	}
 	return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
@@ -476,8 +481,7 @@ INL __m512 row_fp8(const kc_mm_rows *t, const char *pf_end, const uint8_t *w)
 				     _mm512_loadu_ps(x + k), a0);
 	}
 	for (; k < t->K; k += 16) {
-		int64_t left = t->K - k;
-		__mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)left) - 1u);
+		const __mmask16 m = mask_upto(t->K - k);
 		a0 = _mm512_fmadd_ps(w_load_mask(KB_F8_E4M3, w, k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
 	}
 	return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
@@ -490,7 +494,7 @@ INL void rows_fp8_scale_x(const kc_mm_rows *t, const float *x, const float *s)
 		const __m512 sc = _mm512_set1_ps(s[kb] * FP8_SC);
 		int64_t k1 = k0 + t->block < t->K ? k0 + t->block : t->K;
 		for (int64_t k = k0; k < k1; k += 16) {
-			__mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)(k1 - k)) - 1u);
+			const __mmask16 m = mask_upto(k1 - k);
 			_mm512_mask_storeu_ps(t->xs + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), sc));
 		}
 	}

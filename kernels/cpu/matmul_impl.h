@@ -100,9 +100,12 @@ typedef struct kc_mm_rows {
 	const char *pf_end;  /* ... never at or past this byte (end of the share) */
 } kc_mm_rows;
 
-/* Floats of kc_mm_rows.xs a thread keeps on its stack: FP8 matrices with a
- * longer K take the tile order. */
-#define KC_MM_ROWS_XS 16384
+/* The longest rows that take kc_mm_kernels.rows (and the floats of xs a
+ * thread keeps on its stack): x, up to 16 KiB, stays in the 32 KiB L1 beside
+ * the streamed rows.  With K = 7168 (DeepSeek-V3's hidden size) x is
+ * re-read from L2 for every row and the tile order, which holds a 4 KiB
+ * chunk of x, was 1.2-1.7x faster; at K = 4096 and 5632 the two were even. */
+#define KC_MM_ROWS_MAXK 4096
 
 #define KC_MM_ACC_R 16                          /* floats per (m, r) slot */
 #define KC_MM_ACC_M (KC_MM_NR_MAX * KC_MM_ACC_R) /* floats per x row */

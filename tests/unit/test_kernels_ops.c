@@ -175,6 +175,23 @@ TEST(matmul_same_bits_for_any_thread_count)
 	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
 }
 
+/* n random finite BF16 or FP8 weights in w and their magnitudes in wa. */
+static void rand_finite_weights(enum kb_dtype dt, unsigned char *w, unsigned char *wa, int64_t n)
+{
+	for (size_t i = 0; i < (size_t)n * kb_dtype_size(dt); i++)
+		w[i] = (unsigned char)(ut_rand_u64() & 0xFF);
+	for (int64_t i = 0; i < n; i++) {
+		if (dt == KB_BF16) {
+			((uint16_t *)w)[i] &= 0xBFFF; /* exponent < 128: finite */
+			((uint16_t *)wa)[i] = ((uint16_t *)w)[i] & 0x7FFF;
+		} else {
+			if ((w[i] & 0x7F) == 0x7F)
+				w[i] = 0x30; /* no E4M3 NaN */
+			wa[i] = w[i] & 0x7F;
+		}
+	}
+}
+
 /* Decode with one x row over whole contiguous rows (the AVX-512 kernels'
  * kc_mm_rows path): K with tails after the 64- and 32-element groups, N that
  * crosses FP8 scale-block rows inside a thread's share, y written and added
@@ -196,18 +213,7 @@ TEST(matmul_decode_rows_match_reference_and_thread_count)
 			float *y0 = malloc((size_t)N * sizeof(float)), *ref = malloc((size_t)N * sizeof(float));
 			float *bound = malloc((size_t)N * sizeof(float)), *y1 = malloc((size_t)N * sizeof(float));
 			float *y2 = malloc((size_t)N * sizeof(float));
-			for (size_t i = 0; i < (size_t)(N * K) * es; i++)
-				w[i] = (unsigned char)(ut_rand_u64() & 0xFF);
-			for (int64_t i = 0; i < N * K; i++) {
-				if (dt == KB_BF16) {
-					((uint16_t *)w)[i] &= 0xBFFF; /* exponent < 128: finite */
-					((uint16_t *)wa)[i] = ((uint16_t *)w)[i] & 0x7FFF;
-				} else {
-					if ((w[i] & 0x7F) == 0x7F)
-						w[i] = 0x30; /* no E4M3 NaN */
-					wa[i] = w[i] & 0x7F;
-				}
-			}
+			rand_finite_weights(dt, w, wa, N * K);
 			for (int64_t i = 0; i < srows * scols; i++)
 				sc[i] = ut_rand_float(1e-3f, 1e-1f);
 			for (int64_t k = 0; k < K; k++) {
@@ -283,18 +289,7 @@ TEST(matmul_batched_one_row_equals_each_product_alone)
 			float *y0 = malloc((size_t)(B * ys) * sizeof(float)), *yb = malloc((size_t)(B * ys) * sizeof(float));
 			float *y1 = malloc((size_t)(B * ys) * sizeof(float)), *ref = malloc((size_t)(B * ys) * sizeof(float));
 			float *bound = malloc((size_t)(B * ys) * sizeof(float));
-			for (size_t i = 0; i < (size_t)(B * N * K) * es; i++)
-				w[i] = (unsigned char)(ut_rand_u64() & 0xFF);
-			for (int64_t i = 0; i < B * N * K; i++) {
-				if (dt == KB_BF16) {
-					((uint16_t *)w)[i] &= 0xBFFF;
-					((uint16_t *)wa)[i] = ((uint16_t *)w)[i] & 0x7FFF;
-				} else {
-					if ((w[i] & 0x7F) == 0x7F)
-						w[i] = 0x30;
-					wa[i] = w[i] & 0x7F;
-				}
-			}
+			rand_finite_weights(dt, w, wa, B * N * K);
 			for (int64_t i = 0; i < B * ss; i++)
 				sc[i] = ut_rand_float(1e-3f, 1e-1f);
 			for (int64_t i = 0; i < B * xs; i++) {
