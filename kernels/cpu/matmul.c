@@ -277,6 +277,13 @@ static void rows_item(void *ctx, int64_t b, int64_t e)
 	}
 }
 
+/* Threads for a product of macs multiply-adds: below 64 Ki the hand-off
+ * costs more than it saves. */
+static int64_t threads_for(double macs)
+{
+	return macs < 65536.0 ? 1 : kc_pool_threads();
+}
+
 /* a->batch products (at least 1) whose W matrices lie back to back, x
  * permuted into xp (K floats per product). */
 static void rows_run(const kb_matmul_args *a, const kc_mm_kernels *kn, const float *xp, int64_t threads)
@@ -329,8 +336,7 @@ static void mm_run(const kb_matmul_args *a, const kc_mm_kernels *kn)
 			j.xperm = 1;
 		}
 	}
-	const double macs = (double)a->M * (double)a->N * (double)a->K;
-	const int64_t threads = macs < 65536.0 ? 1 : kc_pool_threads();
+	const int64_t threads = threads_for((double)a->M * (double)a->N * (double)a->K);
 	if (j.xperm && rows_fit(a, kn, g)) {
 		rows_run(a, kn, a->x, threads);
 		free(xheap);
@@ -433,8 +439,7 @@ int kc_matmul_batch_isa(enum kc_isa isa, const kb_matmul_args *a)
 		_Alignas(64) float xp[XPERM_STACK];
 		for (int64_t i = 0; i < a->batch; i++)
 			kn->permute_x(xp + i * a->K, a->x + i * a->x_bstride, a->K, g);
-		const double macs = (double)a->batch * (double)a->N * (double)a->K;
-		rows_run(a, kn, xp, macs < 65536.0 ? 1 : kc_pool_threads());
+		rows_run(a, kn, xp, threads_for((double)a->batch * (double)a->N * (double)a->K));
 		return DS_OK;
 	}
 	batch_job j = {isa, a};
