@@ -70,7 +70,7 @@ COMMON_SRC := $(wildcard common/*.c)
 KERNEL_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
 CUDA_SRC   := $(if $(filter 1,$(HAVE_CUDA)),$(wildcard kernels/cuda/*.cu))
 ENGINE_SRC := $(filter-out engine/dsrun.c,$(wildcard engine/*.c))
-AGENT_SRC  := $(filter-out agent/main.c,$(wildcard agent/*.c))
+AGENT_SRC  := $(filter-out agent/main.c,$(wildcard agent/*.c agent/*/*.c))
 CTL_SRC    := $(filter-out ctl/main.c,$(wildcard ctl/*.c))
 UNIT_SRC   := $(wildcard tests/unit/*.c)
 CONF_SRC   := $(wildcard tests/conformance/*.c)
@@ -219,4 +219,4 @@ clean:
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 # the migrations are embedded with .incbin, which the .d files do not see
-$(BUILD)/obj/agent/schema_sql.o: $(wildcard schema/*.sql)
+$(BUILD)/obj/agent/store/schema_sql.o: $(wildcard schema/*.sql)

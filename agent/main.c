@@ -15,15 +15,15 @@
  *   end open streams, stop HTTP, stop the scheduler, free the model -> exit 0.
  * (docs/architecture.md, docs/cluster.md).
  */
-#include "agent/cluster.h"
-#include "agent/control.h"
-#include "agent/gossip.h"
-#include "agent/discover.h"
-#include "agent/http.h"
-#include "agent/keys.h"
+#include "agent/cluster/cluster.h"
+#include "agent/api/control.h"
+#include "agent/cluster/gossip.h"
+#include "agent/node/discover.h"
+#include "agent/api/http.h"
+#include "agent/auth/keys.h"
 #include "agent/options.h"
-#include "agent/serve.h"
-#include "agent/store.h"
+#include "agent/api/serve.h"
+#include "agent/store/store.h"
 #include "common/log.h"
 #include "common/strutil.h"
 #include "engine/engine.h"

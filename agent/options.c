@@ -4,7 +4,7 @@
  * --help and --print-config.  Called once from main before anything starts.
  */
 #include "agent/options.h"
-#include "agent/discover.h"
+#include "agent/node/discover.h"
 #include "common/log.h"
 
 #include <stddef.h>

@@ -29,12 +29,12 @@ typedef struct agent_opts {
 	int kv_cache_mb;
 	int max_body_kb;
 	int max_n, max_logprobs;
-	/* discovery (agent/discover.h) */
+	/* discovery (agent/node/discover.h) */
 	char *sysroot;           /* read /proc, /sys, /etc under it; "/" = this machine */
 	char *fake_gpus;         /* NxMODEL-MEMGB[:topology] or 0 instead of NVML */
 	char *nvml_lib;          /* NVML library path (tests: a fake); NULL = the default */
 	int discover;            /* print the inventory as JSON and exit */
-	/* gossip membership (agent/gossip.h, docs/cluster.md) */
+	/* gossip membership (agent/cluster/gossip.h, docs/cluster.md) */
 	char *cluster_key;       /* key file; NULL = single node, no gossip */
 	char *gossip_bind;
 	int gossip_port;
@@ -42,7 +42,7 @@ typedef struct agent_opts {
 	char *advertise_addr;
 	char *gossip_profile;    /* lan | test */
 	int test_fault_injection; /* TEST ONLY: POST /v1/cluster/test/drop, /v1/test/fail-steps */
-	/* election and cluster inventory (agent/election.h, agent/cluster.h) */
+	/* election and cluster inventory (agent/cluster/election.h, agent/cluster/cluster.h) */
 	int expect;              /* cluster size N; 0 = no election (gossip only) */
 	int settle_ms;           /* formation: membership unchanged this long */
 	int lease_ms;            /* head lease / follower promise */

@@ -1,10 +1,15 @@
 /*
- * fileutil.c - small private files and mapped model files (see fileutil.h).
- * Thread-safe.
+ * fileutil.c - whole-file reads under a cap, atomic private writes, mapped
+ * model files (see fileutil.h).  Callers: every module that reads or writes a
+ * file (engine config and tokenizer files, agent key and id files, dsctl's
+ * cluster key).  Thread-safe: no state of its own.
  */
 #include "common/fileutil.h"
+#include "common/strutil.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <fcntl.h>
 #include <string.h>
 #include <stdint.h>
@@ -13,18 +18,21 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-int ds_file_read_small(const char *path, int flags, void *out, size_t cap, size_t *len,
-		       ds_err *err)
+/* Opens path for reading and checks it is a regular file (and private, with
+ * DS_FILE_PRIVATE) of at most cap bytes (else the code too_big); *fd and
+ * *size on success. */
+static int open_checked(const char *path, int flags, size_t cap, int too_big, int *fd, size_t *size,
+			ds_err *err)
 {
 	int rc = DS_OK;
-	int fd = open(path, O_RDONLY | O_CLOEXEC | (flags & DS_FILE_NOFOLLOW ? O_NOFOLLOW : 0));
-	if (fd < 0) {
+	*fd = open(path, O_RDONLY | O_CLOEXEC | (flags & DS_FILE_NOFOLLOW ? O_NOFOLLOW : 0));
+	if (*fd < 0) {
 		if (errno == ENOENT)
 			return ds_err_set(err, DS_ENOTFOUND, "%s does not exist", path);
 		return ds_err_set(err, DS_EIO, "cannot open %s: %s", path, strerror(errno));
 	}
 	struct stat st;
-	if (fstat(fd, &st) != 0) {
+	if (fstat(*fd, &st) != 0) {
 		rc = ds_err_set(err, DS_EIO, "cannot stat %s: %s", path, strerror(errno));
 		goto out;
 	}
@@ -39,27 +47,143 @@ int ds_file_read_small(const char *path, int flags, void *out, size_t cap, size_
 				path, (unsigned)(st.st_mode & 07777), path);
 		goto out;
 	}
-	if ((size_t)st.st_size > cap) {
-		rc = ds_err_set(err, DS_EFORMAT, "%s is %lld bytes; at most %zu expected", path,
+	if ((uint64_t)st.st_size > (uint64_t)cap) {
+		rc = ds_err_set(err, too_big, "%s is %lld bytes; at most %zu are accepted", path,
 				(long long)st.st_size, cap);
 		goto out;
 	}
+	*size = (size_t)st.st_size;
+out:
+	if (rc != DS_OK) {
+		close(*fd);
+		*fd = -1;
+	}
+	return rc;
+}
+
+/* Reads exactly size bytes of fd into out. */
+static int read_exact(int fd, const char *path, void *out, size_t size, ds_err *err)
+{
 	size_t got = 0;
-	while (got < (size_t)st.st_size) {
-		ssize_t r = read(fd, (char *)out + got, (size_t)st.st_size - got);
+	while (got < size) {
+		ssize_t r = read(fd, (char *)out + got, size - got);
 		if (r < 0 && errno == EINTR)
 			continue;
-		if (r <= 0) {
-			rc = ds_err_set(err, DS_EIO, "cannot read %s: %s", path,
-					r < 0 ? strerror(errno) : "file shrank");
-			goto out;
-		}
+		if (r <= 0)
+			return ds_err_set(err, DS_EIO, "cannot read %s: %s", path,
+					  r < 0 ? strerror(errno) : "the file shrank while it was read");
 		got += (size_t)r;
 	}
-	*len = got;
-out:
+	return DS_OK;
+}
+
+int ds_file_read_small(const char *path, int flags, void *out, size_t cap, size_t *len,
+		       ds_err *err)
+{
+	int fd;
+	size_t size = 0;
+	int rc = open_checked(path, flags, cap, DS_EFORMAT, &fd, &size, err);
+	if (rc != DS_OK)
+		return rc;
+	rc = read_exact(fd, path, out, size, err);
 	close(fd);
+	if (rc == DS_OK)
+		*len = size;
 	return rc;
+}
+
+int ds_file_read_all(const char *path, size_t cap, char **data, size_t *len, ds_err *err)
+{
+	int fd;
+	size_t size = 0;
+	*data = NULL;
+	*len = 0;
+	int rc = open_checked(path, 0, cap, DS_ERANGE, &fd, &size, err);
+	if (rc != DS_OK)
+		return rc;
+	char *buf = malloc(size + 1);
+	if (!buf) {
+		close(fd);
+		return ds_err_set(err, DS_ENOMEM, "no memory to read %s (%zu bytes)", path, size);
+	}
+	rc = read_exact(fd, path, buf, size, err);
+	close(fd);
+	if (rc != DS_OK) {
+		free(buf);
+		return rc;
+	}
+	buf[size] = '\0';
+	*data = buf;
+	*len = size;
+	return DS_OK;
+}
+
+/* fsync of the directory that holds path, so that a new name in it is durable. */
+static int sync_parent(const char *path, ds_err *err)
+{
+	char dir[PATH_MAX];
+	if ((size_t)snprintf(dir, sizeof dir, "%s", path) >= sizeof dir)
+		return ds_err_set(err, DS_EINVAL, "path too long: %s", path);
+	char *slash = strrchr(dir, '/');
+	if (!slash)
+		ds_strlcpy(dir, ".", sizeof dir);
+	else if (slash == dir)
+		dir[1] = '\0';
+	else
+		*slash = '\0';
+	int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (dfd < 0)
+		return ds_err_set(err, DS_EIO, "cannot open directory %s: %s", dir, strerror(errno));
+	int ok = fsync(dfd) == 0 || errno == EINVAL; /* some file systems cannot sync a directory */
+	int e = errno;
+	close(dfd);
+	return ok ? DS_OK : ds_err_set(err, DS_EIO, "cannot sync directory %s: %s", dir, strerror(e));
+}
+
+int ds_file_write_private(const char *path, const void *data, size_t len, int flags,
+			  ds_err *err)
+{
+	char tmp[PATH_MAX];
+	if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid()) >= sizeof tmp)
+		return ds_err_set(err, DS_EINVAL, "path too long: %s", path);
+	if ((flags & DS_WRITE_EXCL) && access(path, F_OK) == 0)
+		return ds_err_set(err, DS_EBUSY, "%s exists already", path);
+	(void)unlink(tmp); /* a leftover of a crashed writer with our pid */
+	int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return ds_err_set(err, DS_EIO, "cannot create %s: %s", tmp, strerror(errno));
+	int rc = DS_OK;
+	const char *p = data;
+	size_t done = 0;
+	if (fchmod(fd, 0600) != 0) /* whatever the umask */
+		rc = ds_err_set(err, DS_EIO, "cannot chmod %s: %s", tmp, strerror(errno));
+	while (rc == DS_OK && done < len) {
+		ssize_t w = write(fd, p + done, len - done);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			rc = ds_err_set(err, DS_EIO, "cannot write %s: %s", tmp,
+					w < 0 ? strerror(errno) : "no progress");
+		else
+			done += (size_t)w;
+	}
+	if (rc == DS_OK && fsync(fd) != 0)
+		rc = ds_err_set(err, DS_EIO, "cannot sync %s: %s", tmp, strerror(errno));
+	close(fd);
+	if (rc == DS_OK) {
+		if (flags & DS_WRITE_EXCL) {
+			/* link fails when path exists: two writers cannot both win */
+			if (link(tmp, path) != 0)
+				rc = errno == EEXIST
+					     ? ds_err_set(err, DS_EBUSY, "%s exists already", path)
+					     : ds_err_set(err, DS_EIO, "cannot create %s: %s", path,
+							  strerror(errno));
+		} else if (rename(tmp, path) != 0) {
+			rc = ds_err_set(err, DS_EIO, "cannot replace %s: %s", path, strerror(errno));
+		}
+	}
+	(void)unlink(tmp); /* after link, or on error; gone already after rename */
+	return rc == DS_OK ? sync_parent(path, err) : rc;
 }
 
 #define HUGE_PAGE ((size_t)2 << 20)

@@ -1,7 +1,8 @@
 /*
- * fileutil.h - reading the small files an agent keeps beside its data (the
- * node id, the cluster key, the key-hash secret, the admin token), and
- * mapping the large ones a model is made of.
+ * fileutil.h - the one way each file job is done: reading a whole file under
+ * a size cap (config.json, tokenizer.json, the small private files an agent
+ * keeps: node id, cluster key, key-hash secret, admin token), writing a
+ * private file atomically, and mapping the large files a model is made of.
  */
 #ifndef DS_FILEUTIL_H
 #define DS_FILEUTIL_H
@@ -22,6 +23,28 @@ enum {
  * how to fix it. */
 int ds_file_read_small(const char *path, int flags, void *out, size_t cap, size_t *len,
 		       ds_err *err);
+
+/* Reads the whole regular file at path into a new buffer (*data, freed by the
+ * caller with free; a NUL follows the last byte so text can be parsed in
+ * place); *len gets the size.  Never truncates: a file larger than cap is
+ * DS_ERANGE naming the file, its size and the cap.  DS_ENOTFOUND when it does
+ * not exist, DS_EPERM when it is not a regular file, DS_ENOMEM, DS_EIO. */
+int ds_file_read_all(const char *path, size_t cap, char **data, size_t *len, ds_err *err);
+
+enum {
+	DS_WRITE_EXCL = 1, /* DS_EBUSY (nothing written) when path exists already */
+};
+
+/* Writes data to path as a private file (mode 0600), atomically: a reader
+ * sees the old file or the whole new one, never a part.  The bytes go to a
+ * temporary file beside path, which is fsync'ed, then renamed over path
+ * (DS_WRITE_EXCL: linked to path, which fails if it exists), and the
+ * directory is fsync'ed so that the new name survives a power loss.
+ * DS_EBUSY (DS_WRITE_EXCL and path exists), DS_EINVAL (path too long),
+ * DS_EIO with the step that failed; on error path is unchanged and no
+ * temporary file is left behind. */
+int ds_file_write_private(const char *path, const void *data, size_t len, int flags,
+			  ds_err *err);
 
 /* How ds_file_map holds a file's bytes. */
 enum ds_map_mode {

@@ -183,9 +183,9 @@ static int py_space(uint32_t c)
 static size_t utf8_at(const unsigned char *s, size_t n, uint32_t *cp)
 {
 	size_t len = 0;
-	if (uni_utf8_check(s, n, &len) != UNI_UTF8_OK)
+	if (utf8_check(s, n, &len) != UTF8_OK)
 		return 0;
-	uni_utf8_decode(s, len, cp);
+	utf8_decode(s, len, cp);
 	return len;
 }
 

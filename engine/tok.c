@@ -201,7 +201,7 @@ static size_t bytelevel_decode(const char *s, size_t n, char *out, int *ok)
 	*ok = 1;
 	while (i < n) {
 		uint32_t cp;
-		i += uni_utf8_decode(u + i, n - i, &cp);
+		i += utf8_decode(u + i, n - i, &cp);
 		int b = tok_cp_to_byte(cp);
 		if (b < 0) {
 			*ok = 0;
@@ -407,7 +407,7 @@ static int build(const tok_build_params *p, tok **out, ds_err *err)
 	}
 	for (unsigned b = 0; b < 256; b++) {
 		unsigned char u[4];
-		size_t n = uni_utf8_encode(tok_byte_to_cp((unsigned char)b), u);
+		size_t n = utf8_encode(tok_byte_to_cp((unsigned char)b), u);
 		t->byte_id[b] = vocab_find_raw(t, (const char *)u, n);
 	}
 
@@ -644,7 +644,7 @@ static int bpe_piece(void *ctx, size_t start, size_t end)
 		}
 		size_t k = 0;
 		for (size_t i = 0; i < n; i++)
-			k += uni_utf8_encode(tok_byte_to_cp(s[i]), (unsigned char *)e->raw + k);
+			k += utf8_encode(tok_byte_to_cp(s[i]), (unsigned char *)e->raw + k);
 		int32_t id = vocab_find_raw(t, e->raw, k);
 		if (id >= 0)
 			return emit(e, id);
@@ -744,7 +744,7 @@ static uint32_t cp_before(const char *s, size_t lo, size_t pos, size_t *len)
 	while (k < 4 && pos - k > lo && (u[pos - k] & 0xC0) == 0x80)
 		k++;
 	uint32_t cp;
-	if (uni_utf8_decode(u + pos - k, k, &cp) == k && cp <= UNI_MAX) {
+	if (utf8_decode(u + pos - k, k, &cp) == k && cp <= UNI_MAX) {
 		*len = k;
 		return cp;
 	}
@@ -786,7 +786,7 @@ static int encode_added(struct enc *e, int pass, size_t start, size_t end)
 				left_word = is_word_cp(c);
 			}
 			if (me < end) {
-				uni_utf8_decode((const unsigned char *)s + me, end - me, &c);
+				utf8_decode((const unsigned char *)s + me, end - me, &c);
 				right_word = is_word_cp(c);
 			}
 			if (left_word || right_word) {
@@ -806,7 +806,7 @@ static int encode_added(struct enc *e, int pass, size_t start, size_t end)
 		if (a->flags & TOK_ADDED_RSTRIP) {
 			while (me < end) {
 				uint32_t c;
-				size_t k = uni_utf8_decode((const unsigned char *)s + me, end - me, &c);
+				size_t k = utf8_decode((const unsigned char *)s + me, end - me, &c);
 				if (!(uni_class(c) & UNI_WS))
 					break;
 				me += k;
@@ -957,14 +957,14 @@ static int stream_emit(buf *out, const unsigned char *p, size_t n, size_t *tail)
 	int rc;
 	*tail = 0;
 	while (i < n) {
-		size_t ok = uni_utf8_valid_prefix(p + i, n - i);
+		size_t ok = utf8_valid_prefix(p + i, n - i);
 		if (ok && (rc = buf_append(out, p + i, ok)) != 0)
 			return rc;
 		i += ok;
 		if (i == n)
 			break;
 		size_t len;
-		if (uni_utf8_check(p + i, n - i, &len) == UNI_UTF8_INCOMPLETE) {
+		if (utf8_check(p + i, n - i, &len) == UTF8_INCOMPLETE) {
 			*tail = n - i;
 			return 0;
 		}
@@ -994,12 +994,12 @@ int tok_stream_feed(tok_stream *s, int32_t id, buf *out, ds_err *err)
 		size_t take = n < 4 ? n : 4, len;
 		memcpy(tmp, s->tail, s->ntail);
 		memcpy(tmp + s->ntail, txt, take);
-		switch (uni_utf8_check(tmp, s->ntail + take, &len)) {
-		case UNI_UTF8_INCOMPLETE: /* still short: the whole token is held */
+		switch (utf8_check(tmp, s->ntail + take, &len)) {
+		case UTF8_INCOMPLETE: /* still short: the whole token is held */
 			memcpy(s->tail + s->ntail, txt, n);
 			s->ntail += n;
 			return 0;
-		case UNI_UTF8_OK: /* completed by the first len - ntail bytes */
+		case UTF8_OK: /* completed by the first len - ntail bytes */
 			rc = buf_append(out, tmp, len);
 			used = len - s->ntail;
 			break;
@@ -1099,7 +1099,7 @@ int32_t tok_find_token(const tok *t, const char *text, size_t len)
 	char raw[4096 * 2];
 	size_t k = 0;
 	for (size_t i = 0; i < len; i++)
-		k += uni_utf8_encode(tok_byte_to_cp((unsigned char)text[i]), (unsigned char *)raw + k);
+		k += utf8_encode(tok_byte_to_cp((unsigned char)text[i]), (unsigned char *)raw + k);
 	int32_t id = vocab_find_raw(t, raw, k);
 	size_t tl;
 	const char *tt = id >= 0 ? tok_token_text(t, id, &tl) : NULL;

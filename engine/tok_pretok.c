@@ -586,7 +586,7 @@ int tok_cpbuf_fill(tok_cpbuf *b, const char *text, size_t len)
 			c = s[i];
 			k = 1;
 		} else {
-			k = uni_utf8_decode(s + i, len - i, &c);
+			k = utf8_decode(s + i, len - i, &c);
 		}
 		b->cp[n] = c;
 		b->cls[n] = (uint8_t)uni_class(c);

@@ -11,6 +11,8 @@
 #ifndef DS_ENGINE_UNICODE_H
 #define DS_ENGINE_UNICODE_H
 
+#include "common/utf8.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -41,7 +43,7 @@ enum {
 };
 
 /* Pseudo code points for bytes that are not well-formed UTF-8: 0x110000 + byte. */
-#define UNI_INVALID_BASE 0x110000u
+#define UNI_INVALID_BASE UTF8_INVALID_BASE
 #define UNI_MAX 0x10FFFFu
 
 /* The Unicode version of the tables, e.g. "16.0.0". */
@@ -55,27 +57,5 @@ unsigned uni_class(uint32_t cp);
 
 /* Two-letter name of a category ("Lu"); "??" past the end. */
 const char *uni_gc_name(enum uni_gc gc);
-
-/* Decodes one code point from s[0..n) (n >= 1).  Returns the bytes consumed
- * (1..4).  Well-formed UTF-8 only (no overlongs, no surrogates, <= U+10FFFF);
- * anything else consumes one byte and yields UNI_INVALID_BASE + s[0]. */
-size_t uni_utf8_decode(const unsigned char *s, size_t n, uint32_t *cp);
-
-/* Encodes cp (<= U+10FFFF; pseudo code points give back their byte) into out;
- * returns the byte count (1..4). */
-size_t uni_utf8_encode(uint32_t cp, unsigned char out[4]);
-
-/* What the bytes at s[0] (n >= 1) start:
- *   UNI_UTF8_OK          a well-formed character, *len = its bytes (1..4);
- *   UNI_UTF8_INCOMPLETE  s[0..n) is a proper prefix of a well-formed character;
- *   UNI_UTF8_INVALID     ill-formed: *len = the maximal ill-formed subpart
- *                        (the bytes that could still have begun a character,
- *                        >= 1), which is what one U+FFFD replaces under the
- *                        Unicode "best practice" (and Python's errors="replace"). */
-enum { UNI_UTF8_OK = 0, UNI_UTF8_INCOMPLETE = 1, UNI_UTF8_INVALID = 2 };
-int uni_utf8_check(const unsigned char *s, size_t n, size_t *len);
-
-/* Length of the longest prefix of s[0..n) that is well-formed UTF-8. */
-size_t uni_utf8_valid_prefix(const unsigned char *s, size_t n);
 
 #endif

@@ -6,7 +6,7 @@
 -- Node ids are the 32 lowercase hex digits of DATA_DIR/node.id.  A node's
 -- rows in gpus, ib_ports, nics, links and gpu_nic are replaced together with
 -- its nodes row in one transaction.  Columns mirror the inventory JSON of
--- agent/discover.h field for field (JSON null = SQL NULL, booleans 0/1);
+-- agent/node/discover.h field for field (JSON null = SQL NULL, booleans 0/1);
 -- nodes.inventory holds the whole document as received, health included.
 -- Times are Unix seconds (UTC).
 

@@ -3,8 +3,9 @@
 #
 #  1. banned functions (unbounded or unchecked): strcpy strcat sprintf vsprintf
 #     gets atoi atol atoll atof strtok tmpnam
-#  2. include direction: common <- kernels <- engine <- agent; ctl may include
-#     common/ and ctl/ only; tests may include anything
+#  2. include direction: common <- kernels <- comm <- engine <- worker, agent;
+#     rooms inside agent/ by the table below; ctl may include common/ and
+#     ctl/ only; tests may include anything
 #  3. every .c/.cu file opens with a comment saying what it is for
 # Prints each finding as file:line: message and exits non-zero if any.
 set -uo pipefail
@@ -19,21 +20,39 @@ while IFS= read -r hit; do
 	bad=1
 done < <(grep -nHE "$banned" $src | grep -vE '^\S+:[0-9]+:\s*(\*|//)' )
 
+# The layers, lowest first: common <- kernels <- comm <- engine <- worker, agent.
+# Inside agent/ each room may include the rooms listed for it; agent/ itself
+# (main.c, options.c: the start-up order) and agent/api may include every room.
+# An include "agent/ROOM/x.h" counts as "agent/ROOM", "agent/x.h" as "agent".
 allowed_for() {
 	case "$1" in
 	common/*) echo "common" ;;
 	kernels/*) echo "common kernels" ;;
-	engine/*) echo "common kernels engine" ;;
-	agent/*) echo "common kernels engine agent" ;;
+	comm/*) echo "common kernels comm" ;;
+	engine/*) echo "common kernels comm engine" ;;
+	worker/*) echo "common kernels comm engine worker" ;;
+	agent/node/*) echo "common agent/node" ;;
+	agent/store/*) echo "common agent/store" ;;
+	agent/auth/*) echo "common agent/store agent/auth" ;;
+	agent/cluster/*) echo "common agent/node agent/store agent/auth agent/cluster" ;;
+	agent/api/*) echo "common kernels engine agent/node agent/store agent/auth agent/cluster agent/api" ;;
+	agent/*/*) echo "(no rule for this room: add it to tools/check.sh)" ;;
+	agent/*) echo "common kernels comm engine worker agent agent/node agent/store agent/auth agent/cluster agent/api" ;;
 	ctl/*) echo "common ctl" ;;
 	*) echo "*" ;;
+	esac
+}
+unit_of() { # the layer or agent room an include path names
+	case "$1" in
+	agent/*/*) echo "${1%/*}" ;;
+	*) echo "${1%%/*}" ;;
 	esac
 }
 for f in $src; do
 	allowed=$(allowed_for "$f")
 	[ "$allowed" = "*" ] && continue
 	while IFS=: read -r line inc; do
-		dir=${inc%%/*}
+		dir=$(unit_of "$inc")
 		case " $allowed " in
 		*" $dir "*) ;;
 		*) echo "$f:$line: includes \"$inc\": $f may include only: $allowed"; bad=1 ;;

@@ -1,21 +1,24 @@
 /*
- * test_common.c - unit tests of common/: status, buf, arena, strutil, jsonx,
- * config, log level parsing.
+ * test_common.c - unit tests of common/: status, buf, strutil, jsonx,
+ * config, log level parsing, fileutil, hex.
  */
-#include "common/arena.h"
 #include "common/buf.h"
 #include "common/config.h"
+#include "common/fileutil.h"
+#include "common/hex.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/strutil.h"
 #include "tests/unit/unit.h"
 
+#include <dirent.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 TEST(status_set_and_wrap)
@@ -58,35 +61,6 @@ TEST(buf_grows_past_first_allocation)
 	CHECK(memcmp(b.data + 3996, "0999", 4) == 0);
 	CHECK_EQ(b.data[b.len], '\0');
 	buf_free(&b);
-}
-
-TEST(arena_alignment_zeroing_cap_reset)
-{
-	arena *a = arena_new(128, 1024);
-	CHECK(a != NULL);
-	for (int i = 0; i < 20; i++) {
-		size_t align = (size_t)1 << (i % 7);
-		unsigned char *p = arena_alloc(a, 24, align);
-		CHECK(p != NULL);
-		CHECK_EQ((uintptr_t)p % align, 0);
-		for (int j = 0; j < 24; j++)
-			CHECK_EQ(p[j], 0);
-		memset(p, 0xAB, 24);
-	}
-	CHECK(arena_alloc(a, 4096, 8) == NULL); /* past the cap */
-	CHECK(arena_reserved(a) <= 1024);
-	arena_reset(a);
-	CHECK_EQ(arena_used(a), 0);
-	unsigned char *q = arena_alloc(a, 64, 8); /* reused memory comes back zeroed */
-	CHECK(q != NULL);
-	int nonzero = 0;
-	for (int j = 0; j < 64; j++)
-		nonzero |= q[j];
-	CHECK_EQ(nonzero, 0);
-	CHECK_STR(arena_strdup(a, "hello"), "hello");
-	CHECK(arena_alloc(a, 8, 3) == NULL); /* bad alignment */
-	arena_free(a);
-	arena_free(NULL);
 }
 
 TEST(strutil_parse_is_strict)
@@ -276,4 +250,89 @@ TEST(log_level_parse_names)
 	log_set_level(LOG_ERROR);
 	CHECK_EQ(log_get_level(), LOG_ERROR);
 	log_set_level(old);
+}
+
+/* ---- fileutil: whole reads under a cap, atomic private writes; hex ---- */
+
+TEST(file_read_all_caps_and_never_truncates)
+{
+	char *dir = ut_tmpdir_new("file");
+	if (!dir)
+		return;
+	char path[600], *data = NULL;
+	size_t len = 0;
+	ds_err err = {0};
+	snprintf(path, sizeof path, "%s/f.json", dir);
+	CHECK_EQ(ds_file_read_all(path, 64, &data, &len, &err), DS_ENOTFOUND);
+	CHECK(strstr(err.msg, "f.json") != NULL);
+	char text[200];
+	for (size_t i = 0; i < sizeof text; i++)
+		text[i] = (char)('a' + ut_rand_u64() % 26);
+	CHECK_EQ(ds_file_write_private(path, text, sizeof text, 0, &err), DS_OK);
+	CHECK_EQ(ds_file_read_all(path, sizeof text, &data, &len, &err), DS_OK);
+	CHECK_EQ(len, sizeof text);
+	CHECK(data && memcmp(data, text, sizeof text) == 0 && data[len] == '\0');
+	free(data);
+	data = NULL;
+	/* one byte over the cap: an error naming the size, not the first 199 bytes */
+	CHECK_EQ(ds_file_read_all(path, sizeof text - 1, &data, &len, &err), DS_ERANGE);
+	CHECK(data == NULL);
+	CHECK(strstr(err.msg, "200 bytes") != NULL);
+	CHECK_EQ(ds_file_read_all(dir, 1 << 20, &data, &len, &err), DS_EPERM); /* a directory */
+	ut_tmpdir_free(dir);
+}
+
+TEST(file_write_private_is_0600_atomic_and_exclusive)
+{
+	char *dir = ut_tmpdir_new("file");
+	if (!dir)
+		return;
+	char path[600], text[64];
+	size_t len = 0;
+	ds_err err = {0};
+	snprintf(path, sizeof path, "%s/secret", dir);
+	mode_t old = umask(0); /* the mode must not depend on the umask */
+	CHECK_EQ(ds_file_write_private(path, "one\n", 4, DS_WRITE_EXCL, &err), DS_OK);
+	umask(old);
+	struct stat st;
+	CHECK(stat(path, &st) == 0 && (st.st_mode & 0777) == 0600);
+	/* exclusive: a second create is DS_EBUSY and leaves the first file */
+	CHECK_EQ(ds_file_write_private(path, "two\n", 4, DS_WRITE_EXCL, &err), DS_EBUSY);
+	CHECK_EQ(ds_file_read_small(path, DS_FILE_PRIVATE, text, sizeof text, &len, &err), DS_OK);
+	CHECK(len == 4 && memcmp(text, "one\n", 4) == 0);
+	/* replace */
+	CHECK_EQ(ds_file_write_private(path, "three\n", 6, 0, &err), DS_OK);
+	CHECK_EQ(ds_file_read_small(path, DS_FILE_PRIVATE, text, sizeof text, &len, &err), DS_OK);
+	CHECK(len == 6 && memcmp(text, "three\n", 6) == 0);
+	/* no temporary file is left beside it */
+	DIR *d = opendir(dir);
+	int entries = 0;
+	for (struct dirent *e; d && (e = readdir(d));)
+		entries += e->d_name[0] != '.';
+	if (d)
+		closedir(d);
+	CHECK_EQ(entries, 1);
+	/* a directory that does not exist: an error naming the step, nothing created */
+	snprintf(path, sizeof path, "%s/no/such/secret", dir);
+	CHECK_EQ(ds_file_write_private(path, "x", 1, 0, &err), DS_EIO);
+	CHECK(strstr(err.msg, "cannot create") != NULL);
+	ut_tmpdir_free(dir);
+}
+
+TEST(hex_round_trip_random_bytes)
+{
+	uint8_t in[37], back[37];
+	char text[2 * sizeof in + 1];
+	for (size_t i = 0; i < sizeof in; i++)
+		in[i] = (uint8_t)ut_rand_u64();
+	ds_hex_encode(in, sizeof in, text);
+	CHECK_EQ(strlen(text), 2 * sizeof in);
+	for (size_t i = 0; i < 2 * sizeof in; i++)
+		CHECK((text[i] >= '0' && text[i] <= '9') || (text[i] >= 'a' && text[i] <= 'f'));
+	CHECK_EQ(ds_hex_decode(text, sizeof in, back), 0);
+	CHECK(memcmp(in, back, sizeof in) == 0);
+	text[5] = 'g';
+	CHECK_EQ(ds_hex_decode(text, sizeof in, back), -1);
+	CHECK_EQ(ds_hex_decode("A0fF", 2, back), 0);
+	CHECK(back[0] == 0xA0 && back[1] == 0xFF);
 }

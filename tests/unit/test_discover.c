@@ -1,12 +1,12 @@
 /*
- * test_discover.c - unit tests of agent/discover: the parsers (rates, states,
+ * test_discover.c - unit tests of agent/node/discover: the parsers (rates, states,
  * GIDs, PCI bus ids, cpulists, --fake-gpus specs), the PCI level rule on
  * synthetic sysfs paths, and whole runs (disc_run -> JSON -> digest -> free)
  * on a small sysroot written here and on this machine, so the sanitizer build
  * covers the scanners.  Inputs are random where a generator can state the
  * answer independently; edge cases are listed.  Names start with disc_.
  */
-#include "agent/discover.h"
+#include "agent/node/discover.h"
 #include "tests/unit/unit.h"
 
 #include <arpa/inet.h>

@@ -1,5 +1,5 @@
 /*
- * test_election.c - agent/election: rank order, quorum sizes, one vote per
+ * test_election.c - agent/cluster/election: rank order, quorum sizes, one vote per
  * epoch on disk, leases, fencing, no preemption, minorities never elect, and
  * a randomized run of crashes and partitions that checks at every step that
  * no two nodes hold a head lease at once.
@@ -11,8 +11,8 @@
  * view is what gossip would tell it: a member is alive when it runs and the
  * link is not cut, with the role and epochs its status shows.
  */
-#include "agent/election.h"
-#include "agent/store.h"
+#include "agent/cluster/election.h"
+#include "agent/store/store.h"
 #include "tests/unit/unit.h"
 
 #include <ftw.h>

@@ -969,7 +969,7 @@ static void bl(const char *s, char *out, size_t cap)
 	size_t o = 0;
 	for (; *s; s++) {
 		unsigned char u[4];
-		size_t n = uni_utf8_encode(tok_byte_to_cp((unsigned char)*s), u);
+		size_t n = utf8_encode(tok_byte_to_cp((unsigned char)*s), u);
 		if (o + n + 1 > cap)
 			break;
 		memcpy(out + o, u, n);
@@ -1015,7 +1015,7 @@ static void build_tok_gguf(const tokfx *f, buf *b)
 	put_le(b, N_TOKS, 8);
 	for (int i = 0; i < 256; i++) {
 		unsigned char u[4];
-		size_t n = uni_utf8_encode(tok_byte_to_cp((unsigned char)i), u);
+		size_t n = utf8_encode(tok_byte_to_cp((unsigned char)i), u);
 		put_strn(b, (const char *)u, n);
 	}
 	for (size_t k = 0; k < N_MERGES; k++) {

@@ -1,12 +1,12 @@
 /*
- * test_gossip.c - unit tests of agent/gossip: the message codec, sealing,
+ * test_gossip.c - unit tests of agent/cluster/gossip: the message codec, sealing,
  * the replay window, the suspicion-timeout math, the incarnation rules of
  * the membership table, metadata TLVs, the key and node id files, and three
  * in-process instances on loopback (join, bad packets counted, leave).
  * Every name starts with gossip_ (run them with `tests/unit gossip_`).
  */
-#include "agent/gossip.h"
-#include "agent/gossip_impl.h"
+#include "agent/cluster/gossip.h"
+#include "agent/cluster/gossip_impl.h"
 #include "tests/unit/unit.h"
 
 #include <arpa/inet.h>

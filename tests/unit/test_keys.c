@@ -1,12 +1,12 @@
 /*
- * test_keys.c - unit tests of agent/store (SQLite, migrations) and agent/keys
+ * test_keys.c - unit tests of agent/store/store (SQLite, migrations) and agent/keys
  * (key creation, hashing, authentication, limit windows, secret files).
  * Every test works in its own mkdtemp directory.  Names start with store_ or
  * keys_ (run them with `tests/unit store_` / `tests/unit keys_`).
  */
-#include "agent/keys.h"
-#include "agent/store.h"
-#include "agent/store_impl.h"
+#include "agent/auth/keys.h"
+#include "agent/store/store.h"
+#include "agent/store/store_impl.h"
 #include "tests/unit/unit.h"
 
 #include <dirent.h>

@@ -1,11 +1,11 @@
 /*
- * test_rpc.c - agent/rpc: the cluster credential (sign, verify, every kind
+ * test_rpc.c - agent/cluster/rpc: the cluster credential (sign, verify, every kind
  * of tampering, clock skew, replay, key rotation) and rpc_run against real
- * sockets: an agent HTTP server (agent/http.c) answering in parallel, a
+ * sockets: an agent HTTP server (agent/api/http.c) answering in parallel, a
  * closed port, and a listener that never answers.
  */
-#include "agent/http.h"
-#include "agent/rpc.h"
+#include "agent/api/http.h"
+#include "agent/cluster/rpc.h"
 #include "common/strutil.h"
 #include "tests/unit/unit.h"
 

@@ -60,7 +60,7 @@ TEST(uni_general_category_spot_checks)
 	CHECK_STR(uni_gc_name(UNI_GC_SO), "So");
 }
 
-TEST(uni_utf8_strict_decoding)
+TEST(utf8_strict_decoding)
 {
 	/* random code points round trip through encode/decode */
 	for (int i = 0; i < 20000; i++) {
@@ -68,15 +68,15 @@ TEST(uni_utf8_strict_decoding)
 		if (cp >= 0xD800 && cp <= 0xDFFF)
 			continue;
 		unsigned char b[4];
-		size_t n = uni_utf8_encode(cp, b);
+		size_t n = utf8_encode(cp, b);
 		uint32_t back;
-		CHECK_EQ(uni_utf8_decode(b, n, &back), n);
+		CHECK_EQ(utf8_decode(b, n, &back), n);
 		CHECK_EQ(back, cp);
 		size_t len;
-		CHECK_EQ(uni_utf8_check(b, n, &len), UNI_UTF8_OK);
+		CHECK_EQ(utf8_check(b, n, &len), UTF8_OK);
 		CHECK_EQ(len, n);
 		if (n > 1) {
-			CHECK_EQ(uni_utf8_check(b, n - 1, &len), UNI_UTF8_INCOMPLETE);
+			CHECK_EQ(utf8_check(b, n - 1, &len), UTF8_INCOMPLETE);
 		}
 	}
 	/* ill-formed input: one pseudo code point per byte, and the maximal
@@ -87,33 +87,33 @@ TEST(uni_utf8_strict_decoding)
 		int status;
 		size_t len;
 	} c[] = {
-		{ "\xC0\x80", 2, UNI_UTF8_INVALID, 1 },         /* overlong */
-		{ "\xE0\x80\x80", 3, UNI_UTF8_INVALID, 1 },     /* overlong */
-		{ "\xED\xA0\x80", 3, UNI_UTF8_INVALID, 1 },     /* surrogate */
-		{ "\xF4\x90\x80\x80", 4, UNI_UTF8_INVALID, 1 }, /* > U+10FFFF */
-		{ "\xF5\x80", 2, UNI_UTF8_INVALID, 1 },
-		{ "\x80", 1, UNI_UTF8_INVALID, 1 },             /* lone continuation */
-		{ "\xE4\xB8\x41", 3, UNI_UTF8_INVALID, 2 },     /* cut by 'A' */
-		{ "\xF0\x9F\x98\x41", 4, UNI_UTF8_INVALID, 3 },
-		{ "\xE4\xB8", 2, UNI_UTF8_INCOMPLETE, 2 },
-		{ "\xF0\x9F\x98", 3, UNI_UTF8_INCOMPLETE, 3 },
-		{ "\xE4\xB8\xAD", 3, UNI_UTF8_OK, 3 },
+		{ "\xC0\x80", 2, UTF8_INVALID, 1 },         /* overlong */
+		{ "\xE0\x80\x80", 3, UTF8_INVALID, 1 },     /* overlong */
+		{ "\xED\xA0\x80", 3, UTF8_INVALID, 1 },     /* surrogate */
+		{ "\xF4\x90\x80\x80", 4, UTF8_INVALID, 1 }, /* > U+10FFFF */
+		{ "\xF5\x80", 2, UTF8_INVALID, 1 },
+		{ "\x80", 1, UTF8_INVALID, 1 },             /* lone continuation */
+		{ "\xE4\xB8\x41", 3, UTF8_INVALID, 2 },     /* cut by 'A' */
+		{ "\xF0\x9F\x98\x41", 4, UTF8_INVALID, 3 },
+		{ "\xE4\xB8", 2, UTF8_INCOMPLETE, 2 },
+		{ "\xF0\x9F\x98", 3, UTF8_INCOMPLETE, 3 },
+		{ "\xE4\xB8\xAD", 3, UTF8_OK, 3 },
 	};
 	for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
 		size_t len = 0;
 		const unsigned char *s = (const unsigned char *)c[i].s;
-		CHECK_EQ(uni_utf8_check(s, c[i].n, &len), c[i].status);
+		CHECK_EQ(utf8_check(s, c[i].n, &len), c[i].status);
 		CHECK_EQ(len, c[i].len);
 		uint32_t cp;
-		size_t k = uni_utf8_decode(s, c[i].n, &cp);
-		if (c[i].status == UNI_UTF8_OK) {
+		size_t k = utf8_decode(s, c[i].n, &cp);
+		if (c[i].status == UTF8_OK) {
 			CHECK_EQ(cp, 0x4E2D);
 		} else {
 			CHECK_EQ(k, 1);
 			CHECK_EQ(cp, UNI_INVALID_BASE + s[0]);
 		}
 	}
-	CHECK_EQ(uni_utf8_valid_prefix((const unsigned char *)"ab\xE4\xB8\xAD\xE4\xB8", 7), 5);
+	CHECK_EQ(utf8_valid_prefix((const unsigned char *)"ab\xE4\xB8\xAD\xE4\xB8", 7), 5);
 }
 
 /* ---- GPT-2 byte table ----------------------------------------------------------- */
@@ -245,7 +245,7 @@ static tok_str bl(const char *s)
 	char *o = pool[next++ % 64];
 	size_t k = 0;
 	for (; *s; s++)
-		k += uni_utf8_encode(tok_byte_to_cp((unsigned char)*s), (unsigned char *)o + k);
+		k += utf8_encode(tok_byte_to_cp((unsigned char)*s), (unsigned char *)o + k);
 	o[k] = '\0';
 	return (tok_str){ o, k };
 }
@@ -259,7 +259,7 @@ static tok *tiny(const char *const *extra, size_t nextra, const char *const *mer
 	tok_str mg[32];
 	size_t nv = 0;
 	for (int b = 0; b < 256; b++) {
-		size_t n = uni_utf8_encode(tok_byte_to_cp((unsigned char)b), (unsigned char *)bytes[b]);
+		size_t n = utf8_encode(tok_byte_to_cp((unsigned char)b), (unsigned char *)bytes[b]);
 		int keep = all_bytes || (b >= 'a' && b <= 'e') || b == ' ';
 		vocab[nv++] = keep ? (tok_str){ bytes[b], n } : (tok_str){ NULL, 0 };
 	}
@@ -447,10 +447,9 @@ TEST(tok_invalid_utf8_round_trips_tiny)
 
 TEST(tok_invalid_utf8_round_trips_real_deepseek_v3)
 {
-	if (access(REAL_TOK, R_OK) != 0) {
-		fprintf(stderr, "  (skipped: %s not found from the current directory)\n", REAL_TOK);
-		return;
-	}
+	if (access(REAL_TOK, R_OK) != 0)
+		UT_SKIP("needs ../shared/data/deepseek-v3 (the real DeepSeek-V3 tokenizer files "
+			"beside the checkout)");
 	ds_err err = { 0 };
 	tok *t = tok_load_hf(REAL_TOK, REAL_CFG, &err);
 	if (!t) {
@@ -551,7 +550,7 @@ TEST(tok_stream_output_does_not_depend_on_token_boundaries)
 	static tok_str vocab[NV];
 	size_t nv = 0;
 	for (int b = 0; b < 256; b++) {
-		size_t k = uni_utf8_encode(tok_byte_to_cp((unsigned char)b), (unsigned char *)store[nv]);
+		size_t k = utf8_encode(tok_byte_to_cp((unsigned char)b), (unsigned char *)store[nv]);
 		vocab[nv] = (tok_str){ store[nv], k };
 		nv++;
 	}
@@ -559,7 +558,7 @@ TEST(tok_stream_output_does_not_depend_on_token_boundaries)
 		for (int c = 0; c < (len == 2 ? NA * NA : NA * NA * NA); c++) {
 			size_t k = 0;
 			for (int j = 0, x = c; j < len; j++, x /= NA)
-				k += uni_utf8_encode(tok_byte_to_cp(al[x % NA]), (unsigned char *)store[nv] + k);
+				k += utf8_encode(tok_byte_to_cp(al[x % NA]), (unsigned char *)store[nv] + k);
 			vocab[nv] = (tok_str){ store[nv], k };
 			nv++;
 		}
@@ -597,8 +596,8 @@ TEST(tok_stream_output_does_not_depend_on_token_boundaries)
 		stream_all(t, grouped, ng, &g);
 		CHECK(a.len == g.len && (a.len == 0 || memcmp(a.data, g.data, a.len) == 0));
 		/* always valid UTF-8, and the input itself when that was valid */
-		CHECK_EQ(uni_utf8_valid_prefix((const unsigned char *)a.data, a.len), a.len);
-		if (uni_utf8_valid_prefix(bytes, n) == n)
+		CHECK_EQ(utf8_valid_prefix((const unsigned char *)a.data, a.len), a.len);
+		if (utf8_valid_prefix(bytes, n) == n)
 			CHECK(a.len == n && memcmp(a.data, bytes, n) == 0);
 		buf_free(&a);
 		buf_free(&g);

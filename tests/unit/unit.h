@@ -9,8 +9,11 @@
  *
  * TEST registers itself at load time (constructor); the runner (unit_main.c)
  * runs every test, or those whose name contains argv[1], and closes with one
- * line "unit: N passed, N failed".  A CHECK failure marks the test failed,
- * prints file:line and the expression, and the test goes on.
+ * line "unit: N passed, N failed, N skipped".  A CHECK failure marks the test
+ * failed, prints file:line and the expression, and the test goes on.  A test
+ * that cannot run here (a missing data file) calls UT_SKIP("reason") and is
+ * counted as skipped, never as passed.  Each test's random numbers are seeded
+ * from a hash of its name, so adding a test changes no other test's inputs.
  */
 #ifndef DS_TESTS_UNIT_H
 #define DS_TESTS_UNIT_H
@@ -21,6 +24,20 @@
 typedef void (*ut_fn)(void);
 void ut_register(const char *name, ut_fn fn);
 void ut_fail(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Marks the running test skipped (reason printed); the caller returns. */
+void ut_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+#define UT_SKIP(...)                                                             \
+	do {                                                                     \
+		ut_skip(__VA_ARGS__);                                            \
+		return;                                                          \
+	} while (0)
+
+/* A new empty directory under $TMPDIR (or /tmp), named ds-TAG-XXXXXX; NULL
+ * after reporting a failure of the test.  ut_tmpdir_free removes it with all
+ * it holds and frees the string (NULL is a no-op). */
+char *ut_tmpdir_new(const char *tag);
+void ut_tmpdir_free(char *dir);
 
 /* Deterministic random numbers for tests: xorshift64*, seeded per test. */
 uint64_t ut_rand_u64(void);

@@ -4,10 +4,12 @@
  */
 #include "tests/unit/unit.h"
 
+#include <ftw.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define MAX_TESTS 4096
 
@@ -16,7 +18,7 @@ static struct {
 	ut_fn fn;
 } tests[MAX_TESTS];
 static int n_tests;
-static int cur_failed;
+static int cur_failed, cur_skipped;
 static uint64_t rng_state;
 
 void ut_register(const char *name, ut_fn fn)
@@ -41,6 +43,53 @@ void ut_fail(const char *file, int line, const char *fmt, ...)
 	fputc('\n', stderr);
 }
 
+void ut_skip(const char *fmt, ...)
+{
+	va_list ap;
+	cur_skipped = 1;
+	fprintf(stderr, "    skipped: ");
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+}
+
+char *ut_tmpdir_new(const char *tag)
+{
+	const char *base = getenv("TMPDIR");
+	char tmpl[512];
+	snprintf(tmpl, sizeof tmpl, "%s/ds-%s-XXXXXX", base && *base ? base : "/tmp", tag);
+	char *d = mkdtemp(tmpl);
+	char *r = d ? strdup(d) : NULL;
+	if (!r)
+		ut_fail(__FILE__, __LINE__, "mkdtemp %s failed", tmpl);
+	return r;
+}
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(p);
+}
+
+void ut_tmpdir_free(char *dir)
+{
+	if (dir)
+		nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+	free(dir);
+}
+
+/* FNV-1a of the test's name: the seed does not depend on the test's position. */
+static uint64_t name_hash(const char *s)
+{
+	uint64_t h = 0xcbf29ce484222325ull;
+	for (; *s; s++)
+		h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+	return h ? h : 1;
+}
+
 uint64_t ut_rand_u64(void)
 {
 	rng_state ^= rng_state >> 12;
@@ -62,21 +111,23 @@ static int by_name(const void *a, const void *b)
 int main(int argc, char **argv)
 {
 	const char *filter = argc > 1 ? argv[1] : NULL;
-	int passed = 0, failed = 0;
+	int passed = 0, failed = 0, skipped = 0;
 	qsort(tests, (size_t)n_tests, sizeof tests[0], by_name);
 	for (int i = 0; i < n_tests; i++) {
 		if (filter && !strstr(tests[i].name, filter))
 			continue;
-		cur_failed = 0;
-		rng_state = 0x9E3779B97F4A7C15ull ^ (uint64_t)(i + 1) * 0xBF58476D1CE4E5B9ull;
+		cur_failed = cur_skipped = 0;
+		rng_state = name_hash(tests[i].name);
 		tests[i].fn();
-		printf("%s %s\n", cur_failed ? "FAIL" : "ok  ", tests[i].name);
+		printf("%s %s\n", cur_failed ? "FAIL" : cur_skipped ? "skip" : "ok  ", tests[i].name);
 		fflush(stdout);
 		if (cur_failed)
 			failed++;
+		else if (cur_skipped)
+			skipped++;
 		else
 			passed++;
 	}
-	printf("unit: %d passed, %d failed\n", passed, failed);
+	printf("unit: %d passed, %d failed, %d skipped\n", passed, failed, skipped);
 	return failed ? 1 : 0;
 }

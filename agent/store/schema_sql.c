@@ -11,7 +11,7 @@
  *
  * Read-only data; used by store.c only.
  */
-#include "agent/store_impl.h"
+#include "agent/store/store_impl.h"
 
 #include <stddef.h>
 

@@ -3,7 +3,7 @@
  * leased head (docs/cluster.md "Election"; the research notes' section 2.3,
  * with a pre-vote round added).
  *
- * One election instance per agent.  Its owner (agent/cluster.c) feeds it the
+ * One election instance per agent.  Its owner (agent/cluster/cluster.c) feeds it the
  * gossip view (election_set_view), calls election_tick on a timer, and hands
  * it the messages of other agents (election_handle); the instance sends its
  * own messages through the send callback (HTTP to the peers' control APIs in
@@ -47,8 +47,8 @@
 #ifndef DS_AGENT_ELECTION_H
 #define DS_AGENT_ELECTION_H
 
-#include "agent/gossip.h"
-#include "agent/store.h"
+#include "agent/cluster/gossip.h"
+#include "agent/store/store.h"
 #include "common/status.h"
 
 #include <jansson.h>

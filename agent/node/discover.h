@@ -1,6 +1,6 @@
 /*
  * discover.h - what this node has: host, GPUs, InfiniBand/RoCE ports, NICs and
- * the distances between them (agent/discover.c; docs/cluster.md "Discovery").
+ * the distances between them (agent/node/discover.c; docs/cluster.md "Discovery").
  *
  *     disc_params p = disc_default_params();
  *     p.sysroot = "/";                  (or a fixture tree)

@@ -2,9 +2,9 @@
  * cluster.c - the cluster layer of one agent (see cluster.h).
  *
  * Callers: agent/main.c (new, start, free, membership events) and
- * agent/control.c (the cluster routes).  Calls: agent/discover (this node),
- * agent/gossip (view, metadata), agent/election (the head), agent/rpc (votes,
- * heartbeats, inventory fetches, forwarding) and agent/store (the record).
+ * agent/api/control.c (the cluster routes).  Calls: agent/node/discover (this node),
+ * agent/cluster/gossip (view, metadata), agent/cluster/election (the head), agent/cluster/rpc (votes,
+ * heartbeats, inventory fetches, forwarding) and agent/store/store (the record).
  *
  * Data flow:
  *
@@ -33,7 +33,7 @@
  * threads of our own (election, inventory) and the HTTP threads of the
  * control API call in.
  */
-#include "agent/cluster.h"
+#include "agent/cluster/cluster.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"

@@ -4,7 +4,7 @@
  * suspicion-timeout math, timing profiles, metadata TLVs, the node id file
  * and the cluster key file (formats in gossip_impl.h and docs/cluster.md).
  *
- * Callers: agent/gossip.c and gossip_state.c, agent/main.c (key and node id
+ * Callers: agent/cluster/gossip.c and gossip_state.c, agent/main.c (key and node id
  * files), tests/unit/test_gossip.c.  Calls: libsodium.
  *
  * Invariants:
@@ -19,7 +19,7 @@
  * Threading: pure functions; a gossip_replay belongs to one caller (the
  * gossip thread).
  */
-#include "agent/gossip_impl.h"
+#include "agent/cluster/gossip_impl.h"
 #include "common/fileutil.h"
 #include "common/strutil.h"
 

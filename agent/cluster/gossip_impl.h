@@ -1,5 +1,5 @@
 /*
- * gossip_impl.h - private to agent/gossip*.c and tests/unit/test_gossip.c:
+ * gossip_impl.h - private to agent/cluster/gossip*.c and tests/unit/test_gossip.c:
  * the wire codec and sealing (gossip_wire.c), the replay window, and the
  * membership table with its incarnation rules (gossip_state.c).  Nothing here
  * does I/O; gossip.c owns the sockets and the thread.
@@ -7,7 +7,7 @@
 #ifndef DS_AGENT_GOSSIP_IMPL_H
 #define DS_AGENT_GOSSIP_IMPL_H
 
-#include "agent/gossip.h"
+#include "agent/cluster/gossip.h"
 
 #include <stddef.h>
 #include <stdint.h>

@@ -4,7 +4,7 @@
  * handler (rendering); one mutex guards everything.  Buckets are vLLM's so a
  * dashboard's histogram_quantile() gives the same resolution.
  */
-#include "agent/metrics.h"
+#include "agent/api/metrics.h"
 #include "common/status.h"
 
 #include <pthread.h>

@@ -13,11 +13,11 @@
  * Threading: a thread per connection calls on_request and any stream reader,
  * so both may block; the route table and ud are read-only after start.
  */
-#include "agent/http.h"
+#include "agent/api/http.h"
 #include "common/buf.h"
 #include "common/jsonx.h"
 #include "common/log.h"
-#include "engine/unicode.h"
+#include "common/utf8.h"
 
 #include <arpa/inet.h>
 #include <jansson.h>
@@ -66,13 +66,13 @@ void http_utf8_clean(const char *text, size_t len, buf *out)
 	size_t i = 0;
 	while (i < len) {
 		size_t n = 1;
-		int k = uni_utf8_check(s + i, len - i, &n);
-		if (k == UNI_UTF8_OK) {
+		int k = utf8_check(s + i, len - i, &n);
+		if (k == UTF8_OK) {
 			buf_append(out, s + i, n);
 			i += n;
 		} else {
 			buf_append(out, "\xEF\xBF\xBD", 3);
-			i += k == UNI_UTF8_INCOMPLETE ? len - i : n;
+			i += k == UTF8_INCOMPLETE ? len - i : n;
 		}
 	}
 }

@@ -2,7 +2,7 @@
  * election.c - head election over the gossip view (see election.h for the
  * state diagram and the rules; docs/cluster.md "Election" for the argument).
  *
- * Callers: agent/cluster.c (view, tick, messages from the control API, status
+ * Callers: agent/cluster/cluster.c (view, tick, messages from the control API, status
  * for the metadata and /v1/cluster/state) and tests/unit/test_election.c
  * (several instances wired together, a fake clock).  Calls: agent/store
  * (votes, elections) and the send callback.
@@ -23,7 +23,7 @@
  * Threading: any thread; el->mu guards everything below it in struct
  * election.
  */
-#include "agent/election.h"
+#include "agent/cluster/election.h"
 #include "common/log.h"
 #include "common/strutil.h"
 

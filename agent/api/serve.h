@@ -19,8 +19,8 @@
 #ifndef DS_AGENT_SERVE_H
 #define DS_AGENT_SERVE_H
 
-#include "agent/http.h"
-#include "agent/metrics.h"
+#include "agent/api/http.h"
+#include "agent/api/metrics.h"
 #include "engine/chat.h"
 #include "engine/model.h"
 #include "engine/sched.h"

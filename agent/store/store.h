@@ -112,7 +112,7 @@ typedef struct store_node {
  * (identity and liveness from n, host facts and the document from inventory,
  * first_seen kept, inventory_at = health_at = now) and replaces the node's
  * rows of gpus, ib_ports, nics, links and gpu_nic.  inventory is an object in
- * the schema of agent/discover.h; a field of the wrong type is stored as NULL,
+ * the schema of agent/node/discover.h; a field of the wrong type is stored as NULL,
  * a list entry that is not an object or lacks its key fields is skipped.
  * n->inventory is ignored.  DS_EINVAL for a bad id or a non-object. */
 int store_node_put(store *s, const store_node *n, const json_t *inventory, const char *digest,

@@ -30,7 +30,7 @@
  * Threading: no globals of our own; NVML init/shutdown is process-wide, so one
  * disc_run at a time.
  */
-#include "agent/discover.h"
+#include "agent/node/discover.h"
 #include "common/strutil.h"
 
 #include <arpa/inet.h>

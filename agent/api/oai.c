@@ -24,8 +24,8 @@
  * and then its stream reader; nothing here is shared between requests except
  * the serve context's thread-safe members.
  */
-#include "agent/keys.h"
-#include "agent/serve.h"
+#include "agent/auth/keys.h"
+#include "agent/api/serve.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"

@@ -29,7 +29,7 @@
  *
  * Threading: none of its own; the caller serialises every call.
  */
-#include "agent/gossip_impl.h"
+#include "agent/cluster/gossip_impl.h"
 
 #include <arpa/inet.h>
 #include <stdlib.h>

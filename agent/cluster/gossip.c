@@ -2,7 +2,7 @@
  * gossip.c - SWIM membership over UDP with TCP push-pull (see gossip.h; the
  * wire format and timings are in docs/cluster.md).
  *
- * Callers: agent/main.c (new, set_meta, leave, free), agent/control.c
+ * Callers: agent/main.c (new, set_meta, leave, free), agent/api/control.c
  * (status_json, test_drop).  Calls: gossip_wire.c (codec, sealing, replay
  * window), gossip_state.c (the membership table and its rules), libsodium
  * (random numbers), the socket API.
@@ -38,7 +38,7 @@
  * resolves seed names (DNS may block).  The sockets are used by the gossip
  * thread only, except that gossip_leave sends on the UDP socket under mu.
  */
-#include "agent/gossip_impl.h"
+#include "agent/cluster/gossip_impl.h"
 #include "common/log.h"
 #include "common/strutil.h"
 

@@ -1,10 +1,10 @@
 /*
  * keys.c - the API key service (see keys.h).
  *
- * Callers: agent/control.c (create, list, revoke for `dsctl keys`), the
+ * Callers: agent/api/control.c (create, list, revoke for `dsctl keys`), the
  * OpenAI handlers (auth, admit, finish, count) and agent/main.c (new/free,
  * admin token).  Calls: libsodium (random bytes, BLAKE2b, constant-time
- * compare, base64) and agent/store for persistence.
+ * compare, base64) and agent/store/store for persistence.
  *
  * Memory: one `entry` per key ever created (revoked ones too, so a revoked
  * key gets "revoked" rather than "invalid"), in a growing array sorted by id.
@@ -30,7 +30,7 @@
  * Threading: mu guards entries[] and the windows (held briefly, no I/O);
  * admin_mu serialises create and revoke (which do I/O).
  */
-#include "agent/keys.h"
+#include "agent/auth/keys.h"
 #include "common/fileutil.h"
 #include "common/log.h"
 #include "common/strutil.h"

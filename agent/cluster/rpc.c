@@ -1,8 +1,8 @@
 /*
  * rpc.c - agent-to-agent HTTP calls and the cluster credential (see rpc.h).
  *
- * Callers: agent/cluster.c (votes, heartbeats, inventory fetches, forwarding
- * /v1/cluster/nodes to the head) and agent/control.c (rpc_auth_verify).
+ * Callers: agent/cluster/cluster.c (votes, heartbeats, inventory fetches, forwarding
+ * /v1/cluster/nodes to the head) and agent/api/control.c (rpc_auth_verify).
  * Calls: libsodium (BLAKE2b), POSIX sockets and poll.
  *
  * One call goes through these states (each edge is one poll wake-up):
@@ -24,7 +24,7 @@
  * Threading: rpc_run keeps its state on its own stack and heap; rpc_auth's
  * cache is guarded by its mutex.
  */
-#include "agent/rpc.h"
+#include "agent/cluster/rpc.h"
 #include "common/strutil.h"
 
 #include <arpa/inet.h>

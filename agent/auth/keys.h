@@ -4,7 +4,7 @@
  * A key is "dsk-" + 32 random bytes in URL-safe base64 without padding (47
  * characters).  It is shown once, at creation; only
  * BLAKE2b-256(key = cluster secret, message = the whole key text) is stored
- * (agent/store), with the first 8 characters after "dsk-" as a prefix that
+ * (agent/store/store), with the first 8 characters after "dsk-" as a prefix that
  * lets operators tell keys apart.  The cluster secret is 32 random bytes in
  * DATA_DIR/keys.secret (mode 0600, created on first use).
  *
@@ -28,7 +28,7 @@
 #ifndef DS_AGENT_KEYS_H
 #define DS_AGENT_KEYS_H
 
-#include "agent/store.h"
+#include "agent/store/store.h"
 #include "common/status.h"
 
 #include <stddef.h>

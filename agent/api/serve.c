@@ -9,8 +9,8 @@
  * every member used by handlers is in place, and never cleared before
  * serve_free stops the HTTP server's use of it (main frees the server first).
  */
-#include "agent/serve.h"
-#include "agent/keys.h"
+#include "agent/api/serve.h"
+#include "agent/auth/keys.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"

@@ -1,9 +1,9 @@
 /*
  * store.c - the agent's SQLite database (see store.h).
  *
- * Callers: agent/keys.c (api_keys, key_usage, events), agent/main.c
- * (open/close, events), agent/cluster.c (nodes and their inventory tables,
- * member_events) and agent/election.c (elections, votes).  Calls: sqlite3 only; the SQL text of the schema comes from
+ * Callers: agent/auth/keys.c (api_keys, key_usage, events), agent/main.c
+ * (open/close, events), agent/cluster/cluster.c (nodes and their inventory tables,
+ * member_events) and agent/cluster/election.c (elections, votes).  Calls: sqlite3 only; the SQL text of the schema comes from
  * schema/ through schema_sql.c.
  *
  * Open sequence:
@@ -29,8 +29,8 @@
  *
  * Threading: any thread; one connection serialised by s->mu.
  */
-#include "agent/store.h"
-#include "agent/store_impl.h"
+#include "agent/store/store.h"
+#include "agent/store/store_impl.h"
 #include "common/strutil.h"
 
 #include <errno.h>

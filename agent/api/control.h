@@ -22,7 +22,7 @@
  *          them end with 500 / an SSE error event); 0 cancels.  503 until the
  *          model is loaded.
  * Cluster state (the admin token, or the cluster credential of another agent:
- * "Authorization: DSCluster ..." of agent/rpc.h; docs/cluster.md):
+ * "Authorization: DSCluster ..." of agent/cluster/rpc.h; docs/cluster.md):
  *   GET    /v1/node             -> 200 this node: id, name, role, epoch, digest,
  *                                       inventory (with health)
  *   GET    /v1/cluster/state    -> 200 this node's view: role, epoch, head,
@@ -33,15 +33,15 @@
  *                                       view ("stale": true, "reason") when the
  *                                       head cannot be reached
  * Agents only (the cluster credential):
- *   POST   /v1/cluster/election  election message -> 200 reply (agent/election.h)
+ *   POST   /v1/cluster/election  election message -> 200 reply (agent/cluster/election.h)
  */
 #ifndef DS_AGENT_CONTROL_H
 #define DS_AGENT_CONTROL_H
 
-#include "agent/cluster.h"
-#include "agent/gossip.h"
-#include "agent/http.h"
-#include "agent/keys.h"
+#include "agent/cluster/cluster.h"
+#include "agent/cluster/gossip.h"
+#include "agent/api/http.h"
+#include "agent/auth/keys.h"
 
 typedef struct control_ctx {
 	const char *node_name;

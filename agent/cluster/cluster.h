@@ -23,11 +23,11 @@
 #ifndef DS_AGENT_CLUSTER_H
 #define DS_AGENT_CLUSTER_H
 
-#include "agent/discover.h"
-#include "agent/election.h"
-#include "agent/gossip.h"
-#include "agent/rpc.h"
-#include "agent/store.h"
+#include "agent/node/discover.h"
+#include "agent/cluster/election.h"
+#include "agent/cluster/gossip.h"
+#include "agent/cluster/rpc.h"
+#include "agent/store/store.h"
 #include "common/status.h"
 
 #include <jansson.h>

@@ -1,9 +1,9 @@
 /*
  * control.c - handlers of the control API (see control.h).
  *
- * Callers: agent/http.c dispatches here (control_routes, ud = control_ctx).
- * Calls: agent/keys for the key routes, eng_version for /v1/version,
- * agent/gossip for the membership routes, agent/cluster (and agent/rpc for
+ * Callers: agent/api/http.c dispatches here (control_routes, ud = control_ctx).
+ * Calls: agent/auth/keys for the key routes, eng_version for /v1/version,
+ * agent/cluster/gossip for the membership routes, agent/cluster/cluster (and agent/cluster/rpc for
  * the cluster credential) for the cluster state and election routes.
  * Every admin route first checks the admin token (keys_admin_check, constant
  * time) and answers 401 in the OpenAI error shape otherwise; the key text
@@ -12,8 +12,8 @@
  * Threading: handlers run on HTTP worker threads; control_ctx is read-only
  * after start and the keys service is thread-safe.
  */
-#include "agent/control.h"
-#include "agent/serve.h"
+#include "agent/api/control.h"
+#include "agent/api/serve.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 #include "engine/engine.h"
