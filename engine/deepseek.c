@@ -26,7 +26,7 @@
  * routed experts stacked in one 3-D tensor per kind, kv_b_proj either whole
  * as attn_kv_b or split per head as attn_k_b / attn_v_b; see
  * docs/engine.md "DeepSeek from GGUF").  The loader maps both onto the same
- * ds_layer, so the graph below does not know the source.  llama.cpp's
+ * deepseek_layer, so the graph below does not know the source.  llama.cpp's
  * converter copies the q/k rope rows unchanged (no permutation, unlike its
  * llama path), so GGUF rope pairs are the interleaved pairs of the HF files.
  *
@@ -54,7 +54,7 @@
 
 typedef model_weight wmat; /* a Linear weight as stored (model_impl.h) */
 
-typedef struct ds_layer {
+typedef struct deepseek_layer {
 	float *attn_norm, *ffn_norm, *q_a_norm, *kv_a_norm; /* f32 copies */
 	wmat q_a, q_b, q_proj, kv_a, kv_b, o;
 	/* absorbed-form weights (load_absorbed, load_split_kv_b) */
@@ -75,16 +75,16 @@ typedef struct ds_layer {
 	float *bias;           /* [E] e_score_correction_bias (f32 copy) or NULL */
 	wmat *eg, *eu, *ed;    /* routed experts [E] */
 	wmat sg, su, sd;       /* shared experts (one MLP of n_shared * moe_inter) */
-} ds_layer;
+} deepseek_layer;
 
-typedef struct ds_model {
+typedef struct deepseek_model {
 	struct model base; /* must stay first: model.c sees this part */
 	mcfg cfg;
 	st_model *st;      /* Hugging Face checkpoint, or */
 	gguf_file *gg;     /* GGUF file */
 	const kb_backend *be;
 	kv_cache *kv;
-	ds_layer *layers;
+	deepseek_layer *layers;
 	wmat embed;        /* [vocab][D] */
 	wmat lm_head;
 	float *final_norm;
@@ -106,11 +106,11 @@ typedef struct ds_model {
 	int32_t *ridx, *ecount, *eoff, *etok;
 	float *ew, *xe, *ye;
 	int32_t *seq_ntok;                 /* [bt]: tokens of each sequence in the step */
-} ds_model;
+} deepseek_model;
 
 /* ---- small helpers ---- */
 
-static void *xalloc(ds_model *m, size_t n, size_t size)
+static void *xalloc(deepseek_model *m, size_t n, size_t size)
 {
 	return model_calloc(&m->extra_bytes, n, size);
 }
@@ -120,7 +120,7 @@ static int bad_alloc(ds_err *err)
 	return ds_err_set(err, DS_ENOMEM, "out of memory while loading the model");
 }
 
-static int linear(ds_model *m, const wmat *w, const float *x, int64_t x_stride, float *y,
+static int linear(deepseek_model *m, const wmat *w, const float *x, int64_t x_stride, float *y,
 		  int64_t y_stride, int64_t M, int accumulate)
 {
 	return model_linear(m->be, w, x, x_stride, y, y_stride, M, accumulate);
@@ -128,12 +128,14 @@ static int linear(ds_model *m, const wmat *w, const float *x, int64_t x_stride, 
 
 /* One product per head: head h uses the weight h steps of (w1 - w0) past w0
  * (per-head views of one packed array), x + h * x_head, y + h * y_head. */
-static int linear_heads(ds_model *m, const wmat *w0, const wmat *w1, const float *x, int64_t x_head,
+static int linear_heads(deepseek_model *m, const wmat *w0, const wmat *w1, const float *x, int64_t x_head,
 			int64_t x_stride, float *y, int64_t y_head, int64_t y_stride, int64_t M)
 {
 	const ptrdiff_t wbytes = (const char *)w1->w - (const char *)w0->w;
-	kb_matmul_args a = {y, x, w0->w, w0->scale, w0->type, M, w0->n, w0->k, x_stride, y_stride,
-			    w0->k, w0->scale_stride, w0->block, 0};
+	kb_matmul_args a = {.y = y, .x = x, .w = w0->w, .w_scale = w0->scale, .wtype = w0->type,
+				.M = M, .N = w0->n, .K = w0->k, .x_stride = x_stride,
+				.y_stride = y_stride, .w_stride = w0->k,
+				.scale_stride = w0->scale_stride, .block = w0->block};
 	a.batch = m->H;
 	a.x_bstride = x_head;
 	a.y_bstride = y_head;
@@ -142,16 +144,18 @@ static int linear_heads(ds_model *m, const wmat *w0, const wmat *w1, const float
 	return M ? m->be->matmul(&a) : DS_OK;
 }
 
-static int rmsnorm(ds_model *m, float *out, const float *x, const float *w, int64_t rows,
+static int rmsnorm(deepseek_model *m, float *out, const float *x, const float *w, int64_t rows,
 		   int64_t dim, int64_t x_stride, int64_t out_stride)
 {
-	kb_rmsnorm_args a = {out, x, w, rows, dim, x_stride, out_stride, (float)m->cfg.rms_norm_eps};
+	kb_rmsnorm_args a = {.out = out, .x = x, .w = w, .rows = rows, .dim = dim,
+				.x_stride = x_stride, .out_stride = out_stride,
+				.eps = (float)m->cfg.rms_norm_eps};
 	return rows ? m->be->rmsnorm(&a) : DS_OK;
 }
 
 /* ---- loading ---- */
 
-static int load_linear(ds_model *m, const char *name, int64_t n, int64_t k, wmat *out, ds_err *err)
+static int load_linear(deepseek_model *m, const char *name, int64_t n, int64_t k, wmat *out, ds_err *err)
 {
 	memset(out, 0, sizeof *out);
 	out->n = n;
@@ -194,7 +198,7 @@ static int load_linear(ds_model *m, const char *name, int64_t n, int64_t k, wmat
 }
 
 /* f32 copy of a vector (norm weights, router bias) of any supported dtype. */
-static int load_vec(ds_model *m, const char *name, int64_t n, float **out, ds_err *err)
+static int load_vec(deepseek_model *m, const char *name, int64_t n, float **out, ds_err *err)
 {
 	int64_t shape[1] = {n};
 	const void *data;
@@ -218,7 +222,8 @@ static int load_vec(ds_model *m, const char *name, int64_t n, float **out, ds_er
 	*out = xalloc(m, (size_t)n, sizeof(float));
 	if (!*out)
 		return bad_alloc(err);
-	kb_dequant_args a = {*out, data, NULL, type, 1, n, n, n, 0, 1, 0, 0};
+	kb_dequant_args a = {.out = *out, .w = data, .wtype = type, .rows = 1, .cols = n,
+				.out_stride = n, .w_stride = n, .block = 1};
 	return m->be->dequant(&a);
 }
 
@@ -226,7 +231,7 @@ static int load_vec(ds_model *m, const char *name, int64_t n, float **out, ds_er
  * kind; expert e is the row range [e*n, (e+1)*n) of it, a view into the
  * mapping (k is a multiple of the type's block, so every range starts on a
  * block). */
-static int load_experts(ds_model *m, const char *name, int64_t E, int64_t n, int64_t k, wmat *out,
+static int load_experts(deepseek_model *m, const char *name, int64_t E, int64_t n, int64_t k, wmat *out,
 			ds_err *err)
 {
 	int64_t shape[3] = {E, n, k};
@@ -259,11 +264,12 @@ static void transpose_f32(float *out, const float *in, int64_t rows, int64_t col
 
 /* f32 values of rows x cols of a block-quantized (or dense) matrix that
  * starts at element `first` of w (a whole number of blocks). */
-static int dequant_rows(ds_model *m, float *out, const void *w, enum kb_dtype type, int64_t first,
+static int dequant_rows(deepseek_model *m, float *out, const void *w, enum kb_dtype type, int64_t first,
 			int64_t rows, int64_t cols)
 {
-	kb_dequant_args a = {out, (const uint8_t *)w + kb_dtype_bytes(type, first), NULL, type, rows, cols,
-			     cols, cols, 0, 1, 0, 0};
+	kb_dequant_args a = {.out = out, .w = (const uint8_t *)w + kb_dtype_bytes(type, first),
+				.wtype = type, .rows = rows, .cols = cols, .out_stride = cols,
+				.w_stride = cols, .block = 1};
 	return m->be->dequant(&a);
 }
 
@@ -279,7 +285,7 @@ static int dequant_rows(ds_model *m, float *out, const void *w, enum kb_dtype ty
  *    block and both head offsets, so every g x g block of a copy lies inside
  *    one original block and takes its scale: the values are unchanged.  (For
  *    DeepSeek-V3, g = 128.) */
-static int load_absorbed(ds_model *m, ds_layer *ly, ds_err *err)
+static int load_absorbed(deepseek_model *m, deepseek_layer *ly, ds_err *err)
 {
 	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
 	const wmat *w = &ly->kv_b;
@@ -355,7 +361,7 @@ static int load_absorbed(ds_model *m, ds_layer *ly, ds_err *err)
  * then W_UV[h] rows); it is rebuilt once, exactly: in the files' dtype when
  * both are the same dense type (a transposed copy), else in f32 from the
  * dequantized values (block types cannot be transposed). */
-static int load_split_kv_b(ds_model *m, ds_layer *ly, const char *kb_name, const char *vb_name,
+static int load_split_kv_b(deepseek_model *m, deepseek_layer *ly, const char *kb_name, const char *vb_name,
 			   ds_err *err)
 {
 	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
@@ -402,7 +408,7 @@ static int load_split_kv_b(ds_model *m, ds_layer *ly, const char *kb_name, const
 }
 
 /* Per-head views of the absorbed weights (see load_absorbed). */
-static wmat head_ukt(const ds_model *m, const ds_layer *ly, int64_t h)
+static wmat head_ukt(const deepseek_model *m, const deepseek_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, nope = m->nope, g = ly->absorbed_block;
 	wmat w = {(const uint8_t *)ly->ukt_w + kb_dtype_bytes(ly->ukt_type, h * lora * nope),
@@ -416,7 +422,7 @@ static wmat head_ukt(const ds_model *m, const ds_layer *ly, int64_t h)
 	return w;
 }
 
-static wmat head_uv(const ds_model *m, const ds_layer *ly, int64_t h)
+static wmat head_uv(const deepseek_model *m, const deepseek_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, vd = m->vd, g = ly->absorbed_block;
 	wmat w = {(const uint8_t *)ly->uv_w + kb_dtype_bytes(ly->uv_type, h * ly->uv_row_step * lora),
@@ -432,7 +438,7 @@ static wmat head_uv(const ds_model *m, const ds_layer *ly, int64_t h)
 
 /* kv_b of a GGUF layer: attn_kv_b (older converters) or attn_k_b + attn_v_b
  * (newer ones); both when present: attn_kv_b is used. */
-static int load_gguf_kv_b(ds_model *m, ds_layer *ly, int L, ds_err *err)
+static int load_gguf_kv_b(deepseek_model *m, deepseek_layer *ly, int L, ds_err *err)
 {
 	char kv[64], kb[64], vb[64];
 	snprintf(kv, sizeof kv, "blk.%d.attn_kv_b.weight", L);
@@ -450,10 +456,10 @@ static int load_gguf_kv_b(ds_model *m, ds_layer *ly, int L, ds_err *err)
 
 /* One decoder layer.  Names: N(hf, gguf) picks the Hugging Face or the GGUF
  * (llama.cpp) name of the same tensor; shapes are the same row-major shapes. */
-static int load_layer(ds_model *m, int L, ds_err *err)
+static int load_layer(deepseek_model *m, int L, ds_err *err)
 {
 	const mcfg *c = &m->cfg;
-	ds_layer *ly = &m->layers[L];
+	deepseek_layer *ly = &m->layers[L];
 	char name[256];
 	const int64_t D = m->D, H = m->H;
 	const int gg = m->gg != NULL;
@@ -544,7 +550,7 @@ static int load_layer(ds_model *m, int L, ds_err *err)
 #undef TRY
 }
 
-static int alloc_buffers(ds_model *m, ds_err *err)
+static int alloc_buffers(deepseek_model *m, ds_err *err)
 {
 	const mcfg *c = &m->cfg;
 	const size_t bt = (size_t)m->bt, ctx = (size_t)m->ctx, H = (size_t)m->H;
@@ -601,12 +607,12 @@ static int alloc_buffers(ds_model *m, ds_err *err)
 	return DS_OK;
 }
 
-static const model_ops ds_ops;
-static void ds_free(model *base);
+static const model_ops deepseek_ops;
+static void deepseek_free(model *base);
 
-model *ds_model_load(const model_params *p, ds_err *err)
+model *deepseek_model_load(const model_params *p, ds_err *err)
 {
-	ds_model *m = calloc(1, sizeof *m);
+	deepseek_model *m = calloc(1, sizeof *m);
 	if (!m) {
 		bad_alloc(err);
 		return NULL;
@@ -650,7 +656,7 @@ model *ds_model_load(const model_params *p, ds_err *err)
 	m->attn_scale = (float)c->softmax_scale;
 	m->rope_amp = (float)c->rope_amp;
 	m->inv_freq = xalloc(m, (size_t)m->rope / 2 + 1, sizeof(float));
-	m->layers = xalloc(m, (size_t)c->num_hidden_layers, sizeof(ds_layer));
+	m->layers = xalloc(m, (size_t)c->num_hidden_layers, sizeof(deepseek_layer));
 	if (!m->inv_freq || !m->layers) {
 		rc = bad_alloc(err);
 		goto fail;
@@ -690,7 +696,7 @@ model *ds_model_load(const model_params *p, ds_err *err)
 	if (!(m->kv = kv_cache_new(&kp, err)))
 		goto fail;
 	model *base = &m->base;
-	base->ops = &ds_ops;
+	base->ops = &deepseek_ops;
 	base->arch = mcfg_arch_name(c->arch);
 	base->be = m->be;
 	base->kv = m->kv;
@@ -707,18 +713,18 @@ model *ds_model_load(const model_params *p, ds_err *err)
 fail:
 	if (err && err->code == DS_OK)
 		ds_err_set(err, rc ? rc : DS_EINTERNAL, "model load failed");
-	ds_free(&m->base);
+	deepseek_free(&m->base);
 	return NULL;
 }
 
-static void ds_free(model *base)
+static void deepseek_free(model *base)
 {
-	ds_model *m = (ds_model *)base;
+	deepseek_model *m = (deepseek_model *)base;
 	if (!m)
 		return;
 	kv_cache_free(m->kv);
 	for (int L = 0; m->layers && L < m->cfg.num_hidden_layers; L++) {
-		ds_layer *ly = &m->layers[L];
+		deepseek_layer *ly = &m->layers[L];
 		free(ly->attn_norm);
 		free(ly->ffn_norm);
 		free(ly->q_a_norm);
@@ -748,7 +754,7 @@ static void ds_free(model *base)
 
 /* ---- forward ---- */
 
-static float *cache_row(ds_model *m, const eng_batch *b, int L, int32_t seq, int32_t pos)
+static float *cache_row(deepseek_model *m, const eng_batch *b, int L, int32_t seq, int32_t pos)
 {
 	const kv_params *kp = kv_cache_params(m->kv);
 	int32_t page = b->block_tables[(int64_t)seq * b->max_blocks + pos / kp->page_size];
@@ -757,9 +763,9 @@ static float *cache_row(ds_model *m, const eng_batch *b, int L, int32_t seq, int
 }
 
 /* Absorbed form for the tokens listed in a_idx[0..n). Writes o rows. */
-static int attn_absorbed(ds_model *m, const eng_batch *b, int L, int n)
+static int attn_absorbed(deepseek_model *m, const eng_batch *b, int L, int n)
 {
-	ds_layer *ly = &m->layers[L];
+	deepseek_layer *ly = &m->layers[L];
 	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
 	int rc;
 	for (int i = 0; i < n; i++) {
@@ -775,9 +781,13 @@ static int attn_absorbed(ds_model *m, const eng_batch *b, int L, int n)
 	if ((rc = linear_heads(m, &u0, &u1, m->qa, qk, H * qk, m->qlat, lora, H * lora, n)))
 		return rc;
 	const kv_params *kp = kv_cache_params(m->kv);
-	kb_mla_attn_args a = {m->u, m->qlat, m->qpe, n, H, lora, rope, H * lora, H * lora, H * rope,
-			      kv_cache_layer(m->kv, L), kp->page_size, kp->row_floats, b->block_tables,
-			      b->max_blocks, m->a_seq, m->a_pos, m->attn_scale};
+	kb_mla_attn_args a = {.out = m->u, .q_lat = m->qlat, .q_pe = m->qpe, .n_tok = n,
+				.n_heads = H, .kv_lora = lora, .rope_dim = rope,
+				.out_stride = H * lora, .q_lat_stride = H * lora,
+				.q_pe_stride = H * rope, .cache = kv_cache_layer(m->kv, L),
+				.page_size = kp->page_size, .row_stride = kp->row_floats,
+				.block_tables = b->block_tables, .max_blocks = b->max_blocks,
+				.tok_seq = m->a_seq, .tok_pos = m->a_pos, .scale = m->attn_scale};
 	if ((rc = m->be->mla_attn(&a)))
 		return rc;
 	/* o[h] = W_UV[h] u[h] */
@@ -790,9 +800,9 @@ static int attn_absorbed(ds_model *m, const eng_batch *b, int L, int n)
 }
 
 /* Naive form for the tokens of sequence s listed in n_idx[0..n). */
-static int attn_naive(ds_model *m, const eng_batch *b, int L, int32_t s, int n)
+static int attn_naive(deepseek_model *m, const eng_batch *b, int L, int32_t s, int n)
 {
-	ds_layer *ly = &m->layers[L];
+	deepseek_layer *ly = &m->layers[L];
 	const int64_t H = m->H, qk = m->qk, nope = m->nope, rope = m->rope, lora = m->lora, vd = m->vd;
 	const int64_t per = nope + vd;
 	int32_t len = 0;
@@ -819,8 +829,10 @@ static int attn_naive(ds_model *m, const eng_batch *b, int L, int32_t s, int n)
 			memcpy(m->nv + (j * H + h) * vd, kv + nope, (size_t)vd * 4);
 		}
 	}
-	kb_attn_args a = {m->no, m->nq, m->nk, m->nv, n, len, H, H, qk, vd, H * qk, H * qk, H * vd,
-			  H * vd, m->n_pos, m->attn_scale};
+	kb_attn_args a = {.out = m->no, .q = m->nq, .k = m->nk, .v = m->nv, .n_tok = n, .n_kv = len,
+				.n_heads = H, .n_kv_heads = H, .dk = qk, .dv = vd,
+				.q_stride = H * qk, .k_stride = H * qk, .v_stride = H * vd,
+				.out_stride = H * vd, .q_pos = m->n_pos, .scale = m->attn_scale};
 	if ((rc = m->be->attn(&a)))
 		return rc;
 	for (int i = 0; i < n; i++)
@@ -828,9 +840,9 @@ static int attn_naive(ds_model *m, const eng_batch *b, int L, int32_t s, int n)
 	return DS_OK;
 }
 
-static int attention(ds_model *m, const eng_batch *b, int L)
+static int attention(deepseek_model *m, const eng_batch *b, int L)
 {
-	ds_layer *ly = &m->layers[L];
+	deepseek_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
 	const int64_t n = b->n_tok, H = m->H, qk = m->qk, lora = m->lora, rope = m->rope;
 	const int64_t kvw = lora + rope;
@@ -847,8 +859,12 @@ static int attention(ds_model *m, const eng_batch *b, int L)
 	if ((rc = linear(m, &ly->kv_a, m->h, m->D, m->kva, kvw, n, 0)) ||
 	    (rc = rmsnorm(m, m->kva, m->kva, ly->kv_a_norm, n, lora, kvw, kvw)))
 		return rc;
-	kb_rope_args rq = {m->q + m->nope, n, H, H * qk, qk, rope, b->pos, m->inv_freq, m->rope_amp, 1};
-	kb_rope_args rk = {m->kva + lora, n, 1, kvw, kvw, rope, b->pos, m->inv_freq, m->rope_amp, 1};
+	kb_rope_args rq = {.x = m->q + m->nope, .n_tok = n, .n_heads = H, .tok_stride = H * qk,
+				.head_stride = qk, .rot_dim = rope, .pos = b->pos,
+				.inv_freq = m->inv_freq, .amp = m->rope_amp, .interleaved = 1};
+	kb_rope_args rk = {.x = m->kva + lora, .n_tok = n, .n_heads = 1, .tok_stride = kvw,
+				.head_stride = kvw, .rot_dim = rope, .pos = b->pos,
+				.inv_freq = m->inv_freq, .amp = m->rope_amp, .interleaved = 1};
 	if ((rc = m->be->rope(&rq)) || (rc = m->be->rope(&rk)))
 		return rc;
 	for (int64_t t = 0; t < n; t++)
@@ -883,7 +899,7 @@ static int attention(ds_model *m, const eng_batch *b, int L)
 	return linear(m, &ly->o, m->o, H * m->vd, m->x, m->D, n, 1);
 }
 
-static int mlp(ds_model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
+static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
 	       int64_t rows, int accumulate)
 {
 	int rc;
@@ -891,26 +907,28 @@ static int mlp(ds_model *m, const wmat *g, const wmat *u, const wmat *d, const f
 	if ((rc = linear(m, g, x, m->D, m->g, I, rows, 0)) ||
 	    (rc = linear(m, u, x, m->D, m->up, I, rows, 0)))
 		return rc;
-	kb_silu_mul_args s = {m->act, m->g, m->up, rows, I, I, I, I};
+	kb_silu_mul_args s = {.out = m->act, .gate = m->g, .up = m->up, .rows = rows, .dim = I,
+				.out_stride = I, .gate_stride = I, .up_stride = I};
 	if ((rc = m->be->silu_mul(&s)))
 		return rc;
 	return linear(m, d, m->act, I, y, m->D, rows, accumulate);
 }
 
-static int moe(ds_model *m, const eng_batch *b, int L)
+static int moe(deepseek_model *m, const eng_batch *b, int L)
 {
-	ds_layer *ly = &m->layers[L];
+	deepseek_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
 	const int64_t n = b->n_tok, E = c->n_routed_experts, K = c->num_experts_per_tok, D = m->D;
 	int rc;
 	if ((rc = linear(m, &ly->router, m->h, D, m->rlog, E, n, 0)))
 		return rc;
-	kb_moe_route_args r = {m->ridx, m->rw, m->rlog, ly->bias, n, E, K, c->n_group, c->topk_group, E,
-			       c->scoring == MCFG_SCORING_SIGMOID ? KB_SCORE_SIGMOID : KB_SCORE_SOFTMAX,
-			       c->topk_method == MCFG_TOPK_NOAUX_TC ? KB_TOPK_NOAUX_TC
-			       : c->topk_method == MCFG_TOPK_GROUP_LIMITED_GREEDY ? KB_TOPK_GROUP_LIMITED_GREEDY
-										: KB_TOPK_GREEDY,
-			       c->norm_topk_prob, (float)c->routed_scaling_factor};
+	kb_moe_route_args r = {.idx = m->ridx, .weight = m->rw, .logits = m->rlog, .bias = ly->bias,
+				.n_tok = n, .n_experts = E, .top_k = K, .n_group = c->n_group,
+				.topk_group = c->topk_group, .logits_stride = E,
+				.scoring = c->scoring == MCFG_SCORING_SIGMOID ? KB_SCORE_SIGMOID : KB_SCORE_SOFTMAX,
+				.method = c->topk_method == MCFG_TOPK_NOAUX_TC ? KB_TOPK_NOAUX_TC : c->topk_method == MCFG_TOPK_GROUP_LIMITED_GREEDY ? KB_TOPK_GROUP_LIMITED_GREEDY : KB_TOPK_GREEDY,
+				.norm_topk_prob = c->norm_topk_prob,
+				.scaling = (float)c->routed_scaling_factor};
 	if ((rc = m->be->moe_route(&r)))
 		return rc;
 	/* counting sort of (token, weight) pairs by expert */
@@ -940,7 +958,8 @@ static int moe(ds_model *m, const eng_batch *b, int L)
 		if ((rc = mlp(m, &ly->eg[e], &ly->eu[e], &ly->ed[e], m->xe, m->ye, cnt, 0)))
 			return rc;
 		for (int32_t i = 0; i < cnt; i++) {
-			kb_axpy_args a = {m->x + (int64_t)toks[i] * D, m->ye + i * D, D, ws[i]};
+			kb_axpy_args a = {.y = m->x + (int64_t)toks[i] * D, .x = m->ye + i * D,
+						.n = D, .alpha = ws[i]};
 			if ((rc = m->be->axpy(&a)))
 				return rc;
 		}
@@ -948,18 +967,20 @@ static int moe(ds_model *m, const eng_batch *b, int L)
 	return DS_OK;
 }
 
-static int ds_forward(model *base, const eng_batch *b, float *logits, ds_err *err)
+static int deepseek_forward(model *base, const eng_batch *b, float *logits, ds_err *err)
 {
-	ds_model *m = (ds_model *)base;
+	deepseek_model *m = (deepseek_model *)base;
 	int rc = model_check_batch(base, b, err);
 	if (rc)
 		return rc;
 	const int64_t n = b->n_tok, D = m->D;
-	kb_embed_args e = {m->x, m->embed.w, m->embed.type, b->tokens, n, D, D, D};
+	kb_embed_args e = {.out = m->x, .table = m->embed.w, .type = m->embed.type,
+				.ids = b->tokens, .n = n, .dim = D, .out_stride = D,
+				.table_stride = D};
 	if ((rc = m->be->embed(&e)))
 		goto out;
 	for (int L = 0; L < m->cfg.num_hidden_layers; L++) {
-		ds_layer *ly = &m->layers[L];
+		deepseek_layer *ly = &m->layers[L];
 		if ((rc = rmsnorm(m, m->h, m->x, ly->attn_norm, n, D, D, D)) ||
 		    (rc = attention(m, b, L)) ||
 		    (rc = rmsnorm(m, m->h, m->x, ly->ffn_norm, n, D, D, D)))
@@ -982,9 +1003,13 @@ out:
 	return rc;
 }
 
-static void ds_set_attn(model *base, enum model_attn attn)
+static void deepseek_set_attn(model *base, enum model_attn attn)
 {
-	((ds_model *)base)->attn = attn;
+	((deepseek_model *)base)->attn = attn;
 }
 
-static const model_ops ds_ops = {ds_forward, ds_set_attn, ds_free};
+static const model_ops deepseek_ops = {
+	.forward = deepseek_forward,
+	.set_attn = deepseek_set_attn,
+	.free = deepseek_free,
+};

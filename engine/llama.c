@@ -337,7 +337,8 @@ static int get_vec(llama_model *m, const char *name, int64_t n, float **out, ds_
 	}
 	if (!(*out = xalloc(m, (size_t)n, sizeof(float))))
 		return ds_err_set(err, DS_ENOMEM, "out of memory");
-	kb_dequant_args a = {*out, data, NULL, type, 1, n, n, n, 0, 1, 0, 0};
+	kb_dequant_args a = {.out = *out, .w = data, .wtype = type, .rows = 1, .cols = n,
+				.out_stride = n, .w_stride = n, .block = 1};
 	int rc = m->be->dequant(&a);
 	return rc ? ds_err_set(err, rc, "tensor %s: cannot convert %s to f32", name, st_dtype_name(type)) : DS_OK;
 }
@@ -383,7 +384,9 @@ static int linear(llama_model *m, const lw *w, const float *x, int64_t x_stride,
 
 static int rmsnorm(llama_model *m, float *out, const float *x, const float *w, int64_t rows)
 {
-	kb_rmsnorm_args a = {out, x, w, rows, m->c.dim, m->c.dim, m->c.dim, (float)m->c.eps};
+	kb_rmsnorm_args a = {.out = out, .x = x, .w = w, .rows = rows, .dim = m->c.dim,
+				.x_stride = m->c.dim, .out_stride = m->c.dim,
+				.eps = (float)m->c.eps};
 	return rows ? m->be->rmsnorm(&a) : DS_OK;
 }
 
@@ -396,7 +399,9 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 	int rc = model_check_batch(base, b, err);
 	if (rc)
 		return rc;
-	kb_embed_args e = {m->x, m->embed.w, m->embed.type, b->tokens, n, D, D, D};
+	kb_embed_args e = {.out = m->x, .table = m->embed.w, .type = m->embed.type,
+				.ids = b->tokens, .n = n, .dim = D, .out_stride = D,
+				.table_stride = D};
 	if ((rc = m->be->embed(&e)))
 		goto out;
 	for (int L = 0; L < c->n_layers; L++) {
@@ -407,8 +412,15 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 		    (rc = linear(m, &ly->k, m->h, D, m->kvb, 2 * kvd, n, 0)) ||
 		    (rc = linear(m, &ly->v, m->h, D, m->kvb + kvd, 2 * kvd, n, 0)))
 			goto out;
-		kb_rope_args rq = {m->q, n, c->n_heads, qd, c->head_dim, c->head_dim, b->pos, m->inv_freq, 1.0f, c->interleaved};
-		kb_rope_args rk = {m->kvb, n, c->n_kv, 2 * kvd, c->head_dim, c->head_dim, b->pos, m->inv_freq, 1.0f, c->interleaved};
+		kb_rope_args rq = {.x = m->q, .n_tok = n, .n_heads = c->n_heads, .tok_stride = qd,
+					.head_stride = c->head_dim, .rot_dim = c->head_dim,
+					.pos = b->pos, .inv_freq = m->inv_freq, .amp = 1.0f,
+					.interleaved = c->interleaved};
+		kb_rope_args rk = {.x = m->kvb, .n_tok = n, .n_heads = c->n_kv,
+					.tok_stride = 2 * kvd, .head_stride = c->head_dim,
+					.rot_dim = c->head_dim, .pos = b->pos,
+					.inv_freq = m->inv_freq, .amp = 1.0f,
+					.interleaved = c->interleaved};
 		if ((rc = m->be->rope(&rq)) || (rc = m->be->rope(&rk)))
 			goto out;
 		for (int64_t t = 0; t < n; t++) {
@@ -416,16 +428,22 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 			int64_t slot = (int64_t)page * kp->page_size + b->pos[t] % kp->page_size;
 			memcpy(cache + slot * kp->row_floats, m->kvb + t * 2 * kvd, (size_t)(2 * kvd) * sizeof(float));
 		}
-		kb_paged_attn_args pa = {m->o, m->q, n, c->n_heads, c->n_kv, c->head_dim, qd, qd, cache,
-					 kp->page_size, kp->row_floats, 0, kvd, b->block_tables, b->max_blocks,
-					 b->seq, b->pos, (float)(1.0 / sqrt((double)c->head_dim))};
+		kb_paged_attn_args pa = {.out = m->o, .q = m->q, .n_tok = n, .n_heads = c->n_heads,
+					.n_kv_heads = c->n_kv, .head_dim = c->head_dim,
+					.q_stride = qd, .out_stride = qd, .cache = cache,
+					.page_size = kp->page_size, .row_stride = kp->row_floats,
+					.v_off = kvd, .block_tables = b->block_tables,
+					.max_blocks = b->max_blocks, .tok_seq = b->seq,
+					.tok_pos = b->pos,
+					.scale = (float)(1.0 / sqrt((double)c->head_dim))};
 		if ((rc = m->be->paged_attn(&pa)) ||
 		    (rc = linear(m, &ly->o, m->o, qd, m->x, D, n, 1)) ||
 		    (rc = rmsnorm(m, m->h, m->x, ly->ffn_norm, n)) ||
 		    (rc = linear(m, &ly->gate, m->h, D, m->g, F, n, 0)) ||
 		    (rc = linear(m, &ly->up, m->h, D, m->u, F, n, 0)))
 			goto out;
-		kb_silu_mul_args sm = {m->g, m->g, m->u, n, F, F, F, F};
+		kb_silu_mul_args sm = {.out = m->g, .gate = m->g, .up = m->u, .rows = n, .dim = F,
+					.out_stride = F, .gate_stride = F, .up_stride = F};
 		if ((rc = m->be->silu_mul(&sm)) || (rc = linear(m, &ly->down, m->g, F, m->x, D, n, 1)))
 			goto out;
 	}
@@ -461,7 +479,10 @@ static void llama_free(model *base)
 	free(m);
 }
 
-static const model_ops llama_ops = {llama_forward, NULL, llama_free};
+static const model_ops llama_ops = {
+	.forward = llama_forward,
+	.free = llama_free, /* one attention form: no set_attn */
+};
 
 static int check_cfg(const lcfg *c, const char *what, ds_err *err)
 {

@@ -87,13 +87,13 @@ model *model_load(const model_params *p, ds_err *err)
 		int ds = gguf_get_str(g, "general.architecture", &arch, NULL, NULL) == DS_OK &&
 			 strcmp(arch, "deepseek2") == 0;
 		gguf_close(g);
-		return ds ? ds_model_load(p, err) : llama_model_load(p, err);
+		return ds ? deepseek_model_load(p, err) : llama_model_load(p, err);
 	}
 	char type[64];
 	read_model_type(p->path, type, sizeof type);
 	if (strcmp(type, "llama") == 0 || strcmp(type, "mistral") == 0 || strcmp(type, "qwen2") == 0)
 		return llama_model_load(p, err);
-	return ds_model_load(p, err);
+	return deepseek_model_load(p, err);
 }
 
 void model_free(model *m)
@@ -149,8 +149,11 @@ int model_check_batch(const model *m, const eng_batch *b, ds_err *err)
 int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
 		 float *y, int64_t y_stride, int64_t M, int accumulate)
 {
-	kb_matmul_args a = {y, x, w->w, w->scale, w->type, M, w->n, w->k, x_stride, y_stride,
-			    w->k, w->scale_stride, w->block, accumulate};
+	kb_matmul_args a = {.y = y, .x = x, .w = w->w, .w_scale = w->scale, .wtype = w->type,
+				.M = M, .N = w->n, .K = w->k, .x_stride = x_stride,
+				.y_stride = y_stride, .w_stride = w->k,
+				.scale_stride = w->scale_stride, .block = w->block,
+				.accumulate = accumulate};
 	return M ? be->matmul(&a) : DS_OK;
 }
 

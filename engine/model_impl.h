@@ -54,7 +54,7 @@ void *model_calloc(size_t *counter, size_t n, size_t size);
 int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx);
 
 /* Architecture loaders (model.c picks one from the checkpoint). */
-model *ds_model_load(const model_params *p, ds_err *err);
+model *deepseek_model_load(const model_params *p, ds_err *err);
 model *llama_model_load(const model_params *p, ds_err *err);
 
 /* Shared checks of a step against the base (token ids, positions, block

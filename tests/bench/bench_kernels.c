@@ -64,7 +64,8 @@ static void bench_rmsnorm(int json)
 		x[i] = (float)((i * 2654435761u) % 1000) / 500.0f - 1.0f;
 	for (int64_t i = 0; i < dim; i++)
 		w[i] = 1.0f + (float)(i % 7) * 0.01f;
-	kb_rmsnorm_args a = {y, x, w, rows, dim, dim, dim, 1e-6f};
+	kb_rmsnorm_args a = {.out = y, .x = x, .w = w, .rows = rows, .dim = dim, .x_stride = dim,
+				.out_stride = dim, .eps = 1e-6f};
 	double base = time_rmsnorm(KC_ISA_SCALAR, &a, 200);
 	if (!json)
 		printf("rmsnorm rows=%lld dim=%lld (f32)\n", (long long)rows, (long long)dim);

@@ -177,7 +177,8 @@ static result test_rmsnorm(const target *t)
 		for (size_t i = 0; i < n; i++)
 			ref[i] = got[i] = SENTINEL; /* padding must stay untouched */
 		float eps = 1e-6f;
-		kb_rmsnorm_args a = {ref, x, w, rows, dim, stride, stride, eps};
+		kb_rmsnorm_args a = {.out = ref, .x = x, .w = w, .rows = rows, .dim = dim,
+					.x_stride = stride, .out_stride = stride, .eps = eps};
 		kc_rmsnorm_ref(&a);
 		a.out = got;
 		int rc = run_rmsnorm_on(t, &a);
@@ -648,7 +649,9 @@ static result test_embed(const target *t)
 				ids[i] = (int32_t)(rand_u64() % (uint64_t)rows);
 			for (int64_t i = 0; i < n * os; i++)
 				ref[i] = got[i] = SENTINEL;
-			kb_embed_args a = {ref, table, types[ti], ids, n, dim, os, ts};
+			kb_embed_args a = {.out = ref, .table = table, .type = types[ti],
+						.ids = ids, .n = n, .dim = dim, .out_stride = os,
+						.table_stride = ts};
 			kc_embed_ref(&a);
 			a.out = got;
 			int rc = run_embed_on(t, &a, rows, ob);
@@ -704,7 +707,9 @@ static result test_rope(const target *t)
 			float amp = s % 2 ? 1.0f : 1.3f;
 			memcpy(ref, x, xb);
 			memcpy(got, x, xb);
-			kb_rope_args a = {ref, nt, nh, ts, hs, rd, pos, inv, amp, inter};
+			kb_rope_args a = {.x = ref, .n_tok = nt, .n_heads = nh, .tok_stride = ts,
+						.head_stride = hs, .rot_dim = rd, .pos = pos,
+						.inv_freq = inv, .amp = amp, .interleaved = inter};
 			kc_rope_ref(&a);
 			a.x = got;
 			int rc = run_rope_on(t, &a, xb);
@@ -769,7 +774,8 @@ static result test_silu_mul(const target *t)
 		}
 		for (int64_t i = 0; i < rows * os; i++)
 			ref[i] = got[i] = SENTINEL;
-		kb_silu_mul_args a = {ref, g, u, rows, dim, os, gs, us};
+		kb_silu_mul_args a = {.out = ref, .gate = g, .up = u, .rows = rows, .dim = dim,
+					.out_stride = os, .gate_stride = gs, .up_stride = us};
 		kc_silu_mul_ref(&a);
 		a.out = got;
 		int rc = run_silu_on(t, &a, gb, ub, ob);
@@ -820,7 +826,7 @@ static result test_axpy(const target *t)
 		float alpha = frand_mag(-1.0f, 1.0f);
 		memcpy(ref, y0, b);
 		memcpy(got, y0, b);
-		kb_axpy_args a = {ref, x, n, alpha};
+		kb_axpy_args a = {.y = ref, .x = x, .n = n, .alpha = alpha};
 		kc_axpy_ref(&a);
 		a.y = got;
 		int rc = run_axpy_on(t, &a);
@@ -874,7 +880,8 @@ static result test_softmax(const target *t)
 		}
 		memcpy(ref, x, b);
 		memcpy(got, x, b);
-		kb_softmax_args a = {ref, rows, n, st, scales[s % 3]};
+		kb_softmax_args a = {.x = ref, .rows = rows, .n = n, .stride = st,
+					.scale = scales[s % 3]};
 		kc_softmax_ref(&a);
 		a.x = got;
 		int rc = run_softmax_on(t, &a, b);

@@ -21,8 +21,10 @@ TEST(moe_route_v3_bias_selects_weights_from_unbiased_scores)
 	float bias[8] = {0, 0, 0, -5.0f, 0, 0, 3.0f, 0};
 	int32_t idx[2];
 	float w[2];
-	kb_moe_route_args a = {idx, w, logits, bias, 1, 8, 2, 4, 2, 8, KB_SCORE_SIGMOID,
-			       KB_TOPK_NOAUX_TC, 1, 2.5f};
+	kb_moe_route_args a = {.idx = idx, .weight = w, .logits = logits, .bias = bias, .n_tok = 1,
+				.n_experts = 8, .top_k = 2, .n_group = 4, .topk_group = 2,
+				.logits_stride = 8, .scoring = KB_SCORE_SIGMOID,
+				.method = KB_TOPK_NOAUX_TC, .norm_topk_prob = 1, .scaling = 2.5f};
 	CHECK_EQ(kc_moe_route(&a), DS_OK);
 	/* biased: e3 = s(2)-5 < 0, e6 = s(-2)+3 = 3.12 -> group 3 (e6,e7) scores 3.12+0.12,
 	 * group 2 (e4,e5) 0.82+0.80; chosen experts e6 then e4 */
@@ -40,8 +42,10 @@ TEST(moe_route_masks_groups_with_minus_infinity)
 	float bias[4] = {-3.0f, -3.0f, -10.0f, -10.0f};
 	int32_t idx[2];
 	float w[2];
-	kb_moe_route_args a = {idx, w, logits, bias, 1, 4, 2, 2, 1, 4, KB_SCORE_SIGMOID,
-			       KB_TOPK_NOAUX_TC, 1, 1.0f};
+	kb_moe_route_args a = {.idx = idx, .weight = w, .logits = logits, .bias = bias, .n_tok = 1,
+				.n_experts = 4, .top_k = 2, .n_group = 2, .topk_group = 1,
+				.logits_stride = 4, .scoring = KB_SCORE_SIGMOID,
+				.method = KB_TOPK_NOAUX_TC, .norm_topk_prob = 1, .scaling = 1.0f};
 	CHECK_EQ(kc_moe_route(&a), DS_OK);
 	CHECK((idx[0] == 0 && idx[1] == 1) || (idx[0] == 1 && idx[1] == 0));
 }
@@ -51,8 +55,10 @@ TEST(moe_route_v2_softmax_greedy_and_group_limited)
 	float logits[6] = {1.0f, 3.0f, 2.0f, 0.0f, 2.5f, -1.0f};
 	int32_t idx[2];
 	float w[2];
-	kb_moe_route_args a = {idx, w, logits, NULL, 1, 6, 2, 1, 1, 6, KB_SCORE_SOFTMAX,
-			       KB_TOPK_GREEDY, 0, 1.0f};
+	kb_moe_route_args a = {.idx = idx, .weight = w, .logits = logits, .n_tok = 1,
+				.n_experts = 6, .top_k = 2, .n_group = 1, .topk_group = 1,
+				.logits_stride = 6, .scoring = KB_SCORE_SOFTMAX,
+				.method = KB_TOPK_GREEDY, .scaling = 1.0f};
 	CHECK_EQ(kc_moe_route(&a), DS_OK);
 	double z = 0;
 	for (int i = 0; i < 6; i++)
@@ -107,8 +113,10 @@ TEST(attn_matches_direct_softmax_with_causal_positions)
 	for (int i = 0; i < NKV * DV; i++)
 		(&v[0][0])[i] = ut_rand_float(-1, 1);
 	/* GQA: 2 query heads share one kv head */
-	kb_attn_args a = {&out[0][0][0], &q[0][0][0], &k[0][0], &v[0][0], T, NKV, H, 1, DK, DV,
-			  H * DK, DK, DV, H * DV, pos, 0.3f};
+	kb_attn_args a = {.out = &out[0][0][0], .q = &q[0][0][0], .k = &k[0][0], .v = &v[0][0],
+				.n_tok = T, .n_kv = NKV, .n_heads = H, .n_kv_heads = 1, .dk = DK,
+				.dv = DV, .q_stride = H * DK, .k_stride = DK, .v_stride = DV,
+				.out_stride = H * DV, .q_pos = pos, .scale = 0.3f};
 	CHECK_EQ(kc_attn(&a), DS_OK);
 	for (int t = 0; t < T; t++)
 		for (int h = 0; h < H; h++) {
@@ -132,8 +140,11 @@ TEST(mla_attn_reads_pages_through_block_tables)
 		ql[i] = ut_rand_float(-1, 1);
 	for (int i = 0; i < H * ROPE; i++)
 		qp[i] = ut_rand_float(-1, 1);
-	kb_mla_attn_args a = {out, ql, qp, 1, H, LORA, ROPE, H * LORA, H * LORA, H * ROPE, cache, PS,
-			      ROW, table, 3, &seq, &pos, 0.25f};
+	kb_mla_attn_args a = {.out = out, .q_lat = ql, .q_pe = qp, .n_tok = 1, .n_heads = H,
+				.kv_lora = LORA, .rope_dim = ROPE, .out_stride = H * LORA,
+				.q_lat_stride = H * LORA, .q_pe_stride = H * ROPE, .cache = cache,
+				.page_size = PS, .row_stride = ROW, .block_tables = table,
+				.max_blocks = 3, .tok_seq = &seq, .tok_pos = &pos, .scale = 0.25f};
 	CHECK_EQ(kc_mla_attn(&a), DS_OK);
 	for (int h = 0; h < H; h++) {
 		float k[POS + 1][ROW], v[POS + 1][LORA], q[ROW];
@@ -203,8 +214,11 @@ TEST(mla_attn_head_groups_match_reference_on_every_isa_and_thread_count)
 		ql[i] = ut_rand_float(-1, 1);
 	for (int i = 0; i < NT * H * ROPE; i++)
 		qp[i] = ut_rand_float(-1, 1);
-	kb_mla_attn_args a = {out, ql, qp, NT, H, LORA, ROPE, H * LORA, H * LORA, H * ROPE, cache, PS,
-			      ROW, &table[0][0], PAGES, seq, pos, 0.2f};
+	kb_mla_attn_args a = {.out = out, .q_lat = ql, .q_pe = qp, .n_tok = NT, .n_heads = H,
+				.kv_lora = LORA, .rope_dim = ROPE, .out_stride = H * LORA,
+				.q_lat_stride = H * LORA, .q_pe_stride = H * ROPE, .cache = cache,
+				.page_size = PS, .row_stride = ROW, .block_tables = &table[0][0],
+				.max_blocks = PAGES, .tok_seq = seq, .tok_pos = pos, .scale = 0.2f};
 	double ref[NT][H][LORA];
 	for (int t = 0; t < NT; t++) {
 		const float *rows[301];
@@ -252,7 +266,9 @@ TEST(dequant_fp8_slice_uses_block_offsets)
 	for (int i = 0; i < 9; i++)
 		(&scale[0][0])[i] = ut_rand_float(0.5f, 2.0f);
 	float out[4][2];
-	kb_dequant_args a = {&out[0][0], &w[1][3], &scale[0][0], KB_F8_E4M3, 4, 2, 2, 5, 3, 2, 1, 3};
+	kb_dequant_args a = {.out = &out[0][0], .w = &w[1][3], .w_scale = &scale[0][0],
+				.wtype = KB_F8_E4M3, .rows = 4, .cols = 2, .out_stride = 2,
+				.w_stride = 5, .scale_stride = 3, .block = 2, .row0 = 1, .col0 = 3};
 	CHECK_EQ(kc_dequant(&a), DS_OK);
 	for (int r = 0; r < 4; r++)
 		for (int c = 0; c < 2; c++) {
@@ -276,16 +292,17 @@ TEST(matmul_batched_equals_each_product)
 		memcpy(&u, &f, 4);
 		(&w[0][0][0])[i] = (uint16_t)(u >> 16); /* bf16 by truncation */
 	}
-	kb_matmul_args a = {&y[0][0][0], &x[0][0][0], &w[0][0][0], NULL, KB_BF16, M, N, K, K, N, K,
-			    0, 0, 0};
+	kb_matmul_args a = {.y = &y[0][0][0], .x = &x[0][0][0], .w = &w[0][0][0], .wtype = KB_BF16,
+				.M = M, .N = N, .K = K, .x_stride = K, .y_stride = N, .w_stride = K};
 	a.batch = B;
 	a.x_bstride = M * K;
 	a.y_bstride = M * N;
 	a.w_bstride = N * K;
 	CHECK_EQ(kc_backend()->matmul(&a), DS_OK);
 	for (int b = 0; b < B; b++) {
-		kb_matmul_args one = {&ref[0][0], &x[b][0][0], &w[b][0][0], NULL, KB_BF16, M, N, K, K,
-				      N, K, 0, 0, 0};
+		kb_matmul_args one = {.y = &ref[0][0], .x = &x[b][0][0], .w = &w[b][0][0],
+					.wtype = KB_BF16, .M = M, .N = N, .K = K, .x_stride = K,
+					.y_stride = N, .w_stride = K};
 		kc_matmul_ref(&one);
 		for (int i = 0; i < M * N; i++)
 			CHECK_NEAR((&y[b][0][0])[i], (&ref[0][0])[i], 1e-5);

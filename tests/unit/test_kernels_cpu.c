@@ -12,7 +12,8 @@ TEST(rmsnorm_ref_matches_hand_computed)
 {
 	/* x = [3, 4]: mean square = 12.5, eps 0.5 -> 1/sqrt(13) */
 	float x[2] = {3.0f, 4.0f}, w[2] = {1.0f, 2.0f}, y[2];
-	kb_rmsnorm_args a = {y, x, w, 1, 2, 2, 2, 0.5f};
+	kb_rmsnorm_args a = {.out = y, .x = x, .w = w, .rows = 1, .dim = 2, .x_stride = 2,
+				.out_stride = 2, .eps = 0.5f};
 	kc_rmsnorm_ref(&a);
 	CHECK_NEAR(y[0], 3.0 / sqrt(13.0), 1e-7);
 	CHECK_NEAR(y[1], 8.0 / sqrt(13.0), 1e-7);
@@ -25,7 +26,8 @@ TEST(rmsnorm_in_place_with_strides)
 	for (int r = 0; r < 2; r++)
 		for (int i = 0; i < 8; i++)
 			buf[r][i] = (float)(r + 1);
-	kb_rmsnorm_args a = {&buf[0][0], &buf[0][0], w, 2, 5, 8, 8, 0.0f};
+	kb_rmsnorm_args a = {.out = &buf[0][0], .x = &buf[0][0], .w = w, .rows = 2, .dim = 5,
+				.x_stride = 8, .out_stride = 8, .eps = 0.0f};
 	CHECK_EQ(kc_backend()->rmsnorm(&a), DS_OK);
 	for (int r = 0; r < 2; r++) {
 		for (int i = 0; i < 5; i++)
@@ -51,7 +53,8 @@ TEST(cpu_isa_names_and_force)
 TEST(cpu_backend_rejects_bad_shapes)
 {
 	float x[1] = {1}, w[1] = {1}, y[1];
-	kb_rmsnorm_args a = {y, x, w, 1, 0, 1, 1, 1e-6f};
+	kb_rmsnorm_args a = {.out = y, .x = x, .w = w, .rows = 1, .x_stride = 1, .out_stride = 1,
+				.eps = 1e-6f};
 	CHECK_EQ(kc_backend()->rmsnorm(&a), DS_EINVAL);
 	a.dim = 1;
 	a.rows = -1;

@@ -86,7 +86,8 @@ static void nested_mm_fn(void *ctx, int64_t b, int64_t e)
 		w[i] = 0.5f;
 	for (int64_t i = b; i < e; i++) {
 		float *y = n->y + i * 64;
-		kb_matmul_args a = {y, x, w, NULL, KB_F32, 1, 64, 300, 300, 64, 300, 0, 0, 0};
+		kb_matmul_args a = {.y = y, .x = x, .w = w, .wtype = KB_F32, .M = 1, .N = 64,
+					.K = 300, .x_stride = 300, .y_stride = 64, .w_stride = 300};
 		if (kc_matmul_isa(kc_isa_detect(), &a) != DS_OK || y[0] != 150.0f || y[63] != 150.0f)
 			__atomic_add_fetch(&n->bad, 1, __ATOMIC_RELAXED);
 		if (kc_pool_set_threads(1) != DS_EBUSY)
@@ -155,7 +156,9 @@ TEST(matmul_same_bits_for_any_thread_count)
 		float *y1 = malloc((size_t)(M * N) * sizeof(float)), *y2 = malloc((size_t)(M * N) * sizeof(float));
 		for (int64_t i = 0; i < M * K; i++)
 			x[i] = ut_rand_float(-1, 1);
-		kb_matmul_args a = {y1, x, w, sc, dt, M, N, K, K, N, K, (K + 127) / 128, 128, 0};
+		kb_matmul_args a = {.y = y1, .x = x, .w = w, .w_scale = sc, .wtype = dt, .M = M,
+					.N = N, .K = K, .x_stride = K, .y_stride = N, .w_stride = K,
+					.scale_stride = (K + 127) / 128, .block = 128};
 		for (int isa = 1; isa <= (int)kc_isa_detect(); isa++) {
 			CHECK_EQ(kc_pool_set_threads(1), DS_OK);
 			a.y = y1;
@@ -223,7 +226,11 @@ TEST(matmul_decode_rows_match_reference_and_thread_count)
 			for (int64_t n = 0; n < N; n++)
 				y0[n] = ut_rand_float(-1, 1);
 			for (int acc = 0; acc <= 1; acc++) {
-				kb_matmul_args a = {ref, x, w, sc, dt, 1, N, K, K, N, K, scols, block, acc};
+				kb_matmul_args a = {.y = ref, .x = x, .w = w, .w_scale = sc,
+							.wtype = dt, .M = 1, .N = N, .K = K,
+							.x_stride = K, .y_stride = N, .w_stride = K,
+							.scale_stride = scols, .block = block,
+							.accumulate = acc};
 				kb_matmul_args ab = a;
 				ab.x = xa;
 				ab.w = wa;
@@ -299,8 +306,12 @@ TEST(matmul_batched_one_row_equals_each_product_alone)
 			for (int64_t i = 0; i < B * ys; i++)
 				y0[i] = ut_rand_float(-1, 1);
 			for (int acc = 0; acc <= 1; acc++) {
-				kb_matmul_args a = {yb, x, w, dt == KB_F8_E4M3 ? sc : NULL, dt, 1, N, K, K, N, K,
-						    scols, block, acc};
+				kb_matmul_args a = {.y = yb, .x = x, .w = w,
+							.w_scale = dt == KB_F8_E4M3 ? sc : NULL,
+							.wtype = dt, .M = 1, .N = N, .K = K,
+							.x_stride = K, .y_stride = N, .w_stride = K,
+							.scale_stride = scols, .block = block,
+							.accumulate = acc};
 				a.batch = B;
 				a.x_bstride = xs;
 				a.y_bstride = ys;
@@ -370,7 +381,8 @@ TEST(matmul_batched_one_row_equals_each_product_alone)
 TEST(matmul_k0_and_empty)
 {
 	float y[4] = {1, 2, 3, 4}, x[2] = {1, 1}, w[2] = {1, 1};
-	kb_matmul_args a = {y, x, w, NULL, KB_F32, 2, 2, 0, 1, 2, 1, 0, 0, 1};
+	kb_matmul_args a = {.y = y, .x = x, .w = w, .wtype = KB_F32, .M = 2, .N = 2, .x_stride = 1,
+				.y_stride = 2, .w_stride = 1, .accumulate = 1};
 	CHECK_EQ(kc_backend()->matmul(&a), DS_OK); /* accumulate: unchanged */
 	CHECK(y[0] == 1 && y[3] == 4);
 	a.accumulate = 0;
@@ -385,7 +397,9 @@ TEST(matmul_backend_rejects_bad_args)
 	float y[4], x[4] = {1, 2, 3, 4}, sc[1] = {1};
 	uint8_t w8[4] = {0x38, 0x38, 0x38, 0x38};
 	const kb_backend *b = kc_backend();
-	kb_matmul_args ok = {y, x, w8, sc, KB_F8_E4M3, 2, 2, 2, 2, 2, 2, 1, 128, 0};
+	kb_matmul_args ok = {.y = y, .x = x, .w = w8, .w_scale = sc, .wtype = KB_F8_E4M3, .M = 2,
+				.N = 2, .K = 2, .x_stride = 2, .y_stride = 2, .w_stride = 2,
+				.scale_stride = 1, .block = 128};
 	CHECK_EQ(b->matmul(&ok), DS_OK);
 	CHECK(y[0] == 3.0f && y[1] == 3.0f && y[2] == 7.0f); /* x . [1, 1] */
 	kb_matmul_args a = ok;
@@ -424,7 +438,8 @@ TEST(ops_backend_reject_bad_args)
 	const kb_backend *b = kc_backend();
 	float buf[16] = {0};
 	int32_t ids[2] = {0, 1}, pos[2] = {0, 1};
-	kb_embed_args e = {buf, buf, KB_F32, ids, 2, 4, 4, 4};
+	kb_embed_args e = {.out = buf, .table = buf, .type = KB_F32, .ids = ids, .n = 2, .dim = 4,
+				.out_stride = 4, .table_stride = 4};
 	CHECK_EQ(b->embed(&e), DS_OK);
 	e.type = KB_F8_E4M3;
 	CHECK_EQ(b->embed(&e), DS_EINVAL);
@@ -434,23 +449,26 @@ TEST(ops_backend_reject_bad_args)
 	e.table_stride = 4;
 	e.ids = NULL;
 	CHECK_EQ(b->embed(&e), DS_EINVAL);
-	kb_rope_args r = {buf, 2, 1, 4, 4, 4, pos, buf, 1.0f, 1};
+	kb_rope_args r = {.x = buf, .n_tok = 2, .n_heads = 1, .tok_stride = 4, .head_stride = 4,
+				.rot_dim = 4, .pos = pos, .inv_freq = buf, .amp = 1.0f,
+				.interleaved = 1};
 	CHECK_EQ(b->rope(&r), DS_OK);
 	r.rot_dim = 3;
 	CHECK_EQ(b->rope(&r), DS_EINVAL);
 	r.rot_dim = 4;
 	r.head_stride = 2;
 	CHECK_EQ(b->rope(&r), DS_EINVAL);
-	kb_silu_mul_args s = {buf, buf, buf, 2, 4, 4, 4, 4};
+	kb_silu_mul_args s = {.out = buf, .gate = buf, .up = buf, .rows = 2, .dim = 4,
+				.out_stride = 4, .gate_stride = 4, .up_stride = 4};
 	CHECK_EQ(b->silu_mul(&s), DS_OK);
 	s.up = NULL;
 	CHECK_EQ(b->silu_mul(&s), DS_EINVAL);
 	s.up = buf;
 	s.rows = -2;
 	CHECK_EQ(b->silu_mul(&s), DS_EINVAL);
-	kb_axpy_args x = {buf, buf, -1, 1.0f};
+	kb_axpy_args x = {.y = buf, .x = buf, .n = -1, .alpha = 1.0f};
 	CHECK_EQ(b->axpy(&x), DS_EINVAL);
-	kb_softmax_args sm = {buf, 2, 4, 3, 1.0f};
+	kb_softmax_args sm = {.x = buf, .rows = 2, .n = 4, .stride = 3, .scale = 1.0f};
 	CHECK_EQ(b->softmax(&sm), DS_EINVAL);
 	CHECK_EQ(b->set_threads(-1), DS_EINVAL);
 	CHECK_EQ(b->set_threads(0), DS_OK);
@@ -466,7 +484,9 @@ TEST(rope_hand_computed)
 	for (int inter = 0; inter < 2; inter++) {
 		/* one token, two heads of 6 (rope on the first 4), 2 floats past them */
 		float x[14] = {3, 4, 5, 6, 70, 80, -1, 2, 0.5f, 1, 90, 91, 99, 98};
-		kb_rope_args a = {x, 1, 2, 14, 6, 4, pos, inv, 2.0f, inter};
+		kb_rope_args a = {.x = x, .n_tok = 1, .n_heads = 2, .tok_stride = 14,
+					.head_stride = 6, .rot_dim = 4, .pos = pos, .inv_freq = inv,
+					.amp = 2.0f, .interleaved = inter};
 		CHECK_EQ(kc_backend()->rope(&a), DS_OK);
 		/* head 0 pairs: interleaved (3,4) (5,6); NeoX (3,5) (4,6) */
 		double xa0 = 3, xb0 = inter ? 4 : 5, xa1 = inter ? 5 : 4, xb1 = 6;
@@ -484,7 +504,9 @@ TEST(rope_hand_computed)
 	/* pos 0: identity times amp */
 	float y[2] = {1.5f, -2.5f};
 	int32_t p0[1] = {0};
-	kb_rope_args z = {y, 1, 1, 2, 2, 2, p0, inv, 1.0f, 1};
+	kb_rope_args z = {.x = y, .n_tok = 1, .n_heads = 1, .tok_stride = 2, .head_stride = 2,
+				.rot_dim = 2, .pos = p0, .inv_freq = inv, .amp = 1.0f,
+				.interleaved = 1};
 	CHECK_EQ(kc_rope_isa(KC_ISA_SCALAR, &z), DS_OK);
 	CHECK(y[0] == 1.5f && y[1] == -2.5f);
 }
@@ -493,25 +515,27 @@ TEST(eltwise_hand_computed)
 {
 	const kb_backend *b = kc_backend();
 	float g[3] = {0.0f, 1.0f, -1.0f}, u[3] = {5.0f, 2.0f, 1.0f}, o[3];
-	kb_silu_mul_args s = {o, g, u, 1, 3, 3, 3, 3};
+	kb_silu_mul_args s = {.out = o, .gate = g, .up = u, .rows = 1, .dim = 3, .out_stride = 3,
+				.gate_stride = 3, .up_stride = 3};
 	CHECK_EQ(b->silu_mul(&s), DS_OK);
 	CHECK_NEAR(o[0], 0.0, 0);
 	CHECK_NEAR(o[1], 1.4621171572600098, 1e-6);   /* 2 / (1 + e^-1) */
 	CHECK_NEAR(o[2], -0.2689414213699951, 1e-7);  /* -1 / (1 + e) */
 	float sm[4] = {0.0f, 1.0986122886681098f, 7.0f, 7.0f}; /* ln 3 */
-	kb_softmax_args a = {sm, 2, 2, 2, 1.0f};
+	kb_softmax_args a = {.x = sm, .rows = 2, .n = 2, .stride = 2, .scale = 1.0f};
 	CHECK_EQ(b->softmax(&a), DS_OK);
 	CHECK_NEAR(sm[0], 0.25, 1e-7);
 	CHECK_NEAR(sm[1], 0.75, 1e-7);
 	CHECK_NEAR(sm[2], 0.5, 1e-7);
 	float yy[2] = {1, 2}, xx[2] = {3, 4};
-	kb_axpy_args ax = {yy, xx, 2, 2.0f};
+	kb_axpy_args ax = {.y = yy, .x = xx, .n = 2, .alpha = 2.0f};
 	CHECK_EQ(b->axpy(&ax), DS_OK);
 	CHECK(yy[0] == 7.0f && yy[1] == 10.0f);
 	uint16_t tab[4] = {0x3C00, 0xC000, 0x0001, 0x7C00}; /* f16: 1, -2, 2^-24, inf */
 	int32_t ids[2] = {1, 0};
 	float out[4];
-	kb_embed_args e = {out, tab, KB_F16, ids, 2, 2, 2, 2};
+	kb_embed_args e = {.out = out, .table = tab, .type = KB_F16, .ids = ids, .n = 2, .dim = 2,
+				.out_stride = 2, .table_stride = 2};
 	CHECK_EQ(b->embed(&e), DS_OK);
 	CHECK(out[0] == 0x1p-24f && isinf(out[1]) && out[2] == 1.0f && out[3] == -2.0f);
 }
