@@ -230,7 +230,7 @@ int main(int argc, char **argv)
 		goto out;
 	}
 
-	control_ctx ctx = {opts.name, be->name, be->describe(), ds_now_s()};
+	control_ctx ctx = {opts.name, be->name, kb_describe(be), ds_now_s()};
 	ctx.gossip = gos;
 	ctx.cluster = cl;
 	ctx.test_faults = opts.test_fault_injection;

@@ -141,7 +141,7 @@ static int linear_heads(deepseek_model *m, const wmat *w0, const wmat *w1, const
 	a.y_bstride = y_head;
 	a.w_bstride = (int64_t)(wbytes / (ptrdiff_t)kb_dtype_block_bytes(w0->type)) * kb_dtype_block(w0->type);
 	a.s_bstride = w0->scale ? (int64_t)(w1->scale - w0->scale) : 0;
-	return M ? m->be->matmul(&a) : DS_OK;
+	return M ? kb_matmul(m->be, &a) : DS_OK;
 }
 
 static int rmsnorm(deepseek_model *m, float *out, const float *x, const float *w, int64_t rows,
@@ -150,7 +150,7 @@ static int rmsnorm(deepseek_model *m, float *out, const float *x, const float *w
 	kb_rmsnorm_args a = {.out = out, .x = x, .w = w, .rows = rows, .dim = dim,
 				.x_stride = x_stride, .out_stride = out_stride,
 				.eps = (float)m->cfg.rms_norm_eps};
-	return rows ? m->be->rmsnorm(&a) : DS_OK;
+	return rows ? kb_rmsnorm(m->be, &a) : DS_OK;
 }
 
 /* ---- loading ---- */
@@ -224,7 +224,7 @@ static int load_vec(deepseek_model *m, const char *name, int64_t n, float **out,
 		return bad_alloc(err);
 	kb_dequant_args a = {.out = *out, .w = data, .wtype = type, .rows = 1, .cols = n,
 				.out_stride = n, .w_stride = n, .block = 1};
-	return m->be->dequant(&a);
+	return kb_dequant(m->be, &a);
 }
 
 /* Routed experts of a GGUF: one 3-D tensor [E][n][k] (ggml ne {k, n, E}) per
@@ -270,7 +270,7 @@ static int dequant_rows(deepseek_model *m, float *out, const void *w, enum kb_dt
 	kb_dequant_args a = {.out = out, .w = (const uint8_t *)w + kb_dtype_bytes(type, first),
 				.wtype = type, .rows = rows, .cols = cols, .out_stride = cols,
 				.w_stride = cols, .block = 1};
-	return m->be->dequant(&a);
+	return kb_dequant(m->be, &a);
 }
 
 /* The absorbed form needs, per head h, W_UK[h]^T = (kv_b rows h*per .. +nope)^T
@@ -632,7 +632,7 @@ model *deepseek_model_load(const model_params *p, ds_err *err)
 	if (!(m->be = eng_backend_choose(p->backend, err)))
 		goto fail;
 	if (m->be->set_threads)
-		m->be->set_threads(p->threads);
+		kb_set_threads(m->be, p->threads);
 	enum ds_map_mode mode = p->weights == MODEL_WEIGHTS_HUGE ? DS_MAP_HUGE_COPY : DS_MAP_FILE;
 	if (p->weights == MODEL_WEIGHTS_AUTO && strcmp(m->be->name, "cpu") == 0 && ds_thp_usable())
 		mode = DS_MAP_HUGE_COPY;
@@ -788,7 +788,7 @@ static int attn_absorbed(deepseek_model *m, const eng_batch *b, int L, int n)
 				.page_size = kp->page_size, .row_stride = kp->row_floats,
 				.block_tables = b->block_tables, .max_blocks = b->max_blocks,
 				.tok_seq = m->a_seq, .tok_pos = m->a_pos, .scale = m->attn_scale};
-	if ((rc = m->be->mla_attn(&a)))
+	if ((rc = kb_mla_attn(m->be, &a)))
 		return rc;
 	/* o[h] = W_UV[h] u[h] */
 	wmat v0 = head_uv(m, ly, 0), v1 = head_uv(m, ly, 1 % H);
@@ -833,7 +833,7 @@ static int attn_naive(deepseek_model *m, const eng_batch *b, int L, int32_t s, i
 				.n_heads = H, .n_kv_heads = H, .dk = qk, .dv = vd,
 				.q_stride = H * qk, .k_stride = H * qk, .v_stride = H * vd,
 				.out_stride = H * vd, .q_pos = m->n_pos, .scale = m->attn_scale};
-	if ((rc = m->be->attn(&a)))
+	if ((rc = kb_attn(m->be, &a)))
 		return rc;
 	for (int i = 0; i < n; i++)
 		memcpy(m->o + m->n_idx[i] * H * vd, m->no + i * H * vd, (size_t)(H * vd) * 4);
@@ -865,7 +865,7 @@ static int attention(deepseek_model *m, const eng_batch *b, int L)
 	kb_rope_args rk = {.x = m->kva + lora, .n_tok = n, .n_heads = 1, .tok_stride = kvw,
 				.head_stride = kvw, .rot_dim = rope, .pos = b->pos,
 				.inv_freq = m->inv_freq, .amp = m->rope_amp, .interleaved = 1};
-	if ((rc = m->be->rope(&rq)) || (rc = m->be->rope(&rk)))
+	if ((rc = kb_rope(m->be, &rq)) || (rc = kb_rope(m->be, &rk)))
 		return rc;
 	for (int64_t t = 0; t < n; t++)
 		memcpy(cache_row(m, b, L, b->seq[t], b->pos[t]), m->kva + t * kvw, (size_t)kvw * 4);
@@ -909,7 +909,7 @@ static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, c
 		return rc;
 	kb_silu_mul_args s = {.out = m->act, .gate = m->g, .up = m->up, .rows = rows, .dim = I,
 				.out_stride = I, .gate_stride = I, .up_stride = I};
-	if ((rc = m->be->silu_mul(&s)))
+	if ((rc = kb_silu_mul(m->be, &s)))
 		return rc;
 	return linear(m, d, m->act, I, y, m->D, rows, accumulate);
 }
@@ -929,7 +929,7 @@ static int moe(deepseek_model *m, const eng_batch *b, int L)
 				.method = c->topk_method == MCFG_TOPK_NOAUX_TC ? KB_TOPK_NOAUX_TC : c->topk_method == MCFG_TOPK_GROUP_LIMITED_GREEDY ? KB_TOPK_GROUP_LIMITED_GREEDY : KB_TOPK_GREEDY,
 				.norm_topk_prob = c->norm_topk_prob,
 				.scaling = (float)c->routed_scaling_factor};
-	if ((rc = m->be->moe_route(&r)))
+	if ((rc = kb_moe_route(m->be, &r)))
 		return rc;
 	/* counting sort of (token, weight) pairs by expert */
 	memset(m->ecount, 0, (size_t)(E + 1) * 4);
@@ -960,7 +960,7 @@ static int moe(deepseek_model *m, const eng_batch *b, int L)
 		for (int32_t i = 0; i < cnt; i++) {
 			kb_axpy_args a = {.y = m->x + (int64_t)toks[i] * D, .x = m->ye + i * D,
 						.n = D, .alpha = ws[i]};
-			if ((rc = m->be->axpy(&a)))
+			if ((rc = kb_axpy(m->be, &a)))
 				return rc;
 		}
 	}
@@ -977,7 +977,7 @@ static int deepseek_forward(model *base, const eng_batch *b, float *logits, ds_e
 	kb_embed_args e = {.out = m->x, .table = m->embed.w, .type = m->embed.type,
 				.ids = b->tokens, .n = n, .dim = D, .out_stride = D,
 				.table_stride = D};
-	if ((rc = m->be->embed(&e)))
+	if ((rc = kb_embed(m->be, &e)))
 		goto out;
 	for (int L = 0; L < m->cfg.num_hidden_layers; L++) {
 		deepseek_layer *ly = &m->layers[L];

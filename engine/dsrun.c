@@ -105,7 +105,7 @@ static int list_backends(void)
 		const char *name = kb_backend_name_at(i);
 		const kb_backend *b = kb_backend_get(name, &err);
 		if (b)
-			printf("%-5s usable    %s\n", name, b->describe());
+			printf("%-5s usable    %s\n", name, kb_describe(b));
 		else
 			printf("%-5s absent    %s\n", name, err.msg);
 	}

@@ -339,7 +339,7 @@ static int get_vec(llama_model *m, const char *name, int64_t n, float **out, ds_
 		return ds_err_set(err, DS_ENOMEM, "out of memory");
 	kb_dequant_args a = {.out = *out, .w = data, .wtype = type, .rows = 1, .cols = n,
 				.out_stride = n, .w_stride = n, .block = 1};
-	int rc = m->be->dequant(&a);
+	int rc = kb_dequant(m->be, &a);
 	return rc ? ds_err_set(err, rc, "tensor %s: cannot convert %s to f32", name, st_dtype_name(type)) : DS_OK;
 }
 
@@ -387,7 +387,7 @@ static int rmsnorm(llama_model *m, float *out, const float *x, const float *w, i
 	kb_rmsnorm_args a = {.out = out, .x = x, .w = w, .rows = rows, .dim = m->c.dim,
 				.x_stride = m->c.dim, .out_stride = m->c.dim,
 				.eps = (float)m->c.eps};
-	return rows ? m->be->rmsnorm(&a) : DS_OK;
+	return rows ? kb_rmsnorm(m->be, &a) : DS_OK;
 }
 
 static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err *err)
@@ -402,7 +402,7 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 	kb_embed_args e = {.out = m->x, .table = m->embed.w, .type = m->embed.type,
 				.ids = b->tokens, .n = n, .dim = D, .out_stride = D,
 				.table_stride = D};
-	if ((rc = m->be->embed(&e)))
+	if ((rc = kb_embed(m->be, &e)))
 		goto out;
 	for (int L = 0; L < c->n_layers; L++) {
 		llayer *ly = &m->layers[L];
@@ -421,7 +421,7 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 					.rot_dim = c->head_dim, .pos = b->pos,
 					.inv_freq = m->inv_freq, .amp = 1.0f,
 					.interleaved = c->interleaved};
-		if ((rc = m->be->rope(&rq)) || (rc = m->be->rope(&rk)))
+		if ((rc = kb_rope(m->be, &rq)) || (rc = kb_rope(m->be, &rk)))
 			goto out;
 		for (int64_t t = 0; t < n; t++) {
 			int32_t page = b->block_tables[(int64_t)b->seq[t] * b->max_blocks + b->pos[t] / kp->page_size];
@@ -436,7 +436,7 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 					.max_blocks = b->max_blocks, .tok_seq = b->seq,
 					.tok_pos = b->pos,
 					.scale = (float)(1.0 / sqrt((double)c->head_dim))};
-		if ((rc = m->be->paged_attn(&pa)) ||
+		if ((rc = kb_paged_attn(m->be, &pa)) ||
 		    (rc = linear(m, &ly->o, m->o, qd, m->x, D, n, 1)) ||
 		    (rc = rmsnorm(m, m->h, m->x, ly->ffn_norm, n)) ||
 		    (rc = linear(m, &ly->gate, m->h, D, m->g, F, n, 0)) ||
@@ -444,7 +444,7 @@ static int llama_forward(model *base, const eng_batch *b, float *logits, ds_err 
 			goto out;
 		kb_silu_mul_args sm = {.out = m->g, .gate = m->g, .up = m->u, .rows = n, .dim = F,
 					.out_stride = F, .gate_stride = F, .up_stride = F};
-		if ((rc = m->be->silu_mul(&sm)) || (rc = linear(m, &ly->down, m->g, F, m->x, D, n, 1)))
+		if ((rc = kb_silu_mul(m->be, &sm)) || (rc = linear(m, &ly->down, m->g, F, m->x, D, n, 1)))
 			goto out;
 	}
 	int nl = 0;
@@ -518,7 +518,7 @@ model *llama_model_load(const model_params *p, ds_err *err)
 	if (!(m->be = eng_backend_choose(p->backend, err)))
 		goto fail;
 	if (m->be->set_threads)
-		m->be->set_threads(p->threads);
+		kb_set_threads(m->be, p->threads);
 	m->qd = (int64_t)c->n_heads * c->head_dim;
 	m->kvd = (int64_t)c->n_kv * c->head_dim;
 	m->bt = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;

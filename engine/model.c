@@ -154,7 +154,7 @@ int model_linear(const kb_backend *be, const model_weight *w, const float *x, in
 				.y_stride = y_stride, .w_stride = w->k,
 				.scale_stride = w->scale_stride, .block = w->block,
 				.accumulate = accumulate};
-	return M ? be->matmul(&a) : DS_OK;
+	return M ? kb_matmul(be, &a) : DS_OK;
 }
 
 void *model_calloc(size_t *counter, size_t n, size_t size)

@@ -259,17 +259,49 @@ typedef struct kb_moe_route_args {
 	float scaling;
 } kb_moe_route_args;
 
+/* The ops, for support queries and error messages. */
+enum kb_op {
+	KB_OP_RMSNORM = 0,
+	KB_OP_MATMUL,
+	KB_OP_EMBED,
+	KB_OP_ROPE,
+	KB_OP_SILU_MUL,
+	KB_OP_AXPY,
+	KB_OP_SOFTMAX,
+	KB_OP_DEQUANT,
+	KB_OP_MLA_ATTN,
+	KB_OP_ATTN,
+	KB_OP_PAGED_ATTN,
+	KB_OP_MOE_ROUTE,
+	KB_OP_COUNT
+};
+
+/* "matmul", "mla_attn", ...; "?" past the end. */
+const char *kb_op_name(enum kb_op op);
+/* "f32", "bf16", "f8_e4m3", "q4_k", ...; "?" past the end. */
+const char *kb_dtype_name(enum kb_dtype t);
+
+/* One op a graph needs: op over weights or tables of dtype (matmul, embed,
+ * dequant), or KB_F32 for the ops whose inputs are activations only. */
+typedef struct kb_op_need {
+	enum kb_op op;
+	enum kb_dtype dtype;
+} kb_op_need;
+
 typedef struct kb_backend {
 	const char *name;                 /* "cpu", "cuda" */
 	const char *(*describe)(void);    /* e.g. "avx512" or "NVIDIA H100 (sm_90)" */
+	/* 1 when this backend runs op on dtype.  Answers from the backend's own
+	 * table, so it needs no device. */
+	int (*supports_op)(enum kb_op op, enum kb_dtype dtype);
 	/* Device memory (host memory for the CPU backend). */
 	void *(*alloc)(size_t bytes);
 	void (*release)(void *p);
 	int (*upload)(void *dst, const void *src, size_t bytes);
 	int (*download)(void *dst, const void *src, size_t bytes);
 	int (*sync)(void);
-	/* Ops; each returns 0 or a negative DS_E* code.  A NULL op is not
-	 * supported by this backend. */
+	/* Ops; each returns 0 or a negative DS_E* code.  An op that supports_op
+	 * denies may be NULL. */
 	int (*rmsnorm)(const kb_rmsnorm_args *a);
 	int (*matmul)(const kb_matmul_args *a);
 	int (*embed)(const kb_embed_args *a);
@@ -293,6 +325,37 @@ const char *kb_backend_name_at(int i);
 /* The backend by name ("cpu", "cuda"), or NULL with err saying why it is
  * absent (not compiled in, no device).  Borrowed for the process lifetime. */
 const kb_backend *kb_backend_get(const char *name, ds_err *err);
+
+/* 1 when the backend called name is compiled in and runs op on dtype; asks
+ * the backend's table, so it needs no device.  0 for unknown names. */
+int kb_backend_supports(const char *name, enum kb_op op, enum kb_dtype dtype);
+
+/* DS_OK when the backend called name runs every need; else DS_EUNSUPPORTED
+ * with err naming the first op it lacks ("the cuda backend has no matmul
+ * for q4_k weights"). */
+int kb_backend_check(const char *name, const kb_op_need *needs, int n_needs, ds_err *err);
+
+/* The calls the engine makes: one per op, so call sites do not depend on
+ * how a backend holds its ops. */
+static inline const char *kb_describe(const kb_backend *be) { return be->describe(); }
+static inline void *kb_alloc(const kb_backend *be, size_t bytes) { return be->alloc(bytes); }
+static inline void kb_release(const kb_backend *be, void *p) { be->release(p); }
+static inline int kb_upload(const kb_backend *be, void *dst, const void *src, size_t n) { return be->upload(dst, src, n); }
+static inline int kb_download(const kb_backend *be, void *dst, const void *src, size_t n) { return be->download(dst, src, n); }
+static inline int kb_sync(const kb_backend *be) { return be->sync(); }
+static inline int kb_set_threads(const kb_backend *be, int n) { return be->set_threads(n); }
+static inline int kb_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a) { return be->rmsnorm(a); }
+static inline int kb_matmul(const kb_backend *be, const kb_matmul_args *a) { return be->matmul(a); }
+static inline int kb_embed(const kb_backend *be, const kb_embed_args *a) { return be->embed(a); }
+static inline int kb_rope(const kb_backend *be, const kb_rope_args *a) { return be->rope(a); }
+static inline int kb_silu_mul(const kb_backend *be, const kb_silu_mul_args *a) { return be->silu_mul(a); }
+static inline int kb_axpy(const kb_backend *be, const kb_axpy_args *a) { return be->axpy(a); }
+static inline int kb_softmax(const kb_backend *be, const kb_softmax_args *a) { return be->softmax(a); }
+static inline int kb_dequant(const kb_backend *be, const kb_dequant_args *a) { return be->dequant(a); }
+static inline int kb_mla_attn(const kb_backend *be, const kb_mla_attn_args *a) { return be->mla_attn(a); }
+static inline int kb_attn(const kb_backend *be, const kb_attn_args *a) { return be->attn(a); }
+static inline int kb_paged_attn(const kb_backend *be, const kb_paged_attn_args *a) { return be->paged_attn(a); }
+static inline int kb_moe_route(const kb_backend *be, const kb_moe_route_args *a) { return be->moe_route(a); }
 
 #ifdef __cplusplus
 }

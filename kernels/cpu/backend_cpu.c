@@ -153,9 +153,20 @@ static int cpu_set_threads(int n)
 	return kc_pool_set_threads(n);
 }
 
+/* The CPU backend is the reference: every op on every weight type, except
+ * an FP8 embedding table (its block scales have no place in kb_embed_args;
+ * checkpoints keep the embedding in BF16). */
+static int cpu_supports_op(enum kb_op op, enum kb_dtype dtype)
+{
+	if (op == KB_OP_EMBED && dtype == KB_F8_E4M3)
+		return 0;
+	return (unsigned)op < KB_OP_COUNT && (unsigned)dtype < KB_DTYPE_COUNT;
+}
+
 static const kb_backend cpu_backend = {
 	.name = "cpu",
 	.describe = cpu_describe,
+	.supports_op = cpu_supports_op,
 	.alloc = cpu_alloc,
 	.release = cpu_release,
 	.upload = cpu_copy,

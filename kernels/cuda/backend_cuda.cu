@@ -52,6 +52,13 @@ static int cuda_rmsnorm(const kb_rmsnorm_args *a)
 	return kcu_rmsnorm(a, 0);
 }
 
+/* What this backend implements today: rmsnorm only.  Each op added here
+ * gets its entry. */
+extern "C" int kcu_supports_op(enum kb_op op, enum kb_dtype dtype)
+{
+	return op == KB_OP_RMSNORM && dtype == KB_F32;
+}
+
 static kb_backend g_backend;
 static int g_status = DS_OK;
 static char g_why[256];
@@ -71,6 +78,7 @@ static void probe(void)
 		snprintf(g_desc, sizeof g_desc, "%s (sm_%d%d)", prop.name, prop.major, prop.minor);
 	g_backend.name = "cuda";
 	g_backend.describe = cuda_describe;
+	g_backend.supports_op = kcu_supports_op;
 	g_backend.alloc = cuda_alloc;
 	g_backend.release = cuda_release;
 	g_backend.upload = cuda_upload;

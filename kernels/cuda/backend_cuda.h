@@ -14,6 +14,8 @@ extern "C" {
 #endif
 
 const kb_backend *kcu_backend(ds_err *err);
+/* The op table, answered without a device (kb_backend_supports). */
+int kcu_supports_op(enum kb_op op, enum kb_dtype dtype);
 
 #ifdef __cplusplus
 }

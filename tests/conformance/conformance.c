@@ -108,7 +108,7 @@ static void *stage_put(stage *s, const void *base, size_t bytes, const void *p)
 		s->rc = DS_EINTERNAL;
 		return NULL;
 	}
-	void *d = s->b->alloc(bytes);
+	void *d = kb_alloc(s->b, bytes);
 	if (!d) {
 		s->rc = DS_ENOMEM;
 		return NULL;
@@ -117,7 +117,7 @@ static void *stage_put(stage *s, const void *base, size_t bytes, const void *p)
 	s->dev[s->n] = d;
 	s->bytes[s->n] = bytes;
 	s->n++;
-	if ((s->rc = s->b->upload(d, base, bytes)) != 0)
+	if ((s->rc = kb_upload(s->b, d, base, bytes)) != 0)
 		return NULL;
 	return (char *)d + ((const char *)p - (const char *)base);
 }
@@ -128,11 +128,11 @@ static int stage_finish(stage *s, int rc, void *base)
 	if (!s->rc)
 		s->rc = rc;
 	if (!s->rc)
-		s->rc = s->b->sync();
+		s->rc = kb_sync(s->b);
 	for (int i = 0; i < s->n; i++) {
 		if (!s->rc && s->host[i] == base)
-			s->rc = s->b->download(base, s->dev[i], s->bytes[i]);
-		s->b->release(s->dev[i]);
+			s->rc = kb_download(s->b, base, s->dev[i], s->bytes[i]);
+		kb_release(s->b, s->dev[i]);
 	}
 	return s->rc;
 }
@@ -155,7 +155,7 @@ static int run_rmsnorm_on(const target *t, kb_rmsnorm_args *a)
 	d.x = stage_put(&s, a->x, xb, a->x);
 	d.w = stage_put(&s, a->w, (size_t)a->dim * sizeof(float), a->w);
 	d.out = stage_put(&s, a->out, yb, a->out);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->rmsnorm(&d), a->out);
+	return stage_finish(&s, s.rc ? s.rc : kb_rmsnorm(t->dev, &d), a->out);
 }
 
 static result test_rmsnorm(const target *t)
@@ -275,7 +275,7 @@ static int run_matmul_on(const target *t, mm_case *c)
 	if (c->s_base)
 		d.w_scale = stage_put(&s, c->s_base, c->s_bytes, c->a.w_scale);
 	d.y = stage_put(&s, c->a.y, c->y_bytes, c->a.y);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->matmul(&d), c->a.y);
+	return stage_finish(&s, s.rc ? s.rc : kb_matmul(t->dev, &d), c->a.y);
 }
 
 static result test_matmul_dtype(const target *t, enum kb_dtype dt)
@@ -624,7 +624,7 @@ static int run_embed_on(const target *t, kb_embed_args *a, int64_t rows, size_t 
 			    a->table);
 	d.ids = stage_put(&s, a->ids, (size_t)a->n * sizeof(int32_t), a->ids);
 	d.out = stage_put(&s, a->out, out_bytes, a->out);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->embed(&d), a->out);
+	return stage_finish(&s, s.rc ? s.rc : kb_embed(t->dev, &d), a->out);
 }
 
 static result test_embed(const target *t)
@@ -680,7 +680,7 @@ static int run_rope_on(const target *t, kb_rope_args *a, size_t x_bytes)
 	d.x = stage_put(&s, a->x, x_bytes, a->x);
 	d.pos = stage_put(&s, a->pos, (size_t)a->n_tok * sizeof(int32_t), a->pos);
 	d.inv_freq = stage_put(&s, a->inv_freq, (size_t)(a->rot_dim / 2) * sizeof(float), a->inv_freq);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->rope(&d), a->x);
+	return stage_finish(&s, s.rc ? s.rc : kb_rope(t->dev, &d), a->x);
 }
 
 static result test_rope(const target *t)
@@ -754,7 +754,7 @@ static int run_silu_on(const target *t, kb_silu_mul_args *a, size_t gb, size_t u
 	d.gate = stage_put(&s, a->gate, gb, a->gate);
 	d.up = stage_put(&s, a->up, ub, a->up);
 	d.out = stage_put(&s, a->out, ob, a->out);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->silu_mul(&d), a->out);
+	return stage_finish(&s, s.rc ? s.rc : kb_silu_mul(t->dev, &d), a->out);
 }
 
 static result test_silu_mul(const target *t)
@@ -808,7 +808,7 @@ static int run_axpy_on(const target *t, kb_axpy_args *a)
 	size_t b = (size_t)a->n * sizeof(float);
 	d.x = stage_put(&s, a->x, b, a->x);
 	d.y = stage_put(&s, a->y, b, a->y);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->axpy(&d), a->y);
+	return stage_finish(&s, s.rc ? s.rc : kb_axpy(t->dev, &d), a->y);
 }
 
 static result test_axpy(const target *t)
@@ -853,7 +853,7 @@ static int run_softmax_on(const target *t, kb_softmax_args *a, size_t bytes)
 	stage s = {.b = t->dev};
 	kb_softmax_args d = *a;
 	d.x = stage_put(&s, a->x, bytes, a->x);
-	return stage_finish(&s, s.rc ? s.rc : t->dev->softmax(&d), a->x);
+	return stage_finish(&s, s.rc ? s.rc : kb_softmax(t->dev, &d), a->x);
 }
 
 static result test_softmax(const target *t)
