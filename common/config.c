@@ -169,7 +169,7 @@ static void env_name(const char *prefix, const char *name, char *out, size_t siz
 		out[i] = out[i] == '-' ? '_' : (char)toupper((unsigned char)out[i]);
 }
 
-int cfg_load_env(const cfg_opt *tab, void *cfg, const char *prefix, ds_err *err)
+static int cfg_load_env(const cfg_opt *tab, void *cfg, const char *prefix, ds_err *err)
 {
 	for (const cfg_opt *o = tab; o->name; o++) {
 		char name[128];
@@ -186,8 +186,12 @@ int cfg_load_env(const cfg_opt *tab, void *cfg, const char *prefix, ds_err *err)
 	return DS_OK;
 }
 
-int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, int start, int *next,
-		   ds_err *err)
+/* Parses argv[start..]: `--name value`, `--name=value`, bare `--flag` for bools,
+ * `-x value` for options with a short_flag.
+ * Stops at "--" or at the first argument that is not a flag; *next gets its
+ * index (argc when all were consumed).  `--config` is accepted and skipped. */
+static int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, int start,
+			  int *next, ds_err *err)
 {
 	int i = start;
 	while (i < argc) {

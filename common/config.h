@@ -50,14 +50,6 @@ int cfg_set(const cfg_opt *tab, void *cfg, const char *name, const char *value, 
 	    ds_err *err);
 
 int cfg_load_file(const cfg_opt *tab, void *cfg, const char *path, ds_err *err);
-int cfg_load_env(const cfg_opt *tab, void *cfg, const char *prefix, ds_err *err);
-
-/* Parses argv[start..]: `--name value`, `--name=value`, bare `--flag` for bools,
- * `-x value` for options with a short_flag.
- * Stops at "--" or at the first argument that is not a flag; *next gets its
- * index (argc when all were consumed).  `--config` is accepted and skipped. */
-int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, int start, int *next,
-		   ds_err *err);
 
 /* The whole sequence: defaults, file, env, flags. */
 int cfg_load(const cfg_opt *tab, void *cfg, const char *env_prefix, int argc, char **argv,

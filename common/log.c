@@ -20,6 +20,8 @@
 #define SD_JOURNAL_SUPPRESS_LOCATION
 #include <systemd/sd-journal.h>
 
+enum log_sink { LOG_SINK_AUTO = 0, LOG_SINK_STDERR, LOG_SINK_JOURNALD };
+
 static int g_level = -1;
 static int g_sink = LOG_SINK_AUTO;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -54,11 +56,6 @@ enum log_level log_get_level(void)
 void log_set_level(enum log_level level)
 {
 	__atomic_store_n(&g_level, (int)level, __ATOMIC_RELAXED);
-}
-
-void log_set_sink(enum log_sink sink)
-{
-	__atomic_store_n(&g_sink, (int)sink, __ATOMIC_RELAXED);
 }
 
 static int resolve_sink(void)

@@ -9,15 +9,13 @@
  *
  *     2026-11-30T13:20:01.123Z level=info mod=gossip msg="member joined" name=a addr=...
  *
- * Under systemd (JOURNAL_STREAM set, or log_set_sink(LOG_SINK_JOURNALD)) the
- * same record goes to journald with PRIORITY, DS_MODULE and MESSAGE fields.
+ * Under systemd (JOURNAL_STREAM set) the same record goes to journald with PRIORITY, DS_MODULE and MESSAGE fields.
  * Thread-safe: one write per line, under a mutex.
  */
 #ifndef DS_LOG_H
 #define DS_LOG_H
 
 enum log_level { LOG_DEBUG = 0, LOG_INFO = 1, LOG_WARN = 2, LOG_ERROR = 3, LOG_OFF = 4 };
-enum log_sink { LOG_SINK_AUTO = 0, LOG_SINK_STDERR, LOG_SINK_JOURNALD };
 
 /* Lines below level are dropped.  Default LOG_INFO, or $DS_LOG_LEVEL. */
 void log_set_level(enum log_level level);
@@ -25,8 +23,6 @@ enum log_level log_get_level(void);
 
 /* Parses "debug|info|warn|error|off"; returns 0 or DS_EINVAL. */
 int log_level_parse(const char *s, enum log_level *out);
-
-void log_set_sink(enum log_sink sink);
 
 /* fields is a printf format producing "k=v k=v" (may be NULL or ""). */
 void log_write(enum log_level level, const char *mod, const char *msg, const char *fields, ...)
