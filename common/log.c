@@ -19,6 +19,12 @@
 
 #define SD_JOURNAL_SUPPRESS_LOCATION
 #include <systemd/sd-journal.h>
+/* sd-journal.h pulls in <syslog.h>, whose LOG_DEBUG (7) and LOG_INFO (6)
+ * macros would replace our enum log_level values in the rest of this file
+ * (the default level became 6, past LOG_OFF: nothing was logged).  Journald
+ * priorities are written as numbers below. */
+#undef LOG_DEBUG
+#undef LOG_INFO
 
 enum log_sink { LOG_SINK_AUTO = 0, LOG_SINK_STDERR, LOG_SINK_JOURNALD };
 
@@ -80,7 +86,7 @@ void log_write(enum log_level level, const char *mod, const char *msg, const cha
 		va_end(ap);
 	}
 	if (resolve_sink() == LOG_SINK_JOURNALD) {
-		static const int prio[] = {7, 6, 4, 3};
+		static const int prio[] = {7, 6, 4, 3}; /* syslog debug, info, warning, err */
 		sd_journal_send("PRIORITY=%d", prio[level], "DS_MODULE=%s", mod ? mod : "-",
 				"MESSAGE=%s%s%s", msg ? msg : "", kv[0] ? " " : "", kv, NULL);
 		return;
