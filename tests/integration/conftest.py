@@ -11,10 +11,12 @@ benchmarks starts and stops through tests/fixtures/agent.py.
 import json
 import os
 import pathlib
+import random
 import signal
 import sys
 import urllib.error
 import urllib.request
+import zlib
 
 import pytest
 
@@ -74,6 +76,34 @@ def start_agent(tmp_path, *args, env=None):
     except RuntimeError:
         a.stop(signal.SIGKILL)
         raise
+
+
+def seed_of(nodeid):
+    """A stable seed from a pytest node id (a test, or a module for module
+    fixtures): adding, removing or reordering tests or parameters changes no
+    other test's random inputs, and a failure reproduces by name."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture
+def rng(request):
+    """random.Random seeded from the test's node id."""
+    return random.Random(seed_of(request.node.nodeid))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _global_random_by_module(request):
+    """Module fixtures that draw from the global `random` (start orders and
+    delays of the gossip and election clusters) draw from a sequence seeded
+    by the module's node id: autouse fixtures of a scope are set up before
+    the others of that scope."""
+    random.seed(seed_of(request.node.nodeid))
+
+
+@pytest.fixture(autouse=True)
+def _global_random_by_test(request):
+    """The same for each test that uses the global `random`."""
+    random.seed(seed_of(request.node.nodeid))
 
 
 @pytest.fixture
