@@ -16,7 +16,8 @@
 #                      counts as failed.
 # A tier that exits non-zero without a failure in its count, or prints no
 # summary, adds one failure.  Exit status is non-zero when anything failed.
-# Environment: DS_BUILD (build dir, default build), VENV (default .venv).
+# Environment: DS_BUILD (build dir, default build), VENV (default .venv),
+# INTEGRATION (what pytest runs, default tests/integration; e.g. one file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${DS_BUILD:-build}
@@ -64,7 +65,7 @@ for t in "${tiers[@]}"; do
 	unit) "$BUILD/tests/unit" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]} ;;
 	conformance) "$BUILD/tests/conformance" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]} ;;
 	integration) DS_BUILD="$BUILD" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-	          -rfEs tests/integration 2>&1 | tee "$log"; rc=${PIPESTATUS[0]} ;;
+	          -rfEs ${INTEGRATION:-tests/integration} 2>&1 | tee "$log"; rc=${PIPESTATUS[0]} ;;
 	*) echo "run_tests: unknown tier '$t'"; exit 2 ;;
 	esac
 	line=$(summary_of "$t" <"$log")
