@@ -7,6 +7,11 @@
 #     rooms inside agent/ by the table below; ctl may include common/ and
 #     ctl/ only; tests may include anything
 #  3. every .c/.cu file opens with a comment saying what it is for
+#  4. every repository path that README.md or docs/*.md names exists: tokens
+#     that start with a top-level directory of the tree (common/ ... docs/)
+#     or are Makefile / README.md; a brace form a/b.{c,h} names both, a glob
+#     must match something; URLs, absolute paths and ../shared/... are not
+#     repository paths, build/ run/ models/ .venv are made, not committed
 # Prints each finding as file:line: message and exits non-zero if any.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +68,43 @@ done
 for f in $(grep -E '\.(c|cu)$' <<<"$src"); do
 	head -1 "$f" | grep -q '^/\*' || { echo "$f:1: file does not open with a comment saying what it is for"; bad=1; }
 done
+
+# Rule 4.  awk prints FILE:LINE:PATH for each candidate (a token not glued
+# to a preceding path or URL character), braces expanded; the shell checks.
+doc_paths() {
+	awk '
+	function emit(tok,   i, j, pre, alts, post, n, k, a) {
+		sub(/[.,:;]+$/, "", tok)
+		i = index(tok, "{")
+		if (i == 0) { print FILENAME ":" FNR ":" tok; return }
+		j = index(tok, "}")
+		if (j < i) return
+		pre = substr(tok, 1, i - 1); alts = substr(tok, i + 1, j - i - 1)
+		post = substr(tok, j + 1)
+		n = split(alts, a, ",")
+		for (k = 1; k <= n; k++) emit(pre a[k] post)
+	}
+	{
+		line = $0
+		top = "(common|kernels|comm|engine|worker|agent|ctl|tests|tools|schema|systemd|examples|docs)"
+		re = "(^|[^A-Za-z0-9_./:~-])(" top "/[A-Za-z0-9_./*-]*(\\{[A-Za-z0-9_.,-]*\\}[A-Za-z0-9_./-]*)?|Makefile|README\\.md)"
+		while (match(line, re)) {
+			tok = substr(line, RSTART, RLENGTH)
+			if (tok !~ /^[A-Za-z]/) tok = substr(tok, 2)
+			rest = substr(line, RSTART + RLENGTH)
+			if (rest !~ /^[A-Za-z0-9_]/) emit(tok)
+			line = rest
+		}
+	}' README.md docs/*.md
+}
+while IFS=: read -r doc line path; do
+	case "$path" in
+	*'*'*) compgen -G "$path" >/dev/null && continue ;;
+	*) [ -e "$path" ] && continue ;;
+	esac
+	echo "$doc:$line: names $path, which does not exist"
+	bad=1
+done < <(doc_paths)
 
 if [ $bad -eq 0 ]; then
 	echo "check: ok ($(wc -w <<<"$src") files)"

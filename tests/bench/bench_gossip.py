@@ -19,7 +19,6 @@ import http.client
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import statistics
@@ -32,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = ROOT / os.environ.get("DS_BUILD", "build")
 sys.path.insert(0, str(ROOT))
 from tests.fixtures.net import free_port  # noqa: E402
+from tests.fixtures.agent import AgentProcess  # noqa: E402
 
 
 class Agent:
@@ -39,31 +39,21 @@ class Agent:
         self.name = name
         d = tmp / name
         (d / "data").mkdir(parents=True)
-        self.data, self.out, self.err = d / "data", d / "stdout.log", d / "stderr.log"
-        cmd = [str(BUILD / "dsagent"), "--name", name, "--bind", "127.0.0.1",
+        self.data = d / "data"
+        cmd = ["--name", name, "--bind", "127.0.0.1",
                "--control-port", "0", "--api-port", "0", "--data-dir", str(self.data),
                "--backend", "cpu", "--threads", "1", "--kv-cache-mb", "8",
                "--cluster-key", str(key), "--gossip-bind", "127.0.0.1",
                "--gossip-port", str(port), "--gossip-profile", profile,
                "--join", f"127.0.0.1:{seed_port}", "--log-level", "warn"]
-        with open(self.out, "w") as o, open(self.err, "w") as e:
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=ROOT)
-        self.started = time.monotonic()
+        self.agent = AgentProcess(BUILD / "dsagent", cmd, log_dir=d)
+        self.proc, self.started = self.agent.proc, self.agent.started
         self.ctl = None
         self.conn = None
 
     def wait_listening(self, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(r"^dsagent listening control=\S+:(\d+) ", self.out.read_text(), re.M)
-            if m:
-                self.ctl = int(m.group(1))
-                self.token = (self.data / "admin.token").read_text().strip()
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not start: {self.err.read_text()[-1500:]}")
+        self.ctl = self.agent.wait_listening(timeout).control_port
+        self.token = self.agent.token()
 
     def members(self):
         for attempt in range(3):
@@ -226,15 +216,10 @@ def main():
               f"{kb(rates)} | join phase, per node sent + received: {kb(join_all)}; worst "
               f"second {peak_all / 1024:.2f} KB/s |")
     finally:
+        for ag in agents:               # all at once, then wait for each
+            ag.agent.send(signal.SIGTERM)
         for ag in agents:
-            if ag.proc.poll() is None:
-                ag.proc.send_signal(signal.SIGTERM)
-        for ag in agents:
-            try:
-                ag.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                ag.proc.kill()
-                ag.proc.wait()
+            ag.agent.stop(None, timeout=10)
         if a.keep:
             print(f"logs in {tmp}")
         else:

@@ -35,7 +35,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = ROOT / os.environ.get("DS_BUILD", "build")
+sys.path.insert(0, str(ROOT))
+from tests.fixtures.agent import AgentProcess  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact river mountain garden "
@@ -67,29 +68,20 @@ class Agent:
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-serving-")
         tmp = pathlib.Path(self.tmp.name)
         (tmp / "data").mkdir()
-        self.out_path = tmp / "stdout.log"
-        self.err_path = tmp / "stderr.log"
-        self._out, self._err = open(self.out_path, "w"), open(self.err_path, "w")
         exe = BUILD / "dsagent"
         if not exe.exists():
             sys.exit(f"bench_serving: {exe} is missing: run `make` first")
-        cmd = [str(exe), "--bind", "127.0.0.1", "--control-port", "0", "--api-port", "0",
+        cmd = ["--bind", "127.0.0.1", "--control-port", "0", "--api-port", "0",
                "--data-dir", str(tmp / "data"), "--insecure-no-auth", "--backend", backend,
                "--threads", str(threads), "--model", str(model), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, cwd=ROOT)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            text = self.out_path.read_text()
-            m = re.search(r"^dsagent listening control=\S+ api=(\S+):(\d+)$", text, re.M)
-            s = re.search(r"^dsagent serving model=(\S+)$", text, re.M)
-            if m and s:
-                self.port, self.model = int(m.group(2)), s.group(1)
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        sys.exit("bench_serving: dsagent did not start: " + self.err_path.read_text()[-2000:])
+        self.agent = AgentProcess(exe, cmd, log_dir=tmp)
+        self.proc = self.agent.proc
+        try:
+            self.port = self.agent.wait_listening(300).api_port
+            self.model = self.agent.wait_serving(300)
+        except RuntimeError as e:
+            self.stop()
+            sys.exit(f"bench_serving: {e}")
 
     def call(self, method, path, body=None):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
@@ -113,15 +105,7 @@ class Agent:
         return float(m.group(1)) if m else float("nan")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._out.close()
-        self._err.close()
+        self.agent.stop(signal.SIGTERM, timeout=30)
         self.tmp.cleanup()
 
 

@@ -5,20 +5,25 @@ Binaries come from $DS_BUILD (default build/).  An agent is started with
 ("dsagent listening control=HOST:PORT api=HOST:PORT"), so tests never race
 for ports; "dsagent serving model=NAME" follows once the model is loaded.
 The working directory is the repository root, so the default model is
-models/default.gguf (`make model`).
+models/default.gguf (`make model`).  Every dsagent process of the tests and
+benchmarks starts and stops through tests/fixtures/agent.py.
 """
 import json
 import os
 import pathlib
+import random
 import signal
-import subprocess
-import time
+import sys
 import urllib.error
 import urllib.request
+import zlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # test files import tests.fixtures.*
+    sys.path.insert(0, str(ROOT))
+from tests.fixtures.agent import AgentProcess  # noqa: E402
 BUILD = ROOT / os.environ.get("DS_BUILD", "build")
 
 
@@ -29,29 +34,17 @@ def binary(name):
     return str(path)
 
 
-class Agent:
-    def __init__(self, proc, host, port, api_host=None, api_port=None, data_dir=None):
-        self.proc, self.host, self.port = proc, host, port
-        self.url = f"http://{host}:{port}"
-        self.api_url = f"http://{api_host}:{api_port}" if api_port else None
-        self.data_dir = data_dir
-        self.model = None
+class Agent(AgentProcess):
+    """A dsagent started by start_agent: the launcher (tests/fixtures/agent.py)
+    plus .host/.port (the control API) and get()."""
 
-    def wait_serving(self, timeout=60):
-        """Blocks until the model is loaded; returns the served model name."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("dsagent serving model="):
-                self.model = line.split("=", 1)[1].strip()
-                return self.model
-            if not line and self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"dsagent did not start serving: {self.log()}")
+    @property
+    def host(self):
+        return self.control_host
 
-    def log(self):
-        """Everything the agent wrote to stderr so far."""
-        return _stderr_text(self.proc)
+    @property
+    def port(self):
+        return self.control_port
 
     def get(self, path, method="GET", body=None, headers=None):
         """Returns (status, parsed JSON or raw text)."""
@@ -67,50 +60,50 @@ class Agent:
         except ValueError:
             return status, text
 
-    def stop(self, sig=signal.SIGTERM, timeout=10):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _stderr_text(proc):
-    f = proc.stderr_file
-    f.flush()
-    f.seek(0)
-    return f.read()
-
 
 def start_agent(tmp_path, *args, env=None):
+    """A dsagent on 127.0.0.1 with ephemeral ports, its data in tmp_path/data
+    and its logs in tmp_path; returns once it is listening."""
     data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
-    cmd = [binary("dsagent"), "--bind", "127.0.0.1", "--control-port", "0",
-           "--data-dir", str(data), "--backend", "cpu"]
+    data.mkdir(parents=True, exist_ok=True)
+    cmd = ["--bind", "127.0.0.1", "--control-port", "0", "--data-dir", str(data),
+           "--backend", "cpu"]
     if "--api-port" not in args:
         cmd += ["--api-port", "0"]
-    cmd += list(args)
-    # stderr (the log) goes to a file: a pipe nobody reads would block a
-    # long-running agent once it fills
-    err = open(data.parent / "dsagent.stderr", "a+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
-    proc.stderr_file = err
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("dsagent listening control="):
-            fields = dict(f.split("=", 1) for f in line.split()[2:])
-            host, port = fields["control"].rsplit(":", 1)
-            api_host, api_port = fields["api"].rsplit(":", 1)
-            return Agent(proc, host, int(port), api_host, int(api_port), data)
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"dsagent did not start: {_stderr_text(proc)}")
+    a = Agent(binary("dsagent"), [*cmd, *args], log_dir=tmp_path, env=env)
+    try:
+        return a.wait_listening()
+    except RuntimeError:
+        a.stop(signal.SIGKILL)
+        raise
+
+
+def seed_of(nodeid):
+    """A stable seed from a pytest node id (a test, or a module for module
+    fixtures): adding, removing or reordering tests or parameters changes no
+    other test's random inputs, and a failure reproduces by name."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture
+def rng(request):
+    """random.Random seeded from the test's node id."""
+    return random.Random(seed_of(request.node.nodeid))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _global_random_by_module(request):
+    """Module fixtures that draw from the global `random` (start orders and
+    delays of the gossip and election clusters) draw from a sequence seeded
+    by the module's node id: autouse fixtures of a scope are set up before
+    the others of that scope."""
+    random.seed(seed_of(request.node.nodeid))
+
+
+@pytest.fixture(autouse=True)
+def _global_random_by_test(request):
+    """The same for each test that uses the global `random`."""
+    random.seed(seed_of(request.node.nodeid))
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from tests.fixtures import sysroots as sr  # noqa: E402
 from tests.fixtures.net import free_port  # noqa: E402
+from tests.fixtures.agent import GOSSIP, AgentProcess  # noqa: E402
 
 MODEL = ROOT / "models" / "default.gguf"
 LEASE_MS = 1500
@@ -62,9 +63,7 @@ class Node:
         self.start()
 
     def start(self):
-        self.out = self.tmp / f"stdout.{time.time_ns()}.log"
-        self.err = self.tmp / f"stderr.{time.time_ns()}.log"
-        cmd = [binary("dsagent"), "--name", self.name, "--bind", "127.0.0.1",
+        cmd = ["--name", self.name, "--bind", "127.0.0.1",
                "--control-port", "0", "--api-port", "0", "--data-dir", str(self.data),
                "--backend", "cpu", "--threads", "1", "--kv-cache-mb", "8",
                "--model", str(MODEL), "--cluster-key", str(self.key),
@@ -73,27 +72,16 @@ class Node:
                "--expect", str(self.expect), "--settle-ms", str(SETTLE_MS),
                "--lease-ms", str(LEASE_MS), "--health-ms", "1000",
                "--test-fault-injection", *self.extra]
-        with open(self.out, "w") as o, open(self.err, "w") as e:
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=ROOT,
-                                         env={**os.environ, **self.env})
-        self.started = time.monotonic()
+        self.agent = AgentProcess(binary("dsagent"), cmd, log_dir=self.tmp, env=self.env)
+        self.proc, self.out, self.err = self.agent.proc, self.agent.out_path, self.agent.err_path
+        self.started = self.agent.started
         self.ctl = self.node_id = None
 
-    def wait_listening(self, timeout=20):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.out.read_text()
-            g = re.search(r"^dsagent gossip=\S+ node_id=([0-9a-f]{32})$", text, re.M)
-            m = re.search(r"^dsagent listening control=\S+:(\d+) ", text, re.M)
-            if g and m:
-                self.node_id, self.ctl = g.group(1), int(m.group(1))
-                self.token = (self.data / "admin.token").read_text().strip()
-                self.url = f"http://127.0.0.1:{self.ctl}"
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        raise RuntimeError(f"{self.name} did not start: {self.err.read_text()[-3000:]}")
+    def wait_listening(self, timeout=60):
+        self.node_id = self.agent.wait_line(GOSSIP, timeout, f"{self.name}: gossip=").group(3)
+        self.ctl = self.agent.wait_listening(timeout).control_port
+        self.token = self.agent.token()
+        self.url = f"http://127.0.0.1:{self.ctl}"
 
     def request(self, method, path, body=None, token=None):
         conn = http.client.HTTPConnection("127.0.0.1", self.ctl, timeout=10)
@@ -126,14 +114,7 @@ class Node:
     def kill(self, sig=signal.SIGKILL):
         """Stops the agent; returns its exit status (0 after a clean SIGTERM
         stop: no sanitizer report in an ASan build)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return self.agent.stop(sig, timeout=20)
 
     def alive(self):
         return self.proc.poll() is None

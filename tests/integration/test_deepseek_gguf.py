@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from tests.fixtures import tiny_deepseek_gguf as tg  # noqa: E402
 from tests.fixtures import tiny_models  # noqa: E402
 from tests.reference import deepseek_numpy as ref  # noqa: E402
+from tests.fixtures.shared import SHARED_DATA, needs_shared_data  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 
@@ -67,7 +68,7 @@ OVERRIDES = {
     "v3-q8": dict(tg.Q8_OVERRIDES["v3"], rope_scaling=V3_RS),
     "v2-lite-q8": dict(tg.Q8_OVERRIDES["v2-lite"]),
 }
-TOKJSON_CFG = ROOT.parent / "shared" / "data" / "deepseek-v3" / "tokenizer_config.json"
+TOKJSON_CFG = SHARED_DATA / "deepseek-v3" / "tokenizer_config.json"
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +207,7 @@ def _byte_chars():
     return [chars[b] for b in range(256)]
 
 
-@pytest.mark.skipif(not TOKJSON_CFG.exists(), reason=f"{TOKJSON_CFG} is missing")
+@needs_shared_data("deepseek-v3/tokenizer_config.json")
 def test_tokenizer_and_chat_template_from_metadata(hf, tmp_path):
     """tokenizer.ggml.* (pre "deepseek-v3") and tokenizer.chat_template (the
     real V3 template) of a deepseek2 GGUF drive `dsrun --chat`."""

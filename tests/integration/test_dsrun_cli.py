@@ -15,8 +15,9 @@ from conftest import ROOT, binary
 
 sys.path.insert(0, str(ROOT))
 from tests.fixtures.tiny_models import write_model  # noqa: E402
+from tests.fixtures.shared import SHARED_DATA, shared_data  # noqa: E402
 
-TOKDIR = ROOT.parent / "shared" / "data" / "deepseek-v3"
+TOKDIR = SHARED_DATA / "deepseek-v3"
 
 
 def dsrun(*args):
@@ -26,12 +27,13 @@ def dsrun(*args):
 
 @pytest.fixture(scope="module")
 def hf():
-    return Tokenizer.from_file(str(TOKDIR / "tokenizer.json"))
+    return Tokenizer.from_file(str(shared_data("deepseek-v3/tokenizer.json")))
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """Tiny V3 weights with the real vocabulary size and tokenizer files."""
+    shared_data("deepseek-v3/tokenizer_config.json")
     d = write_model("v3", tmp_path_factory.mktemp("v3tok") / "m",
                     overrides={"vocab_size": 129280, "bos_token_id": 0, "eos_token_id": 1})
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -53,6 +55,7 @@ def test_tokenize_matches_hf_and_round_trips(hf, text):
 
 
 def test_detokenize_rejects_out_of_range_id():
+    shared_data("deepseek-v3/tokenizer.json")
     r = dsrun("-m", TOKDIR, "--detokenize", "5,999999")
     assert r.returncode != 0 and "999999" in r.stderr
 

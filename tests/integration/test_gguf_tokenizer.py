@@ -26,13 +26,13 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import ROOT, binary
+from conftest import binary
+from tests.fixtures.shared import SHARED_DATA, needs_shared_data
 
 gguf = pytest.importorskip("gguf")
 
-TOKJSON = ROOT.parent / "shared" / "data" / "deepseek-v3" / "tokenizer.json"
-need_vocab = pytest.mark.skipif(not TOKJSON.exists(),
-                                reason=f"{TOKJSON} is missing (shared data not laid out)")
+TOKJSON = SHARED_DATA / "deepseek-v3" / "tokenizer.json"
+need_vocab = needs_shared_data("deepseek-v3/tokenizer.json")
 
 # SmolLM2-135M-Instruct's tokenizer.chat_template (a short public template).
 SMOLLM2_TEMPLATE = (

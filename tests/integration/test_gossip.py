@@ -55,6 +55,7 @@ from conftest import ROOT, binary
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from tests.fixtures.net import free_port  # noqa: E402
+from tests.fixtures.agent import GOSSIP, AgentProcess  # noqa: E402
 
 MODEL = ROOT / "models" / "default.gguf"
 HDR_LEN, TAG_LEN = 58, 16
@@ -139,36 +140,24 @@ class Node:
         self.start(gossip_port)
 
     def start(self, gossip_port=0):
-        self.out = self.tmp / f"stdout.{time.time_ns()}.log"
-        self.err = self.tmp / f"stderr.{time.time_ns()}.log"
-        cmd = [binary("dsagent"), "--name", self.name, "--bind", "127.0.0.1",
+        cmd = ["--name", self.name, "--bind", "127.0.0.1",
                "--control-port", "0", "--api-port", "0", "--data-dir", str(self.data),
                "--backend", "cpu", "--threads", "1", "--kv-cache-mb", "8",
                "--model", str(MODEL), "--cluster-key", str(self.key),
                "--gossip-bind", "127.0.0.1", "--gossip-port", str(gossip_port),
                "--gossip-profile", "test", "--join", f"127.0.0.1:{self.seed_port}",
                "--test-fault-injection", *self.extra]
-        with open(self.out, "w") as o, open(self.err, "w") as e:
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=ROOT)
-        self.started = time.monotonic()
+        self.agent = AgentProcess(binary("dsagent"), cmd, log_dir=self.tmp)
+        self.proc, self.out, self.err = self.agent.proc, self.agent.out_path, self.agent.err_path
+        self.started = self.agent.started
         self.ctl = self.gport = self.node_id = None
         self._conn = None
 
-    def wait_listening(self, timeout=20):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.out.read_text()
-            g = re.search(r"^dsagent gossip=(\S+):(\d+) node_id=([0-9a-f]{32})$", text, re.M)
-            m = re.search(r"^dsagent listening control=\S+:(\d+) ", text, re.M)
-            if g and m:
-                self.gport, self.node_id = int(g.group(2)), g.group(3)
-                self.ctl = int(m.group(1))
-                self.token = (self.data / "admin.token").read_text().strip()
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        raise RuntimeError(f"{self.name} did not start: {self.err.read_text()[-2000:]}")
+    def wait_listening(self, timeout=60):
+        g = self.agent.wait_line(GOSSIP, timeout, f"{self.name}: gossip=")
+        self.gport, self.node_id = int(g.group(2)), g.group(3)
+        self.ctl = self.agent.wait_listening(timeout).control_port
+        self.token = self.agent.token()
 
     def request(self, method, path, body=None):
         for attempt in range(2):
@@ -200,13 +189,7 @@ class Node:
         assert status == 200, body
 
     def kill(self, sig=signal.SIGKILL):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.agent.stop(sig, timeout=10)
         self._conn = None
 
 

@@ -31,6 +31,7 @@ import time
 import pytest
 
 from conftest import ROOT, binary
+from tests.fixtures.agent import AgentProcess
 
 MODEL = ROOT / "models" / "default.gguf"
 
@@ -46,28 +47,18 @@ class Server:
         tmp.mkdir(parents=True, exist_ok=True)
         self.data_dir = tmp / "data"
         self.data_dir.mkdir(exist_ok=True)
-        self.out_path, self.err_path = tmp / "stdout.log", tmp / "stderr.log"
-        self._out = open(self.out_path, "w")
-        self._err = open(self.err_path, "w")
-        cmd = [binary("dsagent"), "--bind", "127.0.0.1", "--control-port", "0",
+        cmd = ["--bind", "127.0.0.1", "--control-port", "0",
                "--api-port", "0", "--data-dir", str(self.data_dir), "--backend", "cpu",
                "--threads", "2", "--model", str(MODEL), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, cwd=ROOT)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            text = self.out_path.read_text()
-            m = re.search(r"^dsagent listening control=(\S+):(\d+) api=(\S+):(\d+)$", text, re.M)
-            s = re.search(r"^dsagent serving model=(\S+)$", text, re.M)
-            if m and s:
-                self.control_port, self.api_port = int(m.group(2)), int(m.group(4))
-                self.model = s.group(1)
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.proc.kill()
-        self.proc.wait()
-        raise RuntimeError(f"dsagent did not start serving: {self.err_path.read_text()[-2000:]}")
+        self.agent = AgentProcess(binary("dsagent"), cmd, log_dir=tmp)
+        self.proc, self.out_path, self.err_path = self.agent.proc, self.agent.out_path, self.agent.err_path
+        try:
+            self.agent.wait_listening(60)
+            self.model = self.agent.wait_serving(60)
+        except RuntimeError:
+            self.agent.stop(signal.SIGKILL)
+            raise
+        self.control_port, self.api_port = self.agent.control_port, self.agent.api_port
 
     @property
     def pid(self):
@@ -75,16 +66,7 @@ class Server:
 
     def stop(self, timeout=20):
         """SIGTERM; returns the exit status (killed after timeout)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._out.close()
-        self._err.close()
-        return self.proc.returncode
+        return self.agent.stop(signal.SIGTERM, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ import unicodedata
 import pytest
 
 from conftest import ROOT, binary
+from tests.fixtures.shared import SHARED_DATA, needs_shared_data
 
-TOKDIR = ROOT.parent / "shared" / "data" / "deepseek-v3"
+TOKDIR = SHARED_DATA / "deepseek-v3"
 TOKJSON = TOKDIR / "tokenizer.json"
 TOKCFG = TOKDIR / "tokenizer_config.json"
 
-pytestmark = pytest.mark.skipif(not TOKJSON.exists(),
-                                reason=f"{TOKJSON} is missing (shared data not laid out)")
+pytestmark = needs_shared_data("deepseek-v3/tokenizer.json")
 
 
 # ---- running the tool ---------------------------------------------------------

@@ -11,7 +11,6 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -395,14 +394,6 @@ TEST(disc_pci_level_random)
 
 /* ---- whole runs ---------------------------------------------------------------------------------- */
 
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(p);
-}
-
 static void put_file(const char *root, const char *rel, const char *text)
 {
 	char p[1024];
@@ -435,13 +426,9 @@ static void put_link(const char *root, const char *rel, const char *target)
  * ACTIVE with the IPv4 GID at index 2 (index 1 is RoCE v1). */
 static char *small_sysroot(void)
 {
-	const char *base = getenv("TMPDIR");
-	char tmpl[512];
-	snprintf(tmpl, sizeof tmpl, "%s/ds-disc-XXXXXX", base && *base ? base : "/tmp");
-	char *d = mkdtemp(tmpl);
-	if (!d)
+	char *r = ut_tmpdir_new("disc");
+	if (!r)
 		return NULL;
-	char *r = strdup(d);
 	put_file(r, "/etc/hostname", "unit-node\n");
 	put_file(r, "/proc/cpuinfo", "processor\t: 0\nmodel name\t: Unit CPU\nphysical id\t: 0\n\n"
 				     "processor\t: 1\nmodel name\t: Unit CPU\nphysical id\t: 0\n");
@@ -493,10 +480,8 @@ static char *small_sysroot(void)
 TEST(disc_run_small_sysroot)
 {
 	char *root = small_sysroot();
-	if (!root) {
-		ut_fail(__FILE__, __LINE__, "mkdtemp failed");
+	if (!root)
 		return;
-	}
 	disc_params p = disc_default_params();
 	p.sysroot = root;
 	p.fake_gpus = "1xH100-80GB:nvswitch";
@@ -560,8 +545,7 @@ TEST(disc_run_small_sysroot)
 		CHECK(inv->n_notes >= 1 && strstr(inv->notes[0].message, "absent") != NULL);
 	}
 	disc_free(inv);
-	nftw(root, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-	free(root);
+	ut_tmpdir_free(root);
 	disc_free(NULL);
 }
 

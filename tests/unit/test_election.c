@@ -15,7 +15,6 @@
 #include "agent/store/store.h"
 #include "tests/unit/unit.h"
 
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,20 +26,12 @@
 #define LEASE 1000
 #define SETTLE 300
 
-static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(p);
-}
-
 typedef struct sim sim;
 
 typedef struct sim_node {
 	sim *s;
 	int i;
-	char dir[256];
+	char *dir; /* ut_tmpdir_new */
 	store *st;
 	election *el;
 	uint8_t id[ELECTION_ID_LEN];
@@ -148,12 +139,9 @@ static int sim_init(sim *s, int n, int expect)
 		nd->s = s;
 		nd->i = i;
 		nd->eligible = 1;
-		const char *base = getenv("TMPDIR");
-		snprintf(nd->dir, sizeof nd->dir, "%s/ds-election-XXXXXX", base && *base ? base : "/tmp");
-		if (!mkdtemp(nd->dir)) {
-			ut_fail(__FILE__, __LINE__, "mkdtemp failed");
+		nd->dir = ut_tmpdir_new("election");
+		if (!nd->dir)
 			return -1;
-		}
 	}
 	return 0;
 }
@@ -163,7 +151,8 @@ static void sim_free(sim *s)
 	for (int i = 0; i < s->n; i++) {
 		election_free(s->node[i].el);
 		store_close(s->node[i].st);
-		nftw(s->node[i].dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+		ut_tmpdir_free(s->node[i].dir);
+		s->node[i].dir = NULL;
 	}
 }
 
@@ -762,15 +751,16 @@ TEST(election_ineligible_nodes_vote_but_never_lead)
 
 TEST(election_single_node_is_head_at_once)
 {
-	char dir[256];
-	const char *base = getenv("TMPDIR");
-	snprintf(dir, sizeof dir, "%s/ds-election-XXXXXX", base && *base ? base : "/tmp");
-	CHECK(mkdtemp(dir) != NULL);
+	char *dir = ut_tmpdir_new("election");
+	if (!dir)
+		return;
 	ds_err err = {0};
 	store *st = store_open(dir, &err);
 	CHECK(st != NULL);
-	if (!st)
+	if (!st) {
+		ut_tmpdir_free(dir);
 		return;
+	}
 	election_params p = election_default_params();
 	p.single = 1;
 	p.store = st;
@@ -789,7 +779,7 @@ TEST(election_single_node_is_head_at_once)
 		election_free(el);
 	}
 	store_close(st);
-	nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	ut_tmpdir_free(dir);
 }
 
 /* Random crashes, restarts, cuts and heals on 5 nodes: at no step do two

@@ -18,7 +18,6 @@
 #include "engine/unicode.h"
 #include "tests/unit/unit.h"
 
-#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,33 +25,6 @@
 #include <unistd.h>
 
 /* ---- files ---------------------------------------------------------------------- */
-
-static char *tmpdir_new(void)
-{
-	const char *base = getenv("TMPDIR");
-	char tmpl[512];
-	snprintf(tmpl, sizeof tmpl, "%s/ds-gguf-XXXXXX", base && *base ? base : "/tmp");
-	char *d = mkdtemp(tmpl);
-	return d ? strdup(d) : NULL;
-}
-
-static void tmpdir_free(char *dir)
-{
-	DIR *d = opendir(dir);
-	struct dirent *e;
-	char p[1024];
-	while (d && (e = readdir(d))) {
-		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-			continue;
-		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-		if (rmdir(p) != 0)
-			unlink(p);
-	}
-	if (d)
-		closedir(d);
-	rmdir(dir);
-	free(dir);
-}
 
 static void write_bytes(const char *path, const void *data, size_t n)
 {
@@ -595,7 +567,7 @@ static void check_kv_iteration(const gguf_file *g, int with_align)
 TEST(gguf_reads_every_value_type_and_tensor)
 {
 	static const uint32_t aligns[] = { 0, 64, 1, 4096 };
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	CHECK(dir != NULL);
 	if (!dir)
 		return;
@@ -632,7 +604,7 @@ TEST(gguf_reads_every_value_type_and_tensor)
 	}
 	gguf_close(NULL);
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(gguf_ggml_type_table)
@@ -682,7 +654,7 @@ static void expect_fail(const char *path, const buf *b, int code, const char *wa
 
 TEST(gguf_every_prefix_fails_cleanly)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	if (!dir)
 		return;
 	ref r;
@@ -714,12 +686,12 @@ TEST(gguf_every_prefix_fails_cleanly)
 	gguf_close(g);
 	buf_free(&cut);
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(gguf_rejects_each_kind_of_corruption)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	if (!dir)
 		return;
 	snprintf(path, sizeof path, "%s/bad.gguf", dir);
@@ -852,7 +824,7 @@ TEST(gguf_rejects_each_kind_of_corruption)
 	expect_fail(path, &b, DS_EFORMAT, "truncated: 0 bytes", __LINE__);
 	CHECK(gguf_open(missing, NULL) == NULL);
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* Reads everything a file offers; every pointer must lie inside the mapping. */
@@ -915,7 +887,7 @@ static size_t walk(const gguf_file *g)
 
 TEST(gguf_random_byte_flips_never_crash)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	if (!dir)
 		return;
 	snprintf(path, sizeof path, "%s/flip.gguf", dir);
@@ -958,7 +930,7 @@ TEST(gguf_random_byte_flips_never_crash)
 	(void)sum;
 	buf_free(&c);
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* ---- the tokenizer from GGUF metadata --------------------------------------------------- */
@@ -1088,7 +1060,7 @@ static int encode_is(const tok *t, const char *text, unsigned flags, const int32
 
 TEST(gguf_tokenizer_from_metadata)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	if (!dir)
 		return;
 	snprintf(path, sizeof path, "%s/tok.gguf", dir);
@@ -1192,12 +1164,12 @@ TEST(gguf_tokenizer_from_metadata)
 	}
 out:
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(gguf_tokenizer_errors_name_the_problem)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	if (!dir)
 		return;
 	snprintf(path, sizeof path, "%s/tok.gguf", dir);
@@ -1270,12 +1242,12 @@ TEST(gguf_tokenizer_errors_name_the_problem)
 		}
 	}
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(gguf_tokenizer_random_flips_never_crash)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("gguf"), path[1024];
 	if (!dir)
 		return;
 	snprintf(path, sizeof path, "%s/tokflip.gguf", dir);
@@ -1321,5 +1293,5 @@ TEST(gguf_tokenizer_random_flips_never_crash)
 		ut_fail(__FILE__, __LINE__, "built %d refused %d", built, refused);
 	buf_free(&c);
 	buf_free(&b);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }

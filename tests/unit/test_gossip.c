@@ -790,15 +790,6 @@ TEST(gossip_meta_roundtrip)
 	CHECK(memcmp(&m, &out, sizeof m) == 0);
 }
 
-static char *tmpdir_new(void)
-{
-	const char *base = getenv("TMPDIR");
-	char tmpl[512];
-	snprintf(tmpl, sizeof tmpl, "%s/ds-gossip-XXXXXX", base && *base ? base : "/tmp");
-	char *d = mkdtemp(tmpl);
-	return d ? strdup(d) : NULL;
-}
-
 static void write_file(const char *path, const void *data, size_t n, mode_t mode)
 {
 	unlink(path);
@@ -812,8 +803,9 @@ static void write_file(const char *path, const void *data, size_t n, mode_t mode
 
 TEST(gossip_key_file)
 {
-	char *dir = tmpdir_new();
-	CHECK(dir != NULL);
+	char *dir = ut_tmpdir_new("gossip");
+	if (!dir)
+		return;
 	char path[600];
 	snprintf(path, sizeof path, "%s/cluster.key", dir);
 	uint8_t key[32], key2[32];
@@ -869,15 +861,14 @@ TEST(gossip_key_file)
 	CHECK(strstr(e.msg, "twice") != NULL);
 	/* the message never shows key material */
 	CHECK(strstr(e.msg, b64) == NULL);
-	unlink(path);
-	rmdir(dir);
-	free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(gossip_node_id_file)
 {
-	char *dir = tmpdir_new();
-	CHECK(dir != NULL);
+	char *dir = ut_tmpdir_new("gossip");
+	if (!dir)
+		return;
 	uint8_t id[16], again[16];
 	int created = 0;
 	ds_err e = {0};
@@ -895,9 +886,7 @@ TEST(gossip_node_id_file)
 	CHECK_EQ(gossip_node_id_load(dir, id, NULL, &e), DS_EFORMAT);
 	write_file(path, "0123456789abcdef0123456789abcdeg\n", 33, 0600);
 	CHECK_EQ(gossip_node_id_load(dir, id, NULL, &e), DS_EFORMAT);
-	unlink(path);
-	rmdir(dir);
-	free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* ---- three instances on loopback -------------------------------------------- */

@@ -11,7 +11,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <pthread.h>
 #include <sodium.h>
 #include <sqlite3.h>
@@ -23,30 +22,6 @@
 #include <unistd.h>
 
 /* ---- helpers ---------------------------------------------------------------- */
-
-static char *tmpdir_new(void)
-{
-	const char *base = getenv("TMPDIR");
-	char tmpl[512];
-	snprintf(tmpl, sizeof tmpl, "%s/ds-keys-XXXXXX", base && *base ? base : "/tmp");
-	char *d = mkdtemp(tmpl);
-	return d ? strdup(d) : NULL;
-}
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(p);
-}
-
-static void tmpdir_free(char *dir)
-{
-	if (dir)
-		nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-	free(dir);
-}
 
 typedef struct fixture {
 	char *dir;
@@ -81,18 +56,16 @@ static void fx_close(fixture *f)
 static int fx_init(fixture *f)
 {
 	memset(f, 0, sizeof *f);
-	f->dir = tmpdir_new();
-	if (!f->dir) {
-		ut_fail(__FILE__, __LINE__, "mkdtemp failed");
+	f->dir = ut_tmpdir_new("keys");
+	if (!f->dir)
 		return -1;
-	}
 	return fx_open(f);
 }
 
 static void fx_free(fixture *f)
 {
 	fx_close(f);
-	tmpdir_free(f->dir);
+	ut_tmpdir_free(f->dir);
 	f->dir = NULL;
 }
 
@@ -212,7 +185,7 @@ TEST(store_migrations_match_schema_dir)
 
 TEST(store_open_creates_dir_and_migrates_once)
 {
-	char *base = tmpdir_new();
+	char *base = ut_tmpdir_new("keys");
 	char dir[600];
 	snprintf(dir, sizeof dir, "%s/a/b", base);
 	ds_err e = {0};
@@ -220,7 +193,7 @@ TEST(store_open_creates_dir_and_migrates_once)
 	CHECK(s != NULL);
 	if (!s) {
 		fprintf(stderr, "    %s\n", e.msg);
-		tmpdir_free(base);
+		ut_tmpdir_free(base);
 		return;
 	}
 	CHECK_EQ(mode_of(dir), 0700);
@@ -266,12 +239,12 @@ TEST(store_open_creates_dir_and_migrates_once)
 		sqlite3_close(raw);
 	}
 	store_close(s);
-	tmpdir_free(base);
+	ut_tmpdir_free(base);
 }
 
 TEST(store_refuses_newer_schema)
 {
-	char *dir = tmpdir_new();
+	char *dir = ut_tmpdir_new("keys");
 	ds_err e = {0};
 	store *s = store_open(dir, &e);
 	CHECK(s != NULL);
@@ -303,12 +276,12 @@ TEST(store_refuses_newer_schema)
 	CHECK_EQ(sqlite3_column_int(q, 0), newer);
 	sqlite3_finalize(q);
 	sqlite3_close(raw);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(store_refuses_a_file_that_is_not_a_database)
 {
-	char *dir = tmpdir_new();
+	char *dir = ut_tmpdir_new("keys");
 	char db[600];
 	snprintf(db, sizeof db, "%s/dsagent.db", dir);
 	FILE *fp = fopen(db, "wb");
@@ -321,7 +294,7 @@ TEST(store_refuses_a_file_that_is_not_a_database)
 	CHECK(e.code != DS_OK);
 	CHECK(strstr(e.msg, db) != NULL);
 	store_close(s);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(store_usage_sums_days_and_events_list)
@@ -825,13 +798,13 @@ TEST(keys_secret_file_mode_and_size_checked)
 		CHECK_EQ(keys_auth(k, a.key, time(NULL), &who, &e), DS_OK);
 	keys_free(k);
 	store_close(st);
-	tmpdir_free(f.dir);
+	ut_tmpdir_free(f.dir);
 	f.dir = NULL;
 }
 
 TEST(keys_admin_token_created_once_0600_and_checked)
 {
-	char *dir = tmpdir_new();
+	char *dir = ut_tmpdir_new("keys");
 	char tok[KEYS_TOKEN_SIZE], tok2[KEYS_TOKEN_SIZE], p[600];
 	int created = 0;
 	ds_err e = {0};
@@ -878,7 +851,7 @@ TEST(keys_admin_token_created_once_0600_and_checked)
 	fp = fopen(p, "w");
 	fclose(fp);
 	CHECK_EQ(keys_admin_token_load(dir, tok2, NULL, &e), DS_EFORMAT);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* ---- threads ------------------------------------------------------------------------ */

@@ -138,15 +138,14 @@ static const char v2lite_json[] =
 /* ---- helpers ---- */
 
 typedef struct tmpcfg {
-	char dir[512];
+	char *dir; /* ut_tmpdir_new */
 	char file[600];
 } tmpcfg;
 
 static int tmpcfg_write(tmpcfg *t, const char *text)
 {
-	const char *base = getenv("TMPDIR");
-	snprintf(t->dir, sizeof t->dir, "%s/ds-mcfg-XXXXXX", base && *base ? base : "/tmp");
-	if (!mkdtemp(t->dir))
+	t->dir = ut_tmpdir_new("mcfg");
+	if (!t->dir)
 		return -1;
 	snprintf(t->file, sizeof t->file, "%s/config.json", t->dir);
 	FILE *f = fopen(t->file, "wb");
@@ -159,8 +158,8 @@ static int tmpcfg_write(tmpcfg *t, const char *text)
 
 static void tmpcfg_remove(tmpcfg *t)
 {
-	unlink(t->file);
-	rmdir(t->dir);
+	ut_tmpdir_free(t->dir);
+	t->dir = NULL;
 }
 
 /* Parses `base`, sets the dotted path ("rope_scaling.type") to the JSON text
@@ -597,8 +596,9 @@ TEST(mcfg_file_errors)
 	snprintf(p, sizeof p, "%s/nothing", t.dir);
 	CHECK_EQ(mcfg_load(p, &c, &err), DS_ENOTFOUND);
 	CHECK(strstr(err.msg, p) != NULL);
+	snprintf(p, sizeof p, "%s", t.dir);
 	tmpcfg_remove(&t);
-	CHECK_EQ(mcfg_load(t.dir, &c, &err), DS_ENOTFOUND); /* the directory is gone */
+	CHECK_EQ(mcfg_load(p, &c, &err), DS_ENOTFOUND); /* the directory is gone */
 	CHECK_EQ(mcfg_parse(v3_json, strlen(v3_json), "x", &c, NULL), DS_OK);
 	CHECK_EQ(mcfg_parse("{", 1, "x", &c, NULL), DS_EFORMAT);
 }

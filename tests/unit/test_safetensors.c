@@ -8,7 +8,6 @@
 #include "engine/safetensors.h"
 #include "tests/unit/unit.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,32 +40,6 @@ static size_t fx_bytes(const fx *t)
 	for (int i = 0; i < t->nd; i++)
 		n *= (size_t)t->shape[i];
 	return n;
-}
-
-static char *tmpdir_new(void)
-{
-	const char *base = getenv("TMPDIR");
-	char tmpl[512];
-	snprintf(tmpl, sizeof tmpl, "%s/ds-st-XXXXXX", base && *base ? base : "/tmp");
-	char *d = mkdtemp(tmpl);
-	return d ? strdup(d) : NULL;
-}
-
-static void tmpdir_free(char *dir)
-{
-	DIR *d = opendir(dir);
-	struct dirent *e;
-	char p[1024];
-	while (d && (e = readdir(d))) {
-		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-			continue;
-		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-		unlink(p);
-	}
-	if (d)
-		closedir(d);
-	rmdir(dir);
-	free(dir);
 }
 
 static void path_in(char *buf, size_t size, const char *dir, const char *name)
@@ -166,7 +139,7 @@ static const fx single[] = {
 
 TEST(st_single_file_maps_every_tensor)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("st"), path[1024];
 	size_t dlen, offs[N_SINGLE];
 	path_in(path, sizeof path, dir, "model.safetensors");
 	unsigned char *data = write_shard(path, single, N_SINGLE, &dlen, offs);
@@ -204,12 +177,12 @@ TEST(st_single_file_maps_every_tensor)
 	st_close(m);
 out:
 	free(data);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_get_validates_dtype_and_shape)
 {
-	char *dir = tmpdir_new(), path[1024], want[1200];
+	char *dir = ut_tmpdir_new("st"), path[1024], want[1200];
 	size_t dlen, offs[N_SINGLE];
 	path_in(path, sizeof path, dir, "model.safetensors");
 	free(write_shard(path, single, N_SINGLE, &dlen, offs));
@@ -245,12 +218,12 @@ TEST(st_get_validates_dtype_and_shape)
 	CHECK_STR(err.msg, want);
 	st_close(m);
 out:
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_get_fp8_pairs_weight_and_block_scale)
 {
-	char *dir = tmpdir_new(), path[1024];
+	char *dir = ut_tmpdir_new("st"), path[1024];
 	size_t dlen, offs[N_SINGLE];
 	path_in(path, sizeof path, dir, "model.safetensors");
 	free(write_shard(path, single, N_SINGLE, &dlen, offs));
@@ -275,7 +248,7 @@ TEST(st_get_fp8_pairs_weight_and_block_scale)
 	CHECK_EQ(err.code, DS_EINVAL);
 	st_close(m);
 out:
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* ---- sharded checkpoints ---- */
@@ -341,7 +314,7 @@ static void free3(unsigned char *data[3])
 
 TEST(st_index_opens_each_shard_once_and_finds_tensors)
 {
-	char *dir = tmpdir_new(), p[1024];
+	char *dir = ut_tmpdir_new("st"), p[1024];
 	size_t offs[3][4];
 	unsigned char *data[3];
 	write_shards(dir, offs, data);
@@ -380,12 +353,12 @@ TEST(st_index_opens_each_shard_once_and_finds_tensors)
 	st_close(m);
 out:
 	free3(data);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_huge_page_copy_holds_the_same_bytes)
 {
-	char *dir = tmpdir_new();
+	char *dir = ut_tmpdir_new("st");
 	size_t offs[3][4];
 	unsigned char *data[3];
 	write_shards(dir, offs, data);
@@ -414,12 +387,12 @@ TEST(st_huge_page_copy_holds_the_same_bytes)
 	CHECK(st_open_mode(dir, DS_MAP_HUGE_COPY, &err) == NULL);
 	CHECK(strstr(err.msg, shard_names[1]) != NULL);
 	free3(data);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_index_errors_name_tensor_and_shard)
 {
-	char *dir = tmpdir_new(), p[1024], want[2048];
+	char *dir = ut_tmpdir_new("st"), p[1024], want[2048];
 	size_t offs[3][4];
 	unsigned char *data[3];
 	ds_err err = {0};
@@ -467,12 +440,12 @@ TEST(st_index_errors_name_tensor_and_shard)
 	CHECK(st_open(dir, &err) == NULL);
 	CHECK_HAS(err.msg, "model.safetensors.index.json: 104857601 bytes, larger than the limit");
 	free3(data);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_duplicate_tensor_across_shards_is_an_error)
 {
-	char *dir = tmpdir_new(), p[1024];
+	char *dir = ut_tmpdir_new("st"), p[1024];
 	size_t dlen, offs[2];
 	const fx a[] = {{"dup", "F32", 1, {2}}, {"a", "F32", 1, {1}}};
 	const fx b[] = {{"b", "F32", 1, {1}}, {"dup", "F32", 1, {2}}};
@@ -487,12 +460,12 @@ TEST(st_duplicate_tensor_across_shards_is_an_error)
 	CHECK_HAS(err.msg, "tensor dup appears twice");
 	CHECK_HAS(err.msg, "s1.safetensors");
 	CHECK_HAS(err.msg, "s2.safetensors");
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_missing_paths_are_named)
 {
-	char *dir = tmpdir_new(), p[1024], want[1200];
+	char *dir = ut_tmpdir_new("st"), p[1024], want[1200];
 	ds_err err = {0};
 	path_in(p, sizeof p, dir, "nowhere");
 	CHECK(st_open(p, &err) == NULL);
@@ -512,7 +485,7 @@ TEST(st_missing_paths_are_named)
 	CHECK(st_open(p, &err) == NULL);
 	CHECK_HAS(err.msg, "not a directory");
 	st_close(NULL);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* ---- corrupt files ---- */
@@ -542,7 +515,7 @@ static void expect_header_error(const char *dir, const char *header, size_t dlen
 
 TEST(st_lying_headers_are_rejected_with_the_reason)
 {
-	char *dir = tmpdir_new();
+	char *dir = ut_tmpdir_new("st");
 	static const struct {
 		const char *header;
 		size_t dlen;
@@ -585,12 +558,12 @@ TEST(st_lying_headers_are_rejected_with_the_reason)
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
 		expect_header_error(dir, cases[i].header, cases[i].dlen, cases[i].want, __LINE__,
 				    (int)i);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_unknown_dtypes_are_listed_not_fatal)
 {
-	char *dir = tmpdir_new(), p[1024];
+	char *dir = ut_tmpdir_new("st"), p[1024];
 	const char *h =
 		"{\"mask\": {\"dtype\": \"BOOL\", \"shape\": [3], \"data_offsets\": [0, 3]},"
 		"\"packed\": {\"dtype\": \"F4\", \"shape\": [4], \"data_offsets\": [3, 5]},"
@@ -615,12 +588,12 @@ TEST(st_unknown_dtypes_are_listed_not_fatal)
 			    "{\"mask\": {\"dtype\": \"BOOL\", \"shape\": [3], "
 			    "\"data_offsets\": [0, 2]}}", 2,
 			    "BOOL shape needs 3 x 1 bytes but data_offsets span 2", __LINE__, 0);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 TEST(st_truncated_and_oversized_headers)
 {
-	char *dir = tmpdir_new(), p[1024];
+	char *dir = ut_tmpdir_new("st"), p[1024];
 	ds_err err = {0};
 	path_in(p, sizeof p, dir, "model.safetensors");
 	for (size_t n = 0; n < 8; n++) {
@@ -655,7 +628,7 @@ TEST(st_truncated_and_oversized_headers)
 		CHECK_HAS(err.msg, p);
 		CHECK_HAS(err.msg, "exceeds the limit of 104857600");
 	}
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }
 
 /* Touches every byte of every tensor so a bad mapping would fault. */
@@ -672,7 +645,7 @@ static unsigned touch_all(const st_model *m)
 
 TEST(st_every_truncation_and_random_flips_fail_cleanly)
 {
-	char *dir = tmpdir_new(), p[1024];
+	char *dir = ut_tmpdir_new("st"), p[1024];
 	size_t dlen, offs[N_SINGLE];
 	path_in(p, sizeof p, dir, "model.safetensors");
 	free(write_shard(p, single, N_SINGLE, &dlen, offs));
@@ -730,5 +703,5 @@ TEST(st_every_truncation_and_random_flips_fail_cleanly)
 	CHECK(ok > 0 && failed > 0); /* both outcomes happen */
 	free(orig);
 	free(buf);
-	tmpdir_free(dir);
+	ut_tmpdir_free(dir);
 }

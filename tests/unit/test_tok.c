@@ -462,7 +462,6 @@ TEST(tok_invalid_utf8_round_trips_real_deepseek_v3)
 	CHECK(tok_add_bos_default(t));
 	CHECK(tok_chat_template(t) != NULL);
 	CHECK_EQ(tok_find_token(t, "<｜User｜>", strlen("<｜User｜>")), 128803);
-	CHECK_EQ(tok_find_token(t, " the", 4), tok_find_token(t, " the", 4)); /* stable */
 	CHECK(tok_find_token(t, " the", 4) >= 0);
 	/* the special-token round trip example of spec §6.2 */
 	ENC(t, "<｜User｜>Hello!<｜Assistant｜>", TOK_PARSE_SPECIAL, 128803, 19923, 3, 128804);
