@@ -10,15 +10,15 @@
  *
  * Lifecycle (each edge names the function that takes it):
  *
- *   start ──worker_open (model_load, comm_single_new)──> LOADED ──> READY sent
- *     │ fail: ERROR frame, exit 1                              │
- *     │                                      ┌─────────────────┘
- *     │                                      v
- *     │            ┌── frame_read + frame_share ──> STEP ──step_run──> LOGITS | ERROR
- *     │            │          ^                                            │
- *     │            │          └────────────────────────────────────────────┘
- *     │            ├── STOP or end of input between frames ──> exit 0
- *     │            └── bad header / truncated frame / I/O ──> ERROR frame, exit 1
+ *   start ──worker_open (model_load, comm_single_new)──> LOADED ──send_ready──> SERVING
+ *     └── it fails: ERROR frame (id 0), exit 1
+ *
+ *   SERVING ──serve (read_full, frame_share)──> one frame:
+ *     STEP ──step_run──> LOGITS or ERROR reply ──────────────> SERVING
+ *     another kind ──reply_error──> ERROR reply ─────────────> SERVING
+ *     STOP, or the end of input between frames ──────────────> exit 0
+ *     bad header, end of input inside a frame ──fatal──> ERROR frame, exit 1
+ *     a reply that cannot be written ────────────────────────> exit 1
  *
  * Threading: one thread (the model's step rule: one step at a time); the
  * CPU backend's pool works under model_forward.
@@ -382,7 +382,8 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	w->n_pages = kp->n_pages;
 	w->max_blocks = (w->max_ctx + kp->page_size - 1) / kp->page_size;
 	uint64_t bt = (uint64_t)w->bt;
-	uint64_t maxp = 16 + 12 * bt + pad4((size_t)bt) + 4 * (uint64_t)w->max_seqs * (uint64_t)w->max_blocks;
+	uint64_t maxp = 16 + 12 * bt + pad4((size_t)bt) +
+			4 * (uint64_t)w->max_seqs * (uint64_t)w->max_blocks;
 	if (maxp > MAX_PAYLOAD_LIMIT)
 		return ds_err_set(err, DS_ERANGE, "a STEP frame could take %llu bytes (max-batch-tokens %d, "
 						  "max-seqs %d, %d blocks): lower them below %llu bytes",
