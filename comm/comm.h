@@ -91,9 +91,8 @@ typedef enum comm_dtype {
 	COMM_BF16 = 2,
 	COMM_F16 = 3,
 	COMM_I32 = 4,
-	COMM_U8 = 5, /* bytes: serialised step metadata, token ids as bytes */
+	COMM_U8 = 5, /* bytes: serialised step metadata */
 } comm_dtype;
-#define COMM_DTYPE_COUNT 6 /* one past the last value */
 
 typedef enum comm_op {
 	COMM_SUM = 1,

@@ -13,8 +13,13 @@
  * where every result must be bit-exact; the reductions' references round
  * once from an f32 accumulator, as comm.h says backends do, and a
  * multi-rank backend gets a tolerance for the order of its sums (cmp_tol).
+ *
+ * The boundary (comm.c) is also tested with W = 2 through a fake backend
+ * whose ops succeed or fail on command: what is refused before a backend
+ * is reached, and that a timeout or a dead peer breaks the group for good.
  */
 #include "comm/comm.h"
+#include "comm/comm_impl.h" /* a fake backend for the boundary tests */
 #include "kernels/cpu/cpu.h"
 #include "tests/unit/unit.h"
 
@@ -551,5 +556,160 @@ TEST(comm_single_refuses_bad_arguments)
 	CHECK_EQ(comm_broadcast(g, NULL, 0, COMM_U8, 0, &err), DS_OK);
 	int64_t z[1] = {0};
 	CHECK_EQ(comm_all_to_allv(g, NULL, z, z, NULL, z, z, COMM_F32, &err), DS_OK);
+	comm_group_free(g);
+}
+
+/* ---- the boundary with more than one rank: a fake backend ---- */
+
+static int fake_rc;   /* what the fake ops return */
+static int fake_calls; /* ops that reached the backend */
+
+static int fake_result(ds_err *err)
+{
+	fake_calls++;
+	return fake_rc ? ds_err_set(err, fake_rc, "fake: rank 1 stopped answering") : DS_OK;
+}
+
+static void fake_free(comm_group *g)
+{
+	free(g);
+}
+
+static int fake_all_reduce(comm_group *g, const void *send, void *recv, int64_t count,
+			   comm_dtype dt, comm_op op, ds_err *err)
+{
+	return fake_result(err);
+}
+
+static int fake_all_gather(comm_group *g, const void *send, void *recv, int64_t count,
+			   comm_dtype dt, ds_err *err)
+{
+	return fake_result(err);
+}
+
+static int fake_broadcast(comm_group *g, void *buf, int64_t count, comm_dtype dt, int root,
+			  ds_err *err)
+{
+	return fake_result(err);
+}
+
+static int fake_all_to_allv(comm_group *g, const void *send, const int64_t *sc, const int64_t *sd,
+			    void *recv, const int64_t *rc, const int64_t *rd, comm_dtype dt,
+			    ds_err *err)
+{
+	return fake_result(err);
+}
+
+static int fake_p2p(comm_group *g, const void *buf, int64_t count, comm_dtype dt, int peer,
+		    ds_err *err)
+{
+	return fake_result(err);
+}
+
+static int fake_recv(comm_group *g, void *buf, int64_t count, comm_dtype dt, int peer, ds_err *err)
+{
+	return fake_result(err);
+}
+
+static int fake_barrier(comm_group *g, ds_err *err)
+{
+	return fake_result(err);
+}
+
+static const comm_ops fake_ops = {
+	.name = "fake",
+	.mem = COMM_MEM_HOST,
+	.free = fake_free,
+	.all_reduce = fake_all_reduce,
+	.all_gather = fake_all_gather,
+	.broadcast = fake_broadcast,
+	.all_to_allv = fake_all_to_allv,
+	.send = fake_p2p,
+	.recv = fake_recv,
+	.barrier = fake_barrier,
+	.sync = fake_barrier,
+};
+
+static comm_group *fake_new(int rank, int size)
+{
+	ds_err err = {0};
+	comm_params p = comm_default_params();
+	p.rank = rank;
+	p.world_size = size;
+	comm_group *g = calloc(1, sizeof *g);
+	if (g && comm_group_init(g, &fake_ops, &p, &err)) {
+		free(g);
+		g = NULL;
+	}
+	return g;
+}
+
+TEST(comm_boundary_checks_with_two_ranks)
+{
+	ds_err err = {0};
+	comm_group *g = fake_new(1, 2);
+	CHECK(g != NULL);
+	if (!g)
+		return;
+	float buf[32];
+	for (int i = 0; i < 32; i++)
+		buf[i] = ut_rand_float(0.5f, 2.0f);
+	fake_rc = 0;
+	fake_calls = 0;
+	/* allowed: in place at this rank's slot, send to the other rank */
+	CHECK_EQ(comm_all_gather(g, buf + 4, buf, 4, COMM_F32, &err), DS_OK);
+	CHECK_EQ(comm_send(g, buf, 4, COMM_F32, 0, &err), DS_OK);
+	CHECK_EQ(comm_broadcast(g, buf, 4, COMM_F32, 0, &err), DS_OK);
+	CHECK_EQ(fake_calls, 3);
+	/* refused before the backend */
+	CHECK_BAD(comm_all_gather(g, buf, buf, 4, COMM_F32, &err), "in place");
+	CHECK_BAD(comm_recv(g, buf, 4, COMM_F32, 1, &err), "peer 1 is this rank");
+	CHECK_BAD(comm_broadcast(g, buf, 4, COMM_F32, 2, &err), "root 2 is outside 0..1");
+	int64_t sc[2] = {2, 2}, sd[2] = {0, 2}, rc[2] = {3, 3}, rd[2] = {0, 2};
+	CHECK_BAD(comm_all_to_allv(g, buf, sc, sd, buf + 8, rc, rd, COMM_F32, &err),
+		  "recv ranges of peers 0 and 1 overlap");
+	rd[1] = 3;
+	CHECK_EQ(comm_all_to_allv(g, buf, sc, sd, buf + 8, rc, rd, COMM_F32, &err), DS_OK);
+	/* a rank that moves nothing still takes part */
+	int64_t z[2] = {0, 0};
+	CHECK_EQ(comm_all_to_allv(g, NULL, z, z, NULL, z, z, COMM_F32, &err), DS_OK);
+	CHECK_EQ(fake_calls, 5);
+	comm_group_free(g);
+}
+
+TEST(comm_transport_errors_break_the_group)
+{
+	ds_err err = {0};
+	comm_group *g = fake_new(0, 2);
+	CHECK(g != NULL);
+	if (!g)
+		return;
+	float buf[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+	/* an error that is not the transport's leaves the group usable */
+	fake_rc = DS_EINVAL;
+	CHECK_EQ(comm_all_reduce(g, buf, buf, 8, COMM_F32, COMM_SUM, &err), DS_EINVAL);
+	fake_rc = 0;
+	CHECK_EQ(comm_barrier(g, &err), DS_OK);
+	/* a timeout breaks it: every later call fails the same way, unsent */
+	fake_rc = DS_ETIMEOUT;
+	CHECK_EQ(comm_all_reduce(g, buf, buf, 8, COMM_F32, COMM_SUM, NULL), DS_ETIMEOUT);
+	fake_rc = 0;
+	fake_calls = 0;
+	CHECK_EQ(comm_barrier(g, &err), DS_ETIMEOUT);
+	CHECK(strstr(err.msg, "rank 1 stopped answering") != NULL);
+	CHECK_EQ(comm_broadcast(g, buf, 8, COMM_F32, 0, &err), DS_ETIMEOUT);
+	CHECK_EQ(comm_send(g, buf, 8, COMM_F32, 1, &err), DS_ETIMEOUT);
+	CHECK_EQ(comm_group_sync(g, &err), DS_ETIMEOUT);
+	CHECK_EQ(fake_calls, 0);
+	comm_group_free(g);
+
+	g = fake_new(0, 2); /* and a dead peer (DS_EIO) likewise */
+	CHECK(g != NULL);
+	if (!g)
+		return;
+	fake_rc = DS_EIO;
+	CHECK_EQ(comm_recv(g, buf, 8, COMM_F32, 1, &err), DS_EIO);
+	fake_rc = 0;
+	CHECK_EQ(comm_all_gather(g, buf, buf, 4, COMM_F32, &err), DS_EIO);
 	comm_group_free(g);
 }
