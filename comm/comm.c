@@ -180,19 +180,24 @@ static int check_op(const comm_group *g, const char *call, comm_op op, ds_err *e
 	return DS_OK;
 }
 
-/* *bytes = count * esize * mult, refusing negative counts and overflow. */
-static int check_bytes(const comm_group *g, const char *call, const char *what, int64_t count,
-		       size_t esize, int64_t mult, size_t *bytes, ds_err *err)
+/* *bytes = count * esize * mult, refusing negative counts and overflow.
+ * what[idx] names the argument (idx < 0: what alone); the name is formatted
+ * only on failure, since all_to_allv checks 2 x W of them per call. */
+static int check_bytes(const comm_group *g, const char *call, const char *what, int idx,
+		       int64_t count, size_t esize, int64_t mult, size_t *bytes, ds_err *err)
 {
-	if (count < 0)
-		return ds_err_set(err, DS_EINVAL, "comm %s (group %s): %s %lld is negative", call, g->name,
-				  what, (long long)count);
 	int64_t per = INT64_MAX / (int64_t)esize / mult;
-	if (count > per || (uint64_t)count * esize * (uint64_t)mult > SIZE_MAX)
-		return ds_err_set(err, DS_EINVAL, "comm %s (group %s): %s %lld is too large", call, g->name,
-				  what, (long long)count);
-	*bytes = (size_t)count * esize * (size_t)mult;
-	return DS_OK;
+	if (count >= 0 && count <= per && (uint64_t)count * esize * (uint64_t)mult <= SIZE_MAX) {
+		*bytes = (size_t)count * esize * (size_t)mult;
+		return DS_OK;
+	}
+	char name[64];
+	if (idx >= 0)
+		snprintf(name, sizeof name, "%s[%d]", what, idx);
+	else
+		snprintf(name, sizeof name, "%s", what);
+	return ds_err_set(err, DS_EINVAL, "comm %s (group %s): %s %lld is %s", call, g->name, name,
+			  (long long)count, count < 0 ? "negative" : "too large");
 }
 
 static int check_buf(const comm_group *g, const char *call, const char *what, const void *p,
@@ -244,7 +249,7 @@ int comm_all_reduce(comm_group *g, const void *send, void *recv, int64_t count, 
 	int rc;
 	if ((rc = check_group(g, call, err)) || (rc = check_dtype(g, call, dt, &es, err)) ||
 	    (rc = check_op(g, call, op, err)) ||
-	    (rc = check_bytes(g, call, "count", count, es, 1, &n, err)) ||
+	    (rc = check_bytes(g, call, "count", -1, count, es, 1, &n, err)) ||
 	    (rc = check_buf(g, call, "send", send, n, err)) ||
 	    (rc = check_buf(g, call, "recv", recv, n, err)))
 		return rc;
@@ -264,7 +269,7 @@ int comm_all_gather(comm_group *g, const void *send, void *recv, int64_t count, 
 	ds_err e = {0};
 	int rc;
 	if ((rc = check_group(g, call, err)) || (rc = check_dtype(g, call, dt, &es, err)) ||
-	    (rc = check_bytes(g, call, "count", count, es, g->size, &total, err)))
+	    (rc = check_bytes(g, call, "count", -1, count, es, g->size, &total, err)))
 		return rc;
 	n = total / (size_t)g->size;
 	if ((rc = check_buf(g, call, "send", send, n, err)) ||
@@ -288,7 +293,7 @@ int comm_reduce_scatter(comm_group *g, const void *send, void *recv, int64_t cou
 	int rc;
 	if ((rc = check_group(g, call, err)) || (rc = check_dtype(g, call, dt, &es, err)) ||
 	    (rc = check_op(g, call, op, err)) ||
-	    (rc = check_bytes(g, call, "count", count, es, g->size, &total, err)))
+	    (rc = check_bytes(g, call, "count", -1, count, es, g->size, &total, err)))
 		return rc;
 	n = total / (size_t)g->size;
 	if ((rc = check_buf(g, call, "send", send, total, err)) ||
@@ -311,7 +316,7 @@ int comm_broadcast(comm_group *g, void *buf, int64_t count, comm_dtype dt, int r
 	int rc;
 	if ((rc = check_group(g, call, err)) || (rc = check_dtype(g, call, dt, &es, err)) ||
 	    (rc = check_peer(g, call, "root", root, err)) ||
-	    (rc = check_bytes(g, call, "count", count, es, 1, &n, err)) ||
+	    (rc = check_bytes(g, call, "count", -1, count, es, 1, &n, err)) ||
 	    (rc = check_buf(g, call, "data", buf, n, err)))
 		return rc;
 	if (!n)
@@ -332,16 +337,15 @@ static int check_side(const comm_group *g, const char *side, const void *buf,
 	if (!counts || !displs)
 		return ds_err_set(err, DS_EINVAL, "comm %s (group %s): %s counts and displacements are "
 						  "needed (%d entries each)", call, g->name, side, g->size);
-	int any = 0;
+	int any = 0, sending = strcmp(side, "send") == 0;
+	const char *counts_name = sending ? "send_counts" : "recv_counts";
+	const char *displs_name = sending ? "send_displs" : "recv_displs";
 	for (int p = 0; p < g->size; p++) {
-		size_t n, off;
-		char what[48];
-		snprintf(what, sizeof what, "%s_counts[%d]", side, p);
-		int rc = check_bytes(g, call, what, counts[p], es, 1, &n, err);
+		size_t n = 0, off = 0;
+		int rc = check_bytes(g, call, counts_name, p, counts[p], es, 1, &n, err);
+		if (!rc)
+			rc = check_bytes(g, call, displs_name, p, displs[p], es, 1, &off, err);
 		if (rc)
-			return rc;
-		snprintf(what, sizeof what, "%s_displs[%d]", side, p);
-		if ((rc = check_bytes(g, call, what, displs[p], es, 1, &off, err)))
 			return rc;
 		if (off > SIZE_MAX - n || off + n > (size_t)INT64_MAX)
 			return ds_err_set(err, DS_EINVAL, "comm %s (group %s): %s range of peer %d ends past "
@@ -399,7 +403,7 @@ static int check_p2p(comm_group *g, const char *call, const void *buf, int64_t c
 	int rc;
 	if ((rc = check_group(g, call, err)) || (rc = check_dtype(g, call, dt, &es, err)) ||
 	    (rc = check_peer(g, call, "peer", peer, err)) ||
-	    (rc = check_bytes(g, call, "count", count, es, 1, n, err)) ||
+	    (rc = check_bytes(g, call, "count", -1, count, es, 1, n, err)) ||
 	    (rc = check_buf(g, call, "data", buf, *n, err)))
 		return rc;
 	if (peer == g->rank)
