@@ -13,7 +13,7 @@
 #   make up            deps, build, start dsagent on 127.0.0.1 in the foreground
 #   make install       PREFIX=/usr/local DESTDIR= : binaries, schema, systemd units
 #
-# Layering (checked by `make check`): common <- kernels <- engine <- agent;
+# Layering (checked by `make check`): common <- kernels <- comm <- engine <- worker, agent;
 # ctl links only common and talks to the agent over HTTP.
 
 BUILD    ?= build
@@ -69,7 +69,9 @@ endif
 COMMON_SRC := $(wildcard common/*.c)
 KERNEL_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
 CUDA_SRC   := $(if $(filter 1,$(HAVE_CUDA)),$(wildcard kernels/cuda/*.cu))
+COMM_SRC   := $(wildcard comm/*.c)
 ENGINE_SRC := $(filter-out engine/dsrun.c,$(wildcard engine/*.c))
+WORKER_SRC := $(wildcard worker/*.c)
 AGENT_SRC  := $(filter-out agent/main.c,$(wildcard agent/*.c agent/*/*.c))
 CTL_SRC    := $(filter-out ctl/main.c,$(wildcard ctl/*.c))
 UNIT_SRC   := $(wildcard tests/unit/*.c)
@@ -80,19 +82,23 @@ TOOL_SRC   := $(wildcard tests/tools/*.c)
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 COMMON_OBJ := $(call obj,$(COMMON_SRC))
 KERNEL_OBJ := $(call obj,$(KERNEL_SRC)) $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
+COMM_OBJ   := $(call obj,$(COMM_SRC))
 ENGINE_OBJ := $(call obj,$(ENGINE_SRC))
+WORKER_OBJ := $(call obj,$(WORKER_SRC))
 AGENT_OBJ  := $(call obj,$(AGENT_SRC))
 CTL_OBJ    := $(call obj,$(CTL_SRC))
 
 LIB_COMMON := $(BUILD)/libdscommon.a
 LIB_KERNEL := $(BUILD)/libdskernels.a
+LIB_COMM   := $(BUILD)/libdscomm.a
 LIB_ENGINE := $(BUILD)/libdsengine.a
+LIB_WORKER := $(BUILD)/libdsworker.a
 LIB_AGENT  := $(BUILD)/libdsagent.a
 LIB_CTL    := $(BUILD)/libdsctl.a
 
 PKG_LIBS_AGENT := -lmicrohttpd -lsqlite3 -lsodium -ljansson -lsystemd
 PKG_LIBS_CTL   := -lcurl -ljansson -lsystemd
-ENGINE_LIBS    := $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON) -ljansson -lsystemd $(CUDA_LIBS)
+ENGINE_LIBS    := $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON) -ljansson -lsystemd $(CUDA_LIBS)
 # C++ runtime for the CUDA objects (nvcc-compiled host code)
 ifeq ($(HAVE_CUDA),1)
   ENGINE_LIBS += -lstdc++
@@ -119,7 +125,9 @@ $(BUILD)/obj/%.cu.o: %.cu
 
 $(LIB_COMMON): $(COMMON_OBJ)
 $(LIB_KERNEL): $(KERNEL_OBJ)
+$(LIB_COMM):   $(COMM_OBJ)
 $(LIB_ENGINE): $(ENGINE_OBJ)
+$(LIB_WORKER): $(WORKER_OBJ)
 $(LIB_AGENT):  $(AGENT_OBJ)
 $(LIB_CTL):    $(CTL_OBJ)
 $(BUILD)/lib%.a:
@@ -127,30 +135,31 @@ $(BUILD)/lib%.a:
 	rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/dsagent: $(BUILD)/obj/agent/main.o $(LIB_AGENT) $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
-	$(CC) $(SANLD) -pthread -o $@ $< $(LIB_AGENT) $(ENGINE_LIBS) $(PKG_LIBS_AGENT) $(LDLIBS_SYS)
+# `dsagent worker ...` is the rank process (worker/), so dsagent links it too.
+$(BUILD)/dsagent: $(BUILD)/obj/agent/main.o $(LIB_AGENT) $(LIB_WORKER) $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
+	$(CC) $(SANLD) -pthread -o $@ $< $(LIB_AGENT) $(LIB_WORKER) $(ENGINE_LIBS) $(PKG_LIBS_AGENT) $(LDLIBS_SYS)
 
 $(BUILD)/dsctl: $(BUILD)/obj/ctl/main.o $(LIB_CTL) $(LIB_COMMON)
 	$(CC) $(SANLD) -pthread -o $@ $< $(LIB_CTL) $(LIB_COMMON) $(PKG_LIBS_CTL) $(LDLIBS_SYS)
 
-$(BUILD)/dsrun: $(BUILD)/obj/engine/dsrun.o $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
+$(BUILD)/dsrun: $(BUILD)/obj/engine/dsrun.o $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
 	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
 
 ALL_LIBS := $(LIB_AGENT) $(LIB_CTL) $(ENGINE_LIBS) $(PKG_LIBS_AGENT) $(PKG_LIBS_CTL) $(LDLIBS_SYS)
 
-$(BUILD)/tests/unit: $(call obj,$(UNIT_SRC)) $(LIB_AGENT) $(LIB_CTL) $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
+$(BUILD)/tests/unit: $(call obj,$(UNIT_SRC)) $(LIB_AGENT) $(LIB_CTL) $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $(call obj,$(UNIT_SRC)) $(ALL_LIBS)
 
-$(BUILD)/tests/conformance: $(call obj,$(CONF_SRC)) $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
+$(BUILD)/tests/conformance: $(call obj,$(CONF_SRC)) $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $(call obj,$(CONF_SRC)) $(ENGINE_LIBS) $(LDLIBS_SYS)
 
-$(BUILD)/tests/bench_kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
+$(BUILD)/tests/bench_kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/tools/%.o $(LIB_ENGINE) $(LIB_KERNEL) $(LIB_COMMON)
+$(BUILD)/tests/%: $(BUILD)/obj/tests/tools/%.o $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
 

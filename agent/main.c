@@ -27,6 +27,7 @@
 #include "common/log.h"
 #include "common/strutil.h"
 #include "engine/engine.h"
+#include "worker/worker.h"
 
 #include <malloc.h>
 #include <signal.h>
@@ -124,6 +125,10 @@ static void gossip_meta_ports(gossip *g, int control_port, int api_port)
 
 int main(int argc, char **argv)
 {
+	/* `dsagent worker ...` is the rank process (worker/worker.h), not an agent */
+	if (argc > 1 && strcmp(argv[1], "worker") == 0)
+		return worker_main(argc - 1, argv + 1);
+
 	agent_opts opts;
 	ds_err err = {0};
 	http_server *control = NULL, *api = NULL;
