@@ -970,7 +970,7 @@ int main(int argc, char **argv)
 		targets[nt].dev = NULL;
 		nt++;
 	}
-	/* The CPU backend through its struct of ops, with buffers staged like a
+	/* An instance of the CPU backend, with buffers staged like a
 	 * device's: checks the dispatch and the argument checks (a valid case
 	 * must never be refused) and the staging code the device targets use. */
 	kb_backend *cpu = kb_backend_open("cpu", NULL, &cpu_err);
