@@ -1,10 +1,11 @@
 /*
  * backend.h - the only place that computes.
  *
- * A backend is a struct of function pointers over plain-old-data argument
- * structs (pointers, sizes, strides).  Kernels own nothing and allocate
- * nothing: buffers come from the backend's own alloc, so the CUDA backend can
- * replace the CPU one without the engine noticing.  Every op has a scalar
+ * A backend is a const table of ops (kb_backend_ops) over plain-old-data
+ * argument structs (pointers, sizes, strides), run through an instance
+ * (kb_backend: device, stream, thread pool) opened with kb_backend_open.
+ * Kernels own nothing and allocate nothing: buffers come from the
+ * instance's alloc, so the CUDA backend can replace the CPU one without the engine noticing.  Every op has a scalar
  * reference in kernels/cpu; SIMD and CUDA versions are tested against it by
  * tests/conformance on random inputs.
  *
@@ -288,42 +289,96 @@ typedef struct kb_op_need {
 	enum kb_dtype dtype;
 } kb_op_need;
 
-typedef struct kb_backend {
-	const char *name;                 /* "cpu", "cuda" */
-	const char *(*describe)(void);    /* e.g. "avx512" or "NVIDIA H100 (sm_90)" */
+typedef struct kb_backend kb_backend;
+
+/* What kb_backend_open needs; start from kb_backend_default_params(). */
+typedef struct kb_backend_params {
+	int device;  /* CUDA: device index, 0 = the first; CPU: ignored */
+	/* CPU: threads a job uses, the caller included (kc_pool_set_threads);
+	 * 0 = leave the process's pool as it is (one per core unless set).
+	 * CUDA: ignored. */
+	int threads;
+} kb_backend_params;
+
+/* device 0, threads 0. */
+kb_backend_params kb_backend_default_params(void);
+
+/* One backend's ops: a const, static table per backend.  Every function but
+ * supports_op takes the instance first; ops return 0 or a negative DS_E*
+ * code.  An op that supports_op denies may be NULL. */
+typedef struct kb_backend_ops {
+	const char *name; /* "cpu", "cuda" */
 	/* 1 when this backend runs op on dtype.  Answers from the backend's own
-	 * table, so it needs no device. */
+	 * table, so it needs no device (and no instance). */
 	int (*supports_op)(enum kb_op op, enum kb_dtype dtype);
-	/* Device memory (host memory for the CPU backend). */
-	void *(*alloc)(size_t bytes);
-	void (*release)(void *p);
-	int (*upload)(void *dst, const void *src, size_t bytes);
-	int (*download)(void *dst, const void *src, size_t bytes);
-	int (*sync)(void);
-	/* Ops; each returns 0 or a negative DS_E* code.  An op that supports_op
-	 * denies may be NULL. */
-	int (*rmsnorm)(const kb_rmsnorm_args *a);
-	int (*matmul)(const kb_matmul_args *a);
-	int (*embed)(const kb_embed_args *a);
-	int (*rope)(const kb_rope_args *a);
-	int (*silu_mul)(const kb_silu_mul_args *a);
-	int (*axpy)(const kb_axpy_args *a);
-	int (*softmax)(const kb_softmax_args *a);
-	int (*dequant)(const kb_dequant_args *a);
-	int (*mla_attn)(const kb_mla_attn_args *a);
-	int (*attn)(const kb_attn_args *a);
-	int (*paged_attn)(const kb_paged_attn_args *a);
-	int (*moe_route)(const kb_moe_route_args *a);
-	/* Worker threads the backend may use (CPU); 0 = one per core. */
-	int (*set_threads)(int n);
-} kb_backend;
+	/* Sets be->priv up from p (everything else in be is filled); DS_ENODEV
+	 * with err when there is no such device.  close undoes open. */
+	int (*open)(kb_backend *be, const kb_backend_params *p, ds_err *err);
+	void (*close)(kb_backend *be);
+	const char *(*describe)(const kb_backend *be); /* "avx512", "NVIDIA H100 (sm_90)" */
+	/* Device memory (host memory for the CPU backend), ordered with the
+	 * instance's ops; upload and download return once the copy is done. */
+	void *(*alloc)(const kb_backend *be, size_t bytes);
+	void (*release)(const kb_backend *be, void *p);
+	int (*upload)(const kb_backend *be, void *dst, const void *src, size_t bytes);
+	int (*download)(const kb_backend *be, void *dst, const void *src, size_t bytes);
+	/* Waits for every op queued on this instance. */
+	int (*sync)(const kb_backend *be);
+	/* Worker threads the backend may use (CPU); 0 = one per core.  NULL for
+	 * backends without threads. */
+	int (*set_threads)(const kb_backend *be, int n);
+	int (*rmsnorm)(const kb_backend *be, const kb_rmsnorm_args *a);
+	int (*matmul)(const kb_backend *be, const kb_matmul_args *a);
+	int (*embed)(const kb_backend *be, const kb_embed_args *a);
+	int (*rope)(const kb_backend *be, const kb_rope_args *a);
+	int (*silu_mul)(const kb_backend *be, const kb_silu_mul_args *a);
+	int (*axpy)(const kb_backend *be, const kb_axpy_args *a);
+	int (*softmax)(const kb_backend *be, const kb_softmax_args *a);
+	int (*dequant)(const kb_backend *be, const kb_dequant_args *a);
+	int (*mla_attn)(const kb_backend *be, const kb_mla_attn_args *a);
+	int (*attn)(const kb_backend *be, const kb_attn_args *a);
+	int (*paged_attn)(const kb_backend *be, const kb_paged_attn_args *a);
+	int (*moe_route)(const kb_backend *be, const kb_moe_route_args *a);
+} kb_backend_ops;
+
+/* An open backend: its ops and what they need at run time (CUDA: the device
+ * and its stream; CPU: the process's thread pool, which every CPU instance
+ * shares because the kernels reach it through kc_parallel_for).
+ * name, supports_op and set_threads are copies of the ops table's, so that
+ * callers read be->name, call be->supports_op(op, dtype) and test
+ * be->set_threads without knowing about ops; a test may build a fake
+ * backend by copying an instance (*kb_backend_get("cpu", err)) and
+ * replacing supports_op: the calls below go through that copy, which is
+ * never closed (a copy of kb_backend_get's instance ignores close).
+ * One caller of the ops at a time per instance. */
+struct kb_backend {
+	const char *name;
+	int (*supports_op)(enum kb_op op, enum kb_dtype dtype);
+	int (*set_threads)(const kb_backend *be, int n);
+	const kb_backend_ops *ops;
+	kb_backend_params params; /* as opened */
+	void *priv;               /* the backend's own state (CUDA: device, stream) */
+	int borrowed;             /* 1: kb_backend_get's instance, which close leaves */
+};
 
 /* Backends compiled into this binary (available or not). */
 int kb_backend_count(void);
 const char *kb_backend_name_at(int i);
 
-/* The backend by name ("cpu", "cuda"), or NULL with err saying why it is
- * absent (not compiled in, no device).  Borrowed for the process lifetime. */
+/* Opens an instance of the backend called name ("cpu", "cuda") with p (NULL:
+ * the defaults); the caller closes it with kb_backend_close.  NULL with err:
+ * DS_ENOTFOUND for an unknown name (err lists the known ones), DS_ENODEV when
+ * the backend is not compiled in or has no such device, DS_ENOMEM. */
+kb_backend *kb_backend_open(const char *name, const kb_backend_params *p, ds_err *err);
+/* Waits for the instance's work, then frees what open made (not the memory
+ * it allocated: release that first).  NULL and kb_backend_get's instances are
+ * left alone. */
+void kb_backend_close(kb_backend *be);
+
+/* The process-wide default instance of the backend called name (default
+ * params), opened at the first call; NULL with err as for kb_backend_open
+ * (a failed open is remembered, not retried).  Thread-safe.  Borrowed for the
+ * process lifetime. */
 const kb_backend *kb_backend_get(const char *name, ds_err *err);
 
 /* 1 when the backend called name is compiled in and runs op on dtype; asks
@@ -335,27 +390,36 @@ int kb_backend_supports(const char *name, enum kb_op op, enum kb_dtype dtype);
  * for q4_k weights"). */
 int kb_backend_check(const char *name, const kb_op_need *needs, int n_needs, ds_err *err);
 
+/* The same two questions asked of an instance, through be->supports_op (so a
+ * test's fake backend answers them). */
+int kb_supports_op(const kb_backend *be, enum kb_op op, enum kb_dtype dtype);
+int kb_check(const kb_backend *be, const kb_op_need *needs, int n_needs, ds_err *err);
+/* 1 when the instance's ops table has a function for op (whatever
+ * supports_op says): for tests that hold a table to its supports_op. */
+int kb_backend_has_op(const kb_backend *be, enum kb_op op);
+
 /* The calls the engine makes: one per op, so call sites do not depend on
  * how a backend holds its ops. */
-static inline const char *kb_describe(const kb_backend *be) { return be->describe(); }
-static inline void *kb_alloc(const kb_backend *be, size_t bytes) { return be->alloc(bytes); }
-static inline void kb_release(const kb_backend *be, void *p) { be->release(p); }
-static inline int kb_upload(const kb_backend *be, void *dst, const void *src, size_t n) { return be->upload(dst, src, n); }
-static inline int kb_download(const kb_backend *be, void *dst, const void *src, size_t n) { return be->download(dst, src, n); }
-static inline int kb_sync(const kb_backend *be) { return be->sync(); }
-static inline int kb_set_threads(const kb_backend *be, int n) { return be->set_threads(n); }
-static inline int kb_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a) { return be->rmsnorm(a); }
-static inline int kb_matmul(const kb_backend *be, const kb_matmul_args *a) { return be->matmul(a); }
-static inline int kb_embed(const kb_backend *be, const kb_embed_args *a) { return be->embed(a); }
-static inline int kb_rope(const kb_backend *be, const kb_rope_args *a) { return be->rope(a); }
-static inline int kb_silu_mul(const kb_backend *be, const kb_silu_mul_args *a) { return be->silu_mul(a); }
-static inline int kb_axpy(const kb_backend *be, const kb_axpy_args *a) { return be->axpy(a); }
-static inline int kb_softmax(const kb_backend *be, const kb_softmax_args *a) { return be->softmax(a); }
-static inline int kb_dequant(const kb_backend *be, const kb_dequant_args *a) { return be->dequant(a); }
-static inline int kb_mla_attn(const kb_backend *be, const kb_mla_attn_args *a) { return be->mla_attn(a); }
-static inline int kb_attn(const kb_backend *be, const kb_attn_args *a) { return be->attn(a); }
-static inline int kb_paged_attn(const kb_backend *be, const kb_paged_attn_args *a) { return be->paged_attn(a); }
-static inline int kb_moe_route(const kb_backend *be, const kb_moe_route_args *a) { return be->moe_route(a); }
+static inline const char *kb_describe(const kb_backend *be) { return be->ops->describe(be); }
+static inline void *kb_alloc(const kb_backend *be, size_t bytes) { return be->ops->alloc(be, bytes); }
+static inline void kb_release(const kb_backend *be, void *p) { be->ops->release(be, p); }
+static inline int kb_upload(const kb_backend *be, void *dst, const void *src, size_t n) { return be->ops->upload(be, dst, src, n); }
+static inline int kb_download(const kb_backend *be, void *dst, const void *src, size_t n) { return be->ops->download(be, dst, src, n); }
+static inline int kb_sync(const kb_backend *be) { return be->ops->sync(be); }
+/* DS_EUNSUPPORTED for a backend without threads. */
+static inline int kb_set_threads(const kb_backend *be, int n) { return be->set_threads ? be->set_threads(be, n) : DS_EUNSUPPORTED; }
+static inline int kb_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a) { return be->ops->rmsnorm(be, a); }
+static inline int kb_matmul(const kb_backend *be, const kb_matmul_args *a) { return be->ops->matmul(be, a); }
+static inline int kb_embed(const kb_backend *be, const kb_embed_args *a) { return be->ops->embed(be, a); }
+static inline int kb_rope(const kb_backend *be, const kb_rope_args *a) { return be->ops->rope(be, a); }
+static inline int kb_silu_mul(const kb_backend *be, const kb_silu_mul_args *a) { return be->ops->silu_mul(be, a); }
+static inline int kb_axpy(const kb_backend *be, const kb_axpy_args *a) { return be->ops->axpy(be, a); }
+static inline int kb_softmax(const kb_backend *be, const kb_softmax_args *a) { return be->ops->softmax(be, a); }
+static inline int kb_dequant(const kb_backend *be, const kb_dequant_args *a) { return be->ops->dequant(be, a); }
+static inline int kb_mla_attn(const kb_backend *be, const kb_mla_attn_args *a) { return be->ops->mla_attn(be, a); }
+static inline int kb_attn(const kb_backend *be, const kb_attn_args *a) { return be->ops->attn(be, a); }
+static inline int kb_paged_attn(const kb_backend *be, const kb_paged_attn_args *a) { return be->ops->paged_attn(be, a); }
+static inline int kb_moe_route(const kb_backend *be, const kb_moe_route_args *a) { return be->ops->moe_route(be, a); }
 
 #ifdef __cplusplus
 }

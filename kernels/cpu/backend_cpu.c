@@ -1,9 +1,13 @@
 /*
- * backend_cpu.c - the CPU backend's struct of ops: host memory, memcpy
+ * backend_cpu.c - the CPU backend's ops table: host memory, memcpy
  * transfers, and each op dispatched to the best ISA (see cpu.h).
+ * Called through kernels/backend.h (kb_backend_open("cpu"), kb_<op>).
  * Every op validates its arguments here (negative sizes, strides shorter than
  * a row, NULL pointers, unknown dtypes -> DS_EINVAL) before any kernel runs;
  * the kc_<op>_isa functions behind it trust their arguments.
+ * An instance holds no state of its own: every CPU instance shares the
+ * process's thread pool (pool.h), which the kernels reach through
+ * kc_parallel_for; open with params.threads > 0 and set_threads resize it.
  * Thread rule: stateless apart from the ISA cache in isa.c and the thread
  * pool (pool.h: one caller of the ops at a time).
  */
@@ -15,35 +19,35 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *cpu_describe(void)
+static const char *cpu_describe(const kb_backend *be)
 {
 	return kc_isa_name(kc_isa_active());
 }
 
-static void *cpu_alloc(size_t bytes)
+static void *cpu_alloc(const kb_backend *be, size_t bytes)
 {
 	/* 64-byte alignment: a cache line and one AVX-512 register. */
 	size_t n = (bytes + 63) & ~(size_t)63;
 	return aligned_alloc(64, n ? n : 64);
 }
 
-static void cpu_release(void *p)
+static void cpu_release(const kb_backend *be, void *p)
 {
 	free(p);
 }
 
-static int cpu_copy(void *dst, const void *src, size_t bytes)
+static int cpu_copy(const kb_backend *be, void *dst, const void *src, size_t bytes)
 {
 	memcpy(dst, src, bytes);
 	return DS_OK;
 }
 
-static int cpu_sync(void)
+static int cpu_sync(const kb_backend *be)
 {
 	return DS_OK;
 }
 
-static int cpu_rmsnorm(const kb_rmsnorm_args *a)
+static int cpu_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a)
 {
 	if (!a || a->rows < 0 || a->dim <= 0)
 		return DS_EINVAL;
@@ -54,7 +58,7 @@ static int cpu_rmsnorm(const kb_rmsnorm_args *a)
 	return kc_rmsnorm_isa(kc_isa_active(), a);
 }
 
-static int cpu_matmul(const kb_matmul_args *a)
+static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
 {
 	if (!a || a->M < 0 || a->N < 0 || a->K < 0 ||
 	    (unsigned)a->wtype >= (unsigned)KB_DTYPE_COUNT)
@@ -84,7 +88,7 @@ static int cpu_matmul(const kb_matmul_args *a)
 	return kc_matmul_batch_isa(kc_isa_active(), a);
 }
 
-static int cpu_embed(const kb_embed_args *a)
+static int cpu_embed(const kb_backend *be, const kb_embed_args *a)
 {
 	if (!a || a->n < 0 || a->dim < 0)
 		return DS_EINVAL;
@@ -102,7 +106,7 @@ static int cpu_embed(const kb_embed_args *a)
 	return kc_embed_isa(kc_isa_active(), a);
 }
 
-static int cpu_rope(const kb_rope_args *a)
+static int cpu_rope(const kb_backend *be, const kb_rope_args *a)
 {
 	if (!a || a->n_tok < 0 || a->n_heads < 0 || a->rot_dim < 0 || a->rot_dim % 2)
 		return DS_EINVAL;
@@ -114,7 +118,7 @@ static int cpu_rope(const kb_rope_args *a)
 	return kc_rope_isa(kc_isa_active(), a);
 }
 
-static int cpu_silu_mul(const kb_silu_mul_args *a)
+static int cpu_silu_mul(const kb_backend *be, const kb_silu_mul_args *a)
 {
 	if (!a || a->rows < 0 || a->dim < 0)
 		return DS_EINVAL;
@@ -126,7 +130,7 @@ static int cpu_silu_mul(const kb_silu_mul_args *a)
 	return kc_silu_mul_isa(kc_isa_active(), a);
 }
 
-static int cpu_axpy(const kb_axpy_args *a)
+static int cpu_axpy(const kb_backend *be, const kb_axpy_args *a)
 {
 	if (!a || a->n < 0)
 		return DS_EINVAL;
@@ -137,7 +141,7 @@ static int cpu_axpy(const kb_axpy_args *a)
 	return kc_axpy_isa(kc_isa_active(), a);
 }
 
-static int cpu_softmax(const kb_softmax_args *a)
+static int cpu_softmax(const kb_backend *be, const kb_softmax_args *a)
 {
 	if (!a || a->rows < 0 || a->n < 0)
 		return DS_EINVAL;
@@ -148,9 +152,55 @@ static int cpu_softmax(const kb_softmax_args *a)
 	return kc_softmax_isa(kc_isa_active(), a);
 }
 
-static int cpu_set_threads(int n)
+static int cpu_set_threads(const kb_backend *be, int n)
 {
 	return kc_pool_set_threads(n);
+}
+
+/* The ops with one implementation (attn.h) take no instance. */
+static int cpu_dequant(const kb_backend *be, const kb_dequant_args *a)
+{
+	return kc_dequant(a);
+}
+
+static int cpu_mla_attn(const kb_backend *be, const kb_mla_attn_args *a)
+{
+	return kc_mla_attn(a);
+}
+
+static int cpu_attn(const kb_backend *be, const kb_attn_args *a)
+{
+	return kc_attn(a);
+}
+
+static int cpu_paged_attn(const kb_backend *be, const kb_paged_attn_args *a)
+{
+	return kc_paged_attn(a);
+}
+
+static int cpu_moe_route(const kb_backend *be, const kb_moe_route_args *a)
+{
+	return kc_moe_route(a);
+}
+
+static int cpu_open(kb_backend *be, const kb_backend_params *p, ds_err *err)
+{
+	if (p->threads > KC_POOL_MAX_THREADS)
+		return ds_err_set(err, DS_EINVAL, "the cpu backend runs at most %d threads, not %d",
+				  KC_POOL_MAX_THREADS, p->threads);
+	if (p->threads > 0) {
+		int rc = kc_pool_set_threads(p->threads);
+		if (rc != DS_OK)
+			return ds_err_set(err, rc, "the cpu backend could not start %d threads (%s)",
+					  p->threads, ds_status_name(rc));
+	}
+	be->priv = NULL;
+	return DS_OK;
+}
+
+/* The pool outlives instances (shared, stopped at exit). */
+static void cpu_close(kb_backend *be)
+{
 }
 
 /* The CPU backend is the reference: every op on every weight type, except
@@ -163,15 +213,18 @@ static int cpu_supports_op(enum kb_op op, enum kb_dtype dtype)
 	return (unsigned)op < KB_OP_COUNT && (unsigned)dtype < KB_DTYPE_COUNT;
 }
 
-static const kb_backend cpu_backend = {
+static const kb_backend_ops cpu_ops = {
 	.name = "cpu",
-	.describe = cpu_describe,
 	.supports_op = cpu_supports_op,
+	.open = cpu_open,
+	.close = cpu_close,
+	.describe = cpu_describe,
 	.alloc = cpu_alloc,
 	.release = cpu_release,
 	.upload = cpu_copy,
 	.download = cpu_copy,
 	.sync = cpu_sync,
+	.set_threads = cpu_set_threads,
 	.rmsnorm = cpu_rmsnorm,
 	.matmul = cpu_matmul,
 	.embed = cpu_embed,
@@ -179,15 +232,14 @@ static const kb_backend cpu_backend = {
 	.silu_mul = cpu_silu_mul,
 	.axpy = cpu_axpy,
 	.softmax = cpu_softmax,
-	.dequant = kc_dequant,
-	.mla_attn = kc_mla_attn,
-	.attn = kc_attn,
-	.paged_attn = kc_paged_attn,
-	.moe_route = kc_moe_route,
-	.set_threads = cpu_set_threads,
+	.dequant = cpu_dequant,
+	.mla_attn = cpu_mla_attn,
+	.attn = cpu_attn,
+	.paged_attn = cpu_paged_attn,
+	.moe_route = cpu_moe_route,
 };
 
-const kb_backend *kc_backend(void)
+const kb_backend_ops *kc_backend_ops(void)
 {
-	return &cpu_backend;
+	return &cpu_ops;
 }

@@ -33,7 +33,8 @@ enum kc_isa kc_isa_force(enum kc_isa isa);
 const char *kc_isa_name(enum kc_isa isa);
 int kc_isa_parse(const char *s, enum kc_isa *out);
 
-const kb_backend *kc_backend(void);
+/* The CPU backend's ops table (kb_backend_open("cpu", ...) runs it). */
+const kb_backend_ops *kc_backend_ops(void);
 
 /* --- rmsnorm --- */
 void kc_rmsnorm_ref(const kb_rmsnorm_args *a);

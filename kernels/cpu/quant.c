@@ -39,7 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-float kc_q_f16(const uint8_t *p)
+/* The little-endian f16 at p. */
+static float q_f16(const uint8_t *p)
 {
 	return kc_f16_to_f32((uint16_t)(p[0] | p[1] << 8));
 }
@@ -48,14 +49,14 @@ float kc_q_f16(const uint8_t *p)
 
 static void deq_q8_0(const uint8_t *b, float *o)
 {
-	const float d = kc_q_f16(b);
+	const float d = q_f16(b);
 	for (int i = 0; i < 32; i++)
 		o[i] = d * (float)(int8_t)b[2 + i];
 }
 
 static void deq_q4_0(const uint8_t *b, float *o)
 {
-	const float d = kc_q_f16(b);
+	const float d = q_f16(b);
 	for (int i = 0; i < 16; i++) {
 		o[i] = d * (float)((b[2 + i] & 15) - 8);
 		o[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
@@ -64,7 +65,7 @@ static void deq_q4_0(const uint8_t *b, float *o)
 
 static void deq_q4_1(const uint8_t *b, float *o)
 {
-	const float d = kc_q_f16(b), m = kc_q_f16(b + 2);
+	const float d = q_f16(b), m = q_f16(b + 2);
 	for (int i = 0; i < 16; i++) {
 		o[i] = d * (float)(b[4 + i] & 15) + m;
 		o[i + 16] = d * (float)(b[4 + i] >> 4) + m;
@@ -74,7 +75,7 @@ static void deq_q4_1(const uint8_t *b, float *o)
 /* Q4_K (qh == NULL) and Q5_K. */
 static void deq_k45(const uint8_t *b, const uint8_t *qh, const uint8_t *qs, float *o)
 {
-	const float d = kc_q_f16(b), dmin = kc_q_f16(b + 2);
+	const float d = q_f16(b), dmin = q_f16(b + 2);
 	for (int c = 0; c < 4; c++) {
 		int s0, m0, s1, m1;
 		kc_q_scale_min_k4(b + 4, 2 * c, &s0, &m0);
@@ -104,7 +105,7 @@ static int q6_value(const uint8_t *b, int e)
 
 static void deq_q6_k(const uint8_t *b, float *o)
 {
-	const float d = kc_q_f16(b + 208);
+	const float d = q_f16(b + 208);
 	for (int e = 0; e < 256; e++)
 		o[e] = d * (float)(int8_t)b[192 + e / 16] * (float)(q6_value(b, e) - 32);
 }
@@ -225,19 +226,19 @@ static double blk_dot(enum kb_dtype t, const uint8_t *wb, const int8_t *q, float
 		int32_t s = 0;
 		for (int i = 0; i < 32; i++)
 			s += (int8_t)wb[2 + i] * q[i];
-		return (double)kc_q_f16(wb) * dx * s;
+		return (double)q_f16(wb) * dx * s;
 	}
 	case KB_Q4_0: {
 		int32_t s = 0;
 		for (int i = 0; i < 16; i++)
 			s += ((wb[2 + i] & 15) - 8) * q[i] + ((wb[2 + i] >> 4) - 8) * q[i + 16];
-		return (double)kc_q_f16(wb) * dx * s;
+		return (double)q_f16(wb) * dx * s;
 	}
 	case KB_Q4_1: {
 		int32_t s = 0;
 		for (int i = 0; i < 16; i++)
 			s += (wb[4 + i] & 15) * q[i] + (wb[4 + i] >> 4) * q[i + 16];
-		return (double)kc_q_f16(wb) * dx * s + (double)kc_q_f16(wb + 2) * sx;
+		return (double)q_f16(wb) * dx * s + (double)q_f16(wb + 2) * sx;
 	}
 	case KB_Q4_K:
 	case KB_Q5_K: {
@@ -260,7 +261,7 @@ static double blk_dot(enum kb_dtype t, const uint8_t *wb, const int8_t *q, float
 			sd += s0 * i0 + s1 * i1;
 			sm += m0 * (bs[4 * c] + bs[4 * c + 1]) + m1 * (bs[4 * c + 2] + bs[4 * c + 3]);
 		}
-		return (double)dx * ((double)kc_q_f16(wb) * sd - (double)kc_q_f16(wb + 2) * sm);
+		return (double)dx * ((double)q_f16(wb) * sd - (double)q_f16(wb + 2) * sm);
 	}
 	case KB_Q6_K: {
 		int32_t s = 0;
@@ -270,7 +271,7 @@ static double blk_dot(enum kb_dtype t, const uint8_t *wb, const int8_t *q, float
 				sg += (q6_value(wb, 16 * g + i) - 32) * q[16 * g + i];
 			s += (int8_t)wb[192 + g] * sg;
 		}
-		return (double)kc_q_f16(wb + 208) * dx * s;
+		return (double)q_f16(wb + 208) * dx * s;
 	}
 	default:
 		return 0.0;

@@ -119,8 +119,7 @@ typedef struct kc_qkernels {
 const kc_qkernels *kc_qkernels_avx2(void);
 const kc_qkernels *kc_qkernels_avx512(int vnni);
 
-/* Shared scalar helpers (quant.c) for the kernels' edges. */
-float kc_q_f16(const uint8_t *p); /* little-endian f16 at p */
+/* Shared scalar helpers for the kernels' edges. */
 /* Q4_K / Q5_K 6-bit scale and min of sub-block j from the 12 packed bytes. */
 static inline void kc_q_scale_min_k4(const uint8_t *sc, int j, int *s, int *m)
 {

@@ -1,8 +1,9 @@
 /*
- * backend_cuda.h - the CUDA backend's entry point (C linkage).
+ * backend_cuda.h - the CUDA backend's ops table (C linkage).
  *
- * kcu_backend probes the driver once; with no GPU or no driver it returns NULL
- * and says why in err (DS_ENODEV), which callers treat as "skip", not failure.
+ * kb_backend_open("cuda", p) runs its open: with no GPU, no driver or no
+ * device p->device it fails with DS_ENODEV and says why, which callers treat
+ * as "skip", not failure.  supports_op answers without a device.
  */
 #ifndef DS_KERNELS_CUDA_BACKEND_H
 #define DS_KERNELS_CUDA_BACKEND_H
@@ -13,9 +14,7 @@
 extern "C" {
 #endif
 
-const kb_backend *kcu_backend(ds_err *err);
-/* The op table, answered without a device (kb_backend_supports). */
-int kcu_supports_op(enum kb_op op, enum kb_dtype dtype);
+const kb_backend_ops *kcu_backend_ops(void);
 
 #ifdef __cplusplus
 }

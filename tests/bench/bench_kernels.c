@@ -2,7 +2,10 @@
  * bench_kernels.c - kernel timings, each reported as a ratio against a
  * baseline measured in the same run (never a timed test).
  *
- *   rmsnorm   vs the scalar reference (single thread).
+ *   rmsnorm   vs the scalar reference (single thread); then the best ISA
+ *             called directly against the same call through the cpu backend
+ *             instance (kb_rmsnorm: the instance's ops table and argument
+ *             checks), at 16 rows and at one row (where that cost shows).
  *   membw     the machine's read bandwidth (kc_measure_read_bandwidth), all
  *             threads and one thread, probed before each dtype and at the end
  *             (best probe kept: the machine may be shared, and the matmul
@@ -25,8 +28,9 @@
  *             default model's shapes, M = 1 and 512, and Q4_K / Q6_K at
  *             2048 x 7168, M = 1 (end of the default run; --quant alone).
  * Usage: bench_kernels [--json] [--quick] [--decode|--decode-hot|--quant] [--threads N] [--only DTYPE]
- *   --quick: one shape, fewer repetitions; --threads: pool size (default one
- *   per CPU); --only bf16|fp8|f16|f32|q4_1|q8_0|q4_k|q6_k: one weight dtype.
+ *   --quick: one shape, fewer repetitions; --threads: pool size (the cpu
+ *   backend instance is opened with it; default one per CPU); --only
+ *   bf16|fp8|f16|f32|q4_1|q8_0|q4_k|q6_k: one weight dtype.
  */
 #include "common/strutil.h"
 #include "kernels/cpu/cpu.h"
@@ -40,14 +44,22 @@
 #include <string.h>
 #include <sys/mman.h>
 
-static double time_rmsnorm(enum kc_isa isa, kb_rmsnorm_args *a, int iters)
+/* Best of 5 of iters calls: through be when non-NULL, else kc_rmsnorm_isa. */
+static double time_rmsnorm(const kb_backend *be, enum kc_isa isa, kb_rmsnorm_args *a, int iters)
 {
-	kc_rmsnorm_isa(isa, a); /* warm caches */
 	double best = 1e30;
+	if (be)
+		kb_rmsnorm(be, a); /* warm caches */
+	else
+		kc_rmsnorm_isa(isa, a);
 	for (int rep = 0; rep < 5; rep++) {
 		double t0 = ds_now_s();
-		for (int i = 0; i < iters; i++)
-			kc_rmsnorm_isa(isa, a);
+		if (be)
+			for (int i = 0; i < iters; i++)
+				kb_rmsnorm(be, a);
+		else
+			for (int i = 0; i < iters; i++)
+				kc_rmsnorm_isa(isa, a);
 		double dt = (ds_now_s() - t0) / iters;
 		if (dt < best)
 			best = dt;
@@ -55,7 +67,34 @@ static double time_rmsnorm(enum kc_isa isa, kb_rmsnorm_args *a, int iters)
 	return best;
 }
 
-static void bench_rmsnorm(int json)
+/* The best ISA called directly vs the same call through the instance, at
+ * rows rows and at one row, alternated so that both see the same machine. */
+static void bench_rmsnorm_backend(const kb_backend *be, kb_rmsnorm_args *a, int json)
+{
+	const enum kc_isa isa = kc_isa_active();
+	const int64_t rows_at[2] = {a->rows, 1};
+	for (int r = 0; r < 2; r++) {
+		kb_rmsnorm_args b = *a;
+		b.rows = rows_at[r];
+		double direct = 1e30, inst = 1e30;
+		for (int round = 0; round < 3; round++) {
+			double t = time_rmsnorm(NULL, isa, &b, 2000);
+			direct = t < direct ? t : direct;
+			t = time_rmsnorm(be, isa, &b, 2000);
+			inst = t < inst ? t : inst;
+		}
+		if (json)
+			printf(",\"rows%lld_direct_us\":%.3f,\"rows%lld_backend_us\":%.3f",
+			       (long long)b.rows, direct * 1e6, (long long)b.rows, inst * 1e6);
+		else
+			printf("  rows=%-3lld %-10s %9.3f us direct, %9.3f us through the %s backend "
+			       "instance (%+.1f%%)\n",
+			       (long long)b.rows, kc_isa_name(isa), direct * 1e6, inst * 1e6, be->name,
+			       (inst / direct - 1) * 100);
+	}
+}
+
+static void bench_rmsnorm(const kb_backend *be, int json)
 {
 	const int64_t rows = 16, dim = 7168; /* 16 tokens of DeepSeek-V3's hidden size */
 	size_t n = (size_t)(rows * dim);
@@ -66,14 +105,14 @@ static void bench_rmsnorm(int json)
 		w[i] = 1.0f + (float)(i % 7) * 0.01f;
 	kb_rmsnorm_args a = {.out = y, .x = x, .w = w, .rows = rows, .dim = dim, .x_stride = dim,
 				.out_stride = dim, .eps = 1e-6f};
-	double base = time_rmsnorm(KC_ISA_SCALAR, &a, 200);
+	double base = time_rmsnorm(NULL, KC_ISA_SCALAR, &a, 200);
 	if (!json)
 		printf("rmsnorm rows=%lld dim=%lld (f32)\n", (long long)rows, (long long)dim);
 	else
 		printf("\"rmsnorm\":{\"rows\":%lld,\"dim\":%lld,\"scalar_us\":%.3f", (long long)rows,
 		       (long long)dim, base * 1e6);
 	for (int i = 1; i <= (int)kc_isa_detect(); i++) {
-		double t = time_rmsnorm((enum kc_isa)i, &a, 200);
+		double t = time_rmsnorm(NULL, (enum kc_isa)i, &a, 200);
 		double gbs = (double)(2 * n + (size_t)dim) * 4 / t / 1e9;
 		if (json)
 			printf(",\"%s_us\":%.3f,\"%s_speedup\":%.2f", kc_isa_name(i), t * 1e6,
@@ -82,6 +121,7 @@ static void bench_rmsnorm(int json)
 			printf("  %-11s %9.2f us  %6.1f GB/s  %5.2fx vs scalar (%.2f us)\n",
 			       kc_isa_name(i), t * 1e6, gbs, base / t, base * 1e6);
 	}
+	bench_rmsnorm_backend(be, &a, json);
 	if (json)
 		printf("}");
 	free(x);
@@ -487,8 +527,10 @@ static void bench_quant(int quick, int json, const char *only)
 
 int main(int argc, char **argv)
 {
-	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0, quant_only = 0;
+	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0, quant_only = 0, rc = 0;
 	const char *only = NULL;
+	kb_backend *cpu = NULL;
+	ds_err err = {0};
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--json") == 0) {
 			json = 1;
@@ -514,8 +556,11 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (nthreads && kc_pool_set_threads(nthreads) != DS_OK) {
-		fprintf(stderr, "bench_kernels: could not start %d threads\n", nthreads);
+	/* The pool the kernels share is sized through the instance. */
+	kb_backend_params bp = kb_backend_default_params();
+	bp.threads = nthreads;
+	if (!(cpu = kb_backend_open("cpu", &bp, &err))) {
+		fprintf(stderr, "bench_kernels: %s\n", err.msg);
 		return 1;
 	}
 	if (membw_only) { /* the read bandwidth alone, best of 3 probes (the engine bench's bound) */
@@ -526,24 +571,25 @@ int main(int argc, char **argv)
 		for (int i = 0; i < 3; i++) {
 			if (kc_measure_triad_bandwidth((size_t)32 << 20, 0, &t) != DS_OK) {
 				fprintf(stderr, "bench_kernels: the triad probe failed\n");
-				return 1;
+				rc = 1;
+				goto out;
 			}
 			triad = t > triad ? t : triad;
 		}
 		printf("stream triad (%d threads): %.2f GB/s\n", kc_pool_threads(), triad / 1e9);
-		return 0;
+		goto out;
 	}
 	if (decode) {
 		bench_decode(decode == 2, only);
-		return 0;
+		goto out;
 	}
 	if (quant_only) {
 		bench_quant(quick, json, only);
-		return 0;
+		goto out;
 	}
 	if (json)
 		printf("{");
-	bench_rmsnorm(json);
+	bench_rmsnorm(cpu, json);
 	bench_matmul(quick, only);
 	int threads = kc_pool_threads();
 	if (json)
@@ -560,5 +606,7 @@ int main(int argc, char **argv)
 	bench_quant(quick, json, only);
 	if (json)
 		printf("}\n");
-	return 0;
+out:
+	kb_backend_close(cpu);
+	return rc;
 }

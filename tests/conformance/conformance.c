@@ -3,11 +3,13 @@
  * scalar reference, on random inputs.
  *
  * Targets: each CPU ISA this machine supports (scalar, avx2, avx512, ...),
- * called directly through kc_<op>_isa; the CPU backend's struct of ops
+ * called directly through kc_<op>_isa; an instance of the CPU backend
  * (cpu/backend: dispatch and argument checks, buffers staged like a
- * device's); and each device backend that is compiled in and has a device
- * (otherwise reported as skipped).  On a backend target an op the backend
- * leaves NULL is reported as skipped.
+ * device's); and an instance of each device backend that is compiled in and
+ * has a device (otherwise reported as skipped).  On a backend target an op
+ * its supports_op denies is reported as skipped; first each opened backend's
+ * supports_op is held to its ops table ("support" line: a supported op has a
+ * function; the CPU supports every op on every dtype but embed on f8_e4m3).
  *
  * Inputs: random values with rows of very different magnitude, odd shapes,
  * padded strides, column slices of wider matrices, partial FP8 scale blocks
@@ -904,45 +906,63 @@ static result test_softmax(const target *t)
 
 /* ---- the table ---- */
 
-#define HAS(op) \
-	static int has_##op(const kb_backend *b) { return b->op != NULL; }
-HAS(rmsnorm)
-HAS(matmul)
-HAS(embed)
-HAS(rope)
-HAS(silu_mul)
-HAS(axpy)
-HAS(softmax)
-
+/* Each test with the op and weight dtype it exercises: a backend target runs
+ * it when its supports_op says so, and is skipped otherwise. */
 static const struct {
 	const char *name;
 	result (*fn)(const target *);
-	int (*has)(const kb_backend *);
+	enum kb_op op;
+	enum kb_dtype dtype;
 	double tol; /* in the op's error measure (top comment) */
 } ops[] = {
-	{"rmsnorm", test_rmsnorm, has_rmsnorm, 1e-5},
-	{"matmul_f32", test_matmul_f32, has_matmul, 1e-5},
-	{"matmul_f16", test_matmul_f16, has_matmul, 1e-5},
-	{"matmul_bf16", test_matmul_bf16, has_matmul, 1e-5},
-	{"matmul_fp8", test_matmul_fp8, has_matmul, 1e-5},
-	{"matmul_q8_0", test_matmul_q8_0, has_matmul, 2e-6},
-	{"matmul_q4_0", test_matmul_q4_0, has_matmul, 2e-6},
-	{"matmul_q4_1", test_matmul_q4_1, has_matmul, 2e-6},
-	{"matmul_q4_k", test_matmul_q4_k, has_matmul, 2e-6},
-	{"matmul_q5_k", test_matmul_q5_k, has_matmul, 2e-6},
-	{"matmul_q6_k", test_matmul_q6_k, has_matmul, 2e-6},
-	{"embed", test_embed, has_embed, 0},
-	{"rope", test_rope, has_rope, 1e-6},
-	{"silu_mul", test_silu_mul, has_silu_mul, 1e-6},
-	{"axpy", test_axpy, has_axpy, 2.5e-7},
-	{"softmax", test_softmax, has_softmax, 1e-5},
+	{"rmsnorm", test_rmsnorm, KB_OP_RMSNORM, KB_F32, 1e-5},
+	{"matmul_f32", test_matmul_f32, KB_OP_MATMUL, KB_F32, 1e-5},
+	{"matmul_f16", test_matmul_f16, KB_OP_MATMUL, KB_F16, 1e-5},
+	{"matmul_bf16", test_matmul_bf16, KB_OP_MATMUL, KB_BF16, 1e-5},
+	{"matmul_fp8", test_matmul_fp8, KB_OP_MATMUL, KB_F8_E4M3, 1e-5},
+	{"matmul_q8_0", test_matmul_q8_0, KB_OP_MATMUL, KB_Q8_0, 2e-6},
+	{"matmul_q4_0", test_matmul_q4_0, KB_OP_MATMUL, KB_Q4_0, 2e-6},
+	{"matmul_q4_1", test_matmul_q4_1, KB_OP_MATMUL, KB_Q4_1, 2e-6},
+	{"matmul_q4_k", test_matmul_q4_k, KB_OP_MATMUL, KB_Q4_K, 2e-6},
+	{"matmul_q5_k", test_matmul_q5_k, KB_OP_MATMUL, KB_Q5_K, 2e-6},
+	{"matmul_q6_k", test_matmul_q6_k, KB_OP_MATMUL, KB_Q6_K, 2e-6},
+	{"embed", test_embed, KB_OP_EMBED, KB_BF16, 0},
+	{"rope", test_rope, KB_OP_ROPE, KB_F32, 1e-6},
+	{"silu_mul", test_silu_mul, KB_OP_SILU_MUL, KB_F32, 1e-6},
+	{"axpy", test_axpy, KB_OP_AXPY, KB_F32, 2.5e-7},
+	{"softmax", test_softmax, KB_OP_SOFTMAX, KB_F32, 1e-5},
 };
+
+/* Each backend's supports_op against its ops table, every op x dtype: a
+ * supported op must have a function (the tests above then run it); the CPU
+ * backend, the reference, supports everything but embed on f8_e4m3.
+ * Returns the number of disagreements, each printed. */
+static int check_support_table(const kb_backend *b)
+{
+	int bad = 0;
+	for (int op = 0; op < KB_OP_COUNT; op++) {
+		for (int t = 0; t < KB_DTYPE_COUNT; t++) {
+			int yes = kb_supports_op(b, (enum kb_op)op, (enum kb_dtype)t);
+			int want = strcmp(b->name, "cpu") != 0 || !(op == KB_OP_EMBED && t == KB_F8_E4M3);
+			if ((yes && !kb_backend_has_op(b, (enum kb_op)op)) ||
+			    (strcmp(b->name, "cpu") == 0 && yes != want)) {
+				printf("FAIL %-12s %-16s: supports_op(%s) says %d, table has %s\n", "support",
+				       b->name, kb_dtype_name((enum kb_dtype)t), yes,
+				       kb_backend_has_op(b, (enum kb_op)op) ? "a function" : "NULL");
+				bad++;
+			}
+		}
+	}
+	return bad;
+}
 
 int main(int argc, char **argv)
 {
 	const char *only = argc > 1 ? argv[1] : NULL;
 	target targets[KC_ISA_COUNT + 5];
-	int nt = 0, passed = 0, failed = 0, skipped = 0;
+	kb_backend *opened[4];
+	int nt = 0, passed = 0, failed = 0, skipped = 0, n_opened = 0;
+	ds_err cpu_err = {0};
 	double t_all = ds_now_s();
 	for (int i = 0; i <= (int)kc_isa_detect(); i++) {
 		snprintf(targets[nt].name, sizeof targets[nt].name, "cpu/%s", kc_isa_name(i));
@@ -950,12 +970,18 @@ int main(int argc, char **argv)
 		targets[nt].dev = NULL;
 		nt++;
 	}
-	/* The CPU backend through its struct of ops, with buffers staged like a
+	/* An instance of the CPU backend, with buffers staged like a
 	 * device's: checks the dispatch and the argument checks (a valid case
 	 * must never be refused) and the staging code the device targets use. */
+	kb_backend *cpu = kb_backend_open("cpu", NULL, &cpu_err);
+	if (!cpu) {
+		fprintf(stderr, "conformance: %s\n", cpu_err.msg);
+		return 1;
+	}
 	ds_strlcpy(targets[nt].name, "cpu/backend", sizeof targets[nt].name);
 	targets[nt].isa = KC_ISA_SCALAR;
-	targets[nt].dev = kc_backend();
+	targets[nt].dev = cpu;
+	opened[n_opened++] = cpu;
 	nt++;
 	for (int i = (int)kc_isa_detect() + 1; i < KC_ISA_COUNT; i++) {
 		printf("skip %-12s cpu/%s: this CPU does not support it\n", "*", kc_isa_name(i));
@@ -966,7 +992,7 @@ int main(int argc, char **argv)
 		if (strcmp(name, "cpu") == 0)
 			continue;
 		ds_err err = {0};
-		const kb_backend *b = kb_backend_get(name, &err);
+		kb_backend *b = kb_backend_open(name, NULL, &err);
 		if (!b) {
 			printf("skip %-12s %s: %s\n", "*", name, err.msg);
 			skipped++;
@@ -975,14 +1001,26 @@ int main(int argc, char **argv)
 		ds_strlcpy(targets[nt].name, name, sizeof targets[nt].name);
 		targets[nt].isa = KC_ISA_SCALAR;
 		targets[nt].dev = b;
+		opened[n_opened++] = b;
 		nt++;
+	}
+	/* The support table of each opened backend: one line each. */
+	for (int i = 0; i < n_opened && !only; i++) {
+		int bad = check_support_table(opened[i]);
+		printf("%s %-12s %-16s %d ops x %d dtypes\n", bad ? "FAIL" : "ok  ", "support",
+		       opened[i]->name, KB_OP_COUNT, KB_DTYPE_COUNT);
+		if (bad)
+			failed++;
+		else
+			passed++;
 	}
 	for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++) {
 		if (only && strncmp(only, ops[o].name, strlen(only)) != 0)
 			continue;
 		for (int t = 0; t < nt; t++) {
-			if (targets[t].dev && !ops[o].has(targets[t].dev)) {
-				printf("skip %-12s %-16s: the backend does not implement it\n", ops[o].name,
+			if (targets[t].dev &&
+			    !kb_supports_op(targets[t].dev, ops[o].op, ops[o].dtype)) {
+				printf("skip %-12s %-16s: the backend does not support it\n", ops[o].name,
 				       targets[t].name);
 				skipped++;
 				continue;
@@ -1000,6 +1038,8 @@ int main(int argc, char **argv)
 				failed++;
 		}
 	}
+	for (int i = n_opened - 1; i >= 0; i--)
+		kb_backend_close(opened[i]);
 	printf("conformance: %d passed, %d failed, %d skipped (%.1f s)\n", passed, failed, skipped,
 	       ds_now_s() - t_all);
 	return failed ? 1 : 0;

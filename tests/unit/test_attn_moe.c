@@ -298,7 +298,7 @@ TEST(matmul_batched_equals_each_product)
 	a.x_bstride = M * K;
 	a.y_bstride = M * N;
 	a.w_bstride = N * K;
-	CHECK_EQ(kc_backend()->matmul(&a), DS_OK);
+	CHECK_EQ(kb_matmul(kb_backend_get("cpu", NULL), &a), DS_OK);
 	for (int b = 0; b < B; b++) {
 		kb_matmul_args one = {.y = &ref[0][0], .x = &x[b][0][0], .w = &w[b][0][0],
 					.wtype = KB_BF16, .M = M, .N = N, .K = K, .x_stride = K,
@@ -308,5 +308,5 @@ TEST(matmul_batched_equals_each_product)
 			CHECK_NEAR((&y[b][0][0])[i], (&ref[0][0])[i], 1e-5);
 	}
 	a.w_bstride = -1;
-	CHECK_EQ(kc_backend()->matmul(&a), DS_EINVAL);
+	CHECK_EQ(kb_matmul(kb_backend_get("cpu", NULL), &a), DS_EINVAL);
 }

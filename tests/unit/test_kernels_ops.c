@@ -383,20 +383,20 @@ TEST(matmul_k0_and_empty)
 	float y[4] = {1, 2, 3, 4}, x[2] = {1, 1}, w[2] = {1, 1};
 	kb_matmul_args a = {.y = y, .x = x, .w = w, .wtype = KB_F32, .M = 2, .N = 2, .x_stride = 1,
 				.y_stride = 2, .w_stride = 1, .accumulate = 1};
-	CHECK_EQ(kc_backend()->matmul(&a), DS_OK); /* accumulate: unchanged */
+	CHECK_EQ(kb_matmul(kb_backend_get("cpu", NULL), &a), DS_OK); /* accumulate: unchanged */
 	CHECK(y[0] == 1 && y[3] == 4);
 	a.accumulate = 0;
-	CHECK_EQ(kc_backend()->matmul(&a), DS_OK); /* y = empty sum = 0 */
+	CHECK_EQ(kb_matmul(kb_backend_get("cpu", NULL), &a), DS_OK); /* y = empty sum = 0 */
 	CHECK(y[0] == 0 && y[1] == 0 && y[2] == 0 && y[3] == 0);
 	a.M = 0;
-	CHECK_EQ(kc_backend()->matmul(&a), DS_OK);
+	CHECK_EQ(kb_matmul(kb_backend_get("cpu", NULL), &a), DS_OK);
 }
 
 TEST(matmul_backend_rejects_bad_args)
 {
 	float y[4], x[4] = {1, 2, 3, 4}, sc[1] = {1};
 	uint8_t w8[4] = {0x38, 0x38, 0x38, 0x38};
-	const kb_backend *b = kc_backend();
+	const kb_backend *b = kb_backend_get("cpu", NULL);
 	kb_matmul_args ok = {.y = y, .x = x, .w = w8, .w_scale = sc, .wtype = KB_F8_E4M3, .M = 2,
 				.N = 2, .K = 2, .x_stride = 2, .y_stride = 2, .w_stride = 2,
 				.scale_stride = 1, .block = 128};
@@ -435,7 +435,7 @@ TEST(matmul_backend_rejects_bad_args)
 
 TEST(ops_backend_reject_bad_args)
 {
-	const kb_backend *b = kc_backend();
+	const kb_backend *b = kb_backend_get("cpu", NULL);
 	float buf[16] = {0};
 	int32_t ids[2] = {0, 1}, pos[2] = {0, 1};
 	kb_embed_args e = {.out = buf, .table = buf, .type = KB_F32, .ids = ids, .n = 2, .dim = 4,
@@ -487,7 +487,7 @@ TEST(rope_hand_computed)
 		kb_rope_args a = {.x = x, .n_tok = 1, .n_heads = 2, .tok_stride = 14,
 					.head_stride = 6, .rot_dim = 4, .pos = pos, .inv_freq = inv,
 					.amp = 2.0f, .interleaved = inter};
-		CHECK_EQ(kc_backend()->rope(&a), DS_OK);
+		CHECK_EQ(kb_rope(kb_backend_get("cpu", NULL), &a), DS_OK);
 		/* head 0 pairs: interleaved (3,4) (5,6); NeoX (3,5) (4,6) */
 		double xa0 = 3, xb0 = inter ? 4 : 5, xa1 = inter ? 5 : 4, xb1 = 6;
 		int ia0 = 0, ib0 = inter ? 1 : 2, ia1 = inter ? 2 : 1, ib1 = 3;
@@ -513,7 +513,7 @@ TEST(rope_hand_computed)
 
 TEST(eltwise_hand_computed)
 {
-	const kb_backend *b = kc_backend();
+	const kb_backend *b = kb_backend_get("cpu", NULL);
 	float g[3] = {0.0f, 1.0f, -1.0f}, u[3] = {5.0f, 2.0f, 1.0f}, o[3];
 	kb_silu_mul_args s = {.out = o, .gate = g, .up = u, .rows = 1, .dim = 3, .out_stride = 3,
 				.gate_stride = 3, .up_stride = 3};

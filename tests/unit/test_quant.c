@@ -287,7 +287,7 @@ TEST(quant_matmul_thread_count_independent)
 
 TEST(quant_matmul_batched_and_backend_checks)
 {
-	const kb_backend *be = kc_backend();
+	const kb_backend *be = kb_backend_get("cpu", NULL);
 	const enum kb_dtype t = KB_Q6_K;
 	const int64_t K = 512, N = 9, M = 3, B = 3;
 	const size_t item = (size_t)N * kb_dtype_bytes(t, K);
@@ -330,7 +330,7 @@ TEST(quant_matmul_batched_and_backend_checks)
 
 TEST(quant_embed_rows)
 {
-	const kb_backend *be = kc_backend();
+	const kb_backend *be = kb_backend_get("cpu", NULL);
 	const enum kb_dtype t = KB_Q8_0;
 	const int64_t rows = 40, dim = 96, ts = 128; /* table rows 128 wide, 96 used */
 	const size_t rb = kb_dtype_bytes(t, ts);
@@ -358,7 +358,7 @@ TEST(quant_embed_rows)
 
 TEST(quant_dequant_op_slices)
 {
-	const kb_backend *be = kc_backend();
+	const kb_backend *be = kb_backend_get("cpu", NULL);
 	const enum kb_dtype t = KB_Q4_K;
 	const int64_t rows = 3, full = 1024;
 	const size_t rb = kb_dtype_bytes(t, full);
