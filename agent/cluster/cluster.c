@@ -27,6 +27,10 @@
  *     bumps the gossip incarnation).
  *  4. cluster_free stops and joins both threads before anything they use is
  *     freed.
+ *  5. This file is the only writer of this node's gossip metadata: the
+ *     metadata gossip starts with comes from cluster_meta_initial, every
+ *     later version from publish_meta, both built by meta_encode, so no peer
+ *     ever sees a default role, eligibility or priority for this node.
  *
  * Threading: c->mu guards inv, digest, ports, the drop list and the peer
  * table; the election, gossip, store and rpc_auth have their own locks.  Two
@@ -34,6 +38,7 @@
  * control API call in.
  */
 #include "agent/cluster/cluster.h"
+#include "common/hex.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"
@@ -175,34 +180,6 @@ static int zero_bytes(const uint8_t *b, size_t n)
 	return 1;
 }
 
-static void bytes_hex(const uint8_t *b, size_t n, char *out)
-{
-	static const char d[] = "0123456789abcdef";
-	for (size_t i = 0; i < n; i++) {
-		out[2 * i] = d[b[i] >> 4];
-		out[2 * i + 1] = d[b[i] & 15];
-	}
-	out[2 * n] = '\0';
-}
-
-static int hex_bytes(const char *hex, uint8_t *out, size_t n)
-{
-	if (strlen(hex) != 2 * n)
-		return -1;
-	for (size_t i = 0; i < n; i++) {
-		int v = 0;
-		for (int k = 0; k < 2; k++) {
-			char ch = hex[2 * i + k];
-			int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
-			if (d < 0)
-				return -1;
-			v = v * 16 + d;
-		}
-		out[i] = (uint8_t)v;
-	}
-	return 0;
-}
-
 static int dropped_name(cluster *c, const char *name)
 {
 	int hit = 0;
@@ -320,13 +297,14 @@ static void push_view(cluster *c, int64_t now)
 	free(v);
 }
 
-/* Republishes this node's metadata when a field changed. */
-static void publish_meta(cluster *c, int64_t now)
+/* This node's metadata: version, the election's view (role, epoch, head),
+ * the operator's eligible and priority, the inventory digest and the ports
+ * once cluster_start knows them.  The one builder of it (invariant 5). */
+static int meta_encode(cluster *c, int64_t now, uint8_t *out, size_t cap, size_t *len,
+		       ds_err *err)
 {
 	election_status es;
 	gossip_meta md;
-	uint8_t mb[GOSSIP_META_MAX];
-	size_t len = 0;
 	election_status_get(c->el, now, &es);
 	memset(&md, 0, sizeof md);
 	ds_strlcpy(md.version, c->p.version ? c->p.version : "", sizeof md.version);
@@ -339,13 +317,34 @@ static void publish_meta(cluster *c, int64_t now)
 		memcpy(md.head_id, es.head, GOSSIP_ID_LEN);
 	md.head_epoch = es.has_head ? es.head_epoch : 0;
 	pthread_mutex_lock(&c->mu);
-	if (c->digest[0])
-		hex_bytes(c->digest, md.inventory, sizeof md.inventory);
+	if (strlen(c->digest) != 2 * sizeof md.inventory ||
+	    ds_hex_decode(c->digest, sizeof md.inventory, md.inventory) != 0)
+		memset(md.inventory, 0, sizeof md.inventory); /* none yet */
 	md.control_port = (uint16_t)c->control_port;
 	md.api_port = (uint16_t)c->api_port;
 	pthread_mutex_unlock(&c->mu);
-	if (gossip_meta_encode(&md, mb, sizeof mb, &len, NULL) != DS_OK)
+	return gossip_meta_encode(&md, out, cap, len, err);
+}
+
+int cluster_meta_initial(cluster *c, uint8_t *out, size_t cap, size_t *len, ds_err *err)
+{
+	int rc = meta_encode(c, cluster_now_ms(), out, cap, len, err);
+	if (rc == DS_OK && *len <= sizeof c->meta) { /* what gossip starts with */
+		memcpy(c->meta, out, *len);
+		c->meta_len = *len;
+	}
+	return rc;
+}
+
+/* Republishes this node's metadata when a field changed. */
+static void publish_meta(cluster *c, int64_t now)
+{
+	election_status es;
+	uint8_t mb[GOSSIP_META_MAX];
+	size_t len = 0;
+	if (meta_encode(c, now, mb, sizeof mb, &len, NULL) != DS_OK)
 		return;
+	election_status_get(c->el, now, &es);
 	if (len != c->meta_len || memcmp(mb, c->meta, len) != 0) {
 		ds_err err = {0};
 		if (gossip_set_meta(c->g, mb, len, &err) == DS_OK) {
@@ -364,7 +363,7 @@ static void publish_meta(cluster *c, int64_t now)
 static int wait_or_stop(cluster *c, int ms)
 {
 	struct timespec ts;
-	clock_gettime(CLOCK_REALTIME, &ts);
+	clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of c->cv (cluster_new) */
 	ts.tv_sec += ms / 1000;
 	ts.tv_nsec += (long)(ms % 1000) * 1000000L;
 	if (ts.tv_nsec >= 1000000000L) {
@@ -576,7 +575,7 @@ static void collect(cluster *c, int64_t now)
 		snprintf(seen, sizeof seen, "%s|%s|%lld|%s|%d|%d", n.status, n.role,
 			 (long long)n.epoch, n.addr, n.control_port, n.api_port);
 		if (!zero_bytes(md.inventory, sizeof md.inventory))
-			bytes_hex(md.inventory, sizeof md.inventory, dg);
+			ds_hex_encode(md.inventory, sizeof md.inventory, dg);
 		int write_seen = 0, fetch = 0;
 		pthread_mutex_lock(&c->mu);
 		struct peer *p = peer_get(c, m->id);
@@ -653,7 +652,11 @@ cluster *cluster_new(const cluster_params *p, ds_err *err)
 	c->p = *p;
 	c->st = p->store;
 	pthread_mutex_init(&c->mu, NULL);
-	pthread_cond_init(&c->cv, NULL);
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* waits are intervals */
+	pthread_cond_init(&c->cv, &ca);
+	pthread_condattr_destroy(&ca);
 	int rc = DS_OK;
 	if (!p->store || !p->node_name || !p->data_dir || p->lease_ms < 30 || p->health_ms < 50) {
 		rc = ds_err_set(err, DS_EINVAL, "cluster: bad parameters");
@@ -718,6 +721,8 @@ int cluster_start(cluster *c, gossip *g, int control_port, int api_port, ds_err 
 	self_node(c, &self, cluster_now_ms());
 	if (store_node_seen(c->st, &self, unix_now(), &e) != DS_OK)
 		log_warn("cluster", "cannot record this node", "error=\"%s\"", e.msg);
+	if (g) /* the ports join the metadata now, before the election thread runs */
+		publish_meta(c, cluster_now_ms());
 	if (pthread_create(&c->inv_th, NULL, inventory_main, c) != 0)
 		return ds_err_set(err, DS_EINTERNAL, "cannot start the inventory thread");
 	if (g && pthread_create(&c->el_th, NULL, election_main, c) != 0) {
@@ -1062,7 +1067,7 @@ static json_t *local_nodes(cluster *c, const char *reason)
 		meta_of(&v[i], &md);
 		member_node(&v[i], &md, &n);
 		if (!zero_bytes(md.inventory, sizeof md.inventory))
-			bytes_hex(md.inventory, sizeof md.inventory, n.digest);
+			ds_hex_encode(md.inventory, sizeof md.inventory, n.digest);
 		if ((items[k] = node_json(&n, NULL, 0)))
 			k++;
 	}
