@@ -217,12 +217,17 @@ int main(int argc, char **argv)
 		goto out;
 	}
 
-	control_ctx ctx = {opts.name, be->name, kb_describe(be), ds_now_s()};
-	ctx.gossip = gos;
-	ctx.cluster = cl;
-	ctx.test_faults = opts.test_fault_injection;
-	ctx.keys = keys;               /* the admin routes of `dsctl keys` */
-	ctx.admin_token = admin_token;
+	control_ctx ctx = {
+		.node_name = opts.name,
+		.backend = be->name,
+		.backend_desc = kb_describe(be),
+		.started_s = ds_now_s(),
+		.keys = keys, /* the admin routes of `dsctl keys` */
+		.admin_token = admin_token,
+		.gossip = gos,
+		.test_faults = opts.test_fault_injection,
+		.cluster = cl,
+	};
 	http_params hp = http_default_params();
 	hp.bind_addr = opts.bind;
 	hp.port = opts.control_port;

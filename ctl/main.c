@@ -178,7 +178,7 @@ static json_t *call(const struct ctl_opts *o, const char *method, const char *pa
 		    const json_t *req, int admin)
 {
 	struct token tok;
-	ctl_client c = {o->agent, NULL, o->timeout_ms};
+	ctl_client c = {.base_url = o->agent, .timeout_ms = o->timeout_ms};
 	buf body;
 	ds_err err = {0};
 	json_t *v = NULL;
@@ -1067,26 +1067,30 @@ static const struct command {
 	const char *help;
 	int opt_args;           /* optional positional arguments after those */
 } commands[] = {
-	{"health", NULL, cmd_health, no_flags, 0, "", "is the agent up; its name, version and backend"},
-	{"version", NULL, cmd_version, no_flags, 0, "", "version and compute backend of the agent"},
-	{"keys", "create", cmd_keys_create, create_flags, 1,
-	 "NAME [--expires DAYS] [--rpm N] [--tpm N] [--max-concurrency N]",
-	 "create an API key and print it (once)"},
-	{"keys", "list", cmd_keys_list, no_flags, 0, "",
-	 "every key: id, name, prefix, times, usage, limits, revoked"},
-	{"keys", "revoke", cmd_keys_revoke, no_flags, 1, "ID", "revoke a key at once"},
-	{"cluster", "init", cmd_cluster_init, cluster_init_flags, 0, "[--key-file F] [--force]",
-	 "write a new cluster key file (0600) for dsagent --cluster-key; no agent needed"},
-	{"cluster", "members", cmd_cluster_members, no_flags, 0, "",
-	 "the agent's member list: name, node id, address, state, incarnation"},
-	{"cluster", "status", cmd_cluster_status, no_flags, 0, "",
-	 "membership and election as the agent sees them: head, epoch, lease, quorum, members, "
-	 "recent elections"},
-	{"nodes", NULL, cmd_nodes, no_flags, 0, "[NAME]",
-	 "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
-	 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, notes)",
-	 1},
-	{NULL, NULL, NULL, NULL, 0, NULL, NULL, 0},
+	{.word = "health", .fn = cmd_health, .flags = no_flags, .args = "",
+	 .help = "is the agent up; its name, version and backend"},
+	{.word = "version", .fn = cmd_version, .flags = no_flags, .args = "",
+	 .help = "version and compute backend of the agent"},
+	{.word = "keys", .sub = "create", .fn = cmd_keys_create, .flags = create_flags, .nargs = 1,
+	 .args = "NAME [--expires DAYS] [--rpm N] [--tpm N] [--max-concurrency N]",
+	 .help = "create an API key and print it (once)"},
+	{.word = "keys", .sub = "list", .fn = cmd_keys_list, .flags = no_flags, .args = "",
+	 .help = "every key: id, name, prefix, times, usage, limits, revoked"},
+	{.word = "keys", .sub = "revoke", .fn = cmd_keys_revoke, .flags = no_flags, .nargs = 1,
+	 .args = "ID", .help = "revoke a key at once"},
+	{.word = "cluster", .sub = "init", .fn = cmd_cluster_init, .flags = cluster_init_flags,
+	 .args = "[--key-file F] [--force]",
+	 .help = "write a new cluster key file (0600) for dsagent --cluster-key; no agent needed"},
+	{.word = "cluster", .sub = "members", .fn = cmd_cluster_members, .flags = no_flags,
+	 .args = "", .help = "the agent's member list: name, node id, address, state, incarnation"},
+	{.word = "cluster", .sub = "status", .fn = cmd_cluster_status, .flags = no_flags, .args = "",
+	 .help = "membership and election as the agent sees them: head, epoch, lease, quorum, "
+		 "members, recent elections"},
+	{.word = "nodes", .fn = cmd_nodes, .flags = no_flags, .args = "[NAME]",
+	 .help = "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
+		 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, notes)",
+	 .opt_args = 1},
+	{.word = NULL},
 };
 
 static void usage(FILE *f)

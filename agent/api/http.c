@@ -184,7 +184,7 @@ int http_conn_gone(struct MHD_Connection *conn)
 		MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
 	if (!ci)
 		return 1;
-	struct pollfd pf = {ci->connect_fd, POLLIN | POLLRDHUP, 0};
+	struct pollfd pf = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
 	if (poll(&pf, 1, 0) <= 0)
 		return 0;
 	if (pf.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))
@@ -303,7 +303,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 		return MHD_YES;
 	}
 	http_resp resp = {0};
-	http_req req = {method, url, st->body.data ? st->body.data : "", st->body.len, c};
+	http_req req = {
+		.method = method,
+		.path = url,
+		.body = st->body.data ? st->body.data : "",
+		.body_len = st->body.len,
+		.conn = c,
+	};
 	if (st->too_large) {
 		http_resp_error(&resp, 413, "invalid_request_error", "request_too_large",
 				"request body is larger than the limit of %zu bytes", s->p.max_body);

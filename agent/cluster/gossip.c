@@ -1565,7 +1565,8 @@ void gossip_leave(gossip *g, int wait_ms)
 	pthread_mutex_unlock(&g->mu);
 	log_info("gossip", "left the cluster", "told=%zu", n);
 	if (wait_ms > 0) {
-		struct timespec ts = {wait_ms / 1000, (long)(wait_ms % 1000) * 1000000L};
+		struct timespec ts = {.tv_sec = wait_ms / 1000,
+				      .tv_nsec = (long)(wait_ms % 1000) * 1000000L};
 		nanosleep(&ts, NULL);
 	}
 }

@@ -445,12 +445,50 @@ static const gossip_timing profiles[] = {
 	/* hashicorp/memberlist DefaultLANConfig; reconnect and reap as Serf
 	 * (ReconnectInterval 30 s), reap after an hour rather than 24 h; the
 	 * join referral limit is ours (memberlist answers every join in full). */
-	{"lan", 1000, 500, 3, 4, 6, 4, 200, 3, 30000, 30000, 30000, 3600000, 10000, 8, 1000,
-	 30000, 30000, 4},
+	{
+		.name = "lan",
+		.probe_interval_ms = 1000,
+		.probe_timeout_ms = 500,
+		.indirect_checks = 3,
+		.suspicion_mult = 4,
+		.suspicion_max_mult = 6,
+		.retransmit_mult = 4,
+		.gossip_interval_ms = 200,
+		.gossip_nodes = 3,
+		.push_pull_ms = 30000,
+		.gossip_to_dead_ms = 30000,
+		.reconnect_ms = 30000,
+		.reap_ms = 3600000,
+		.tcp_timeout_ms = 10000,
+		.awareness_max = 8,
+		.join_backoff_min_ms = 1000,
+		.join_backoff_max_ms = 30000,
+		.max_skew_ms = 30000,
+		.join_full_per_s = 4,
+	},
 	/* Fast timers for several agents on one machine: a crash is declared dead
 	 * in about 1-5 s, a partition heals within a few seconds. */
-	{"test", 200, 100, 2, 3, 6, 3, 50, 3, 2000, 3000, 1000, 60000, 1000, 8, 100, 1000, 30000,
-	 2},
+	{
+		.name = "test",
+		.probe_interval_ms = 200,
+		.probe_timeout_ms = 100,
+		.indirect_checks = 2,
+		.suspicion_mult = 3,
+		.suspicion_max_mult = 6,
+		.retransmit_mult = 3,
+		.gossip_interval_ms = 50,
+		.gossip_nodes = 3,
+		.push_pull_ms = 2000,
+		.gossip_to_dead_ms = 3000,
+		.reconnect_ms = 1000,
+		.reap_ms = 60000,
+		.tcp_timeout_ms = 1000,
+		.awareness_max = 8,
+		.join_backoff_min_ms = 100,
+		.join_backoff_max_ms = 1000,
+		.max_skew_ms = 30000,
+		.join_full_per_s = 2,
+	},
 };
 
 int gossip_timing_profile(const char *name, gossip_timing *out, ds_err *err)
@@ -649,7 +687,7 @@ void gossip_event_json(const gossip_event *ev, char *out, size_t n)
 		 (unsigned)ev->member.incarnation, (unsigned long long)ev->member.boot);
 }
 
-#define S(f) {#f, offsetof(gossip_stats, f)}
+#define S(f) {.name = #f, .offset = offsetof(gossip_stats, f)}
 const gossip_stat_field gossip_stat_fields[] = {
 	S(packets_in),	     S(bytes_in),	     S(packets_out),	S(bytes_out),
 	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(tcp_bytes_in), S(tcp_bytes_out), S(pings_out),
@@ -658,7 +696,7 @@ const gossip_stat_field gossip_stat_fields[] = {
 	S(drop_malformed),   S(drop_bad_key),	     S(drop_auth_fail), S(drop_replay),
 	S(drop_stale),	     S(drop_wrong_target),   S(drop_own_id),	S(drop_unknown_sender),
 	S(drop_test),	     S(send_errors),	     S(events_lost),	S(table_full),
-	{NULL, 0},
+	{.name = NULL},
 };
 #undef S
 
