@@ -20,6 +20,7 @@
 #include "agent/cluster/gossip.h"
 #include "agent/node/discover.h"
 #include "agent/api/http.h"
+#include "agent/auth/clusterkey_file.h"
 #include "agent/auth/keys.h"
 #include "agent/options.h"
 #include "agent/api/serve.h"
@@ -85,11 +86,11 @@ static void on_member_event(void *ud, const gossip_event *ev)
 static gossip *start_gossip(const agent_opts *o, cluster *cl, struct member_sink *sink,
 			    ds_err *err)
 {
-	gossip_keyring keys;
+	clusterkey_ring keys;
 	gossip_params gp = gossip_default_params();
 	uint8_t mb[GOSSIP_META_MAX];
 	gossip *g = NULL;
-	if (gossip_key_load(o->cluster_key, &keys, err) != DS_OK)
+	if (clusterkey_file_load(o->cluster_key, &keys, err) != DS_OK)
 		return NULL;
 	if (gossip_node_id_load(o->data_dir, gp.node_id, NULL, err) == DS_OK &&
 	    gossip_timing_profile(o->gossip_profile, &gp.timing, err) == DS_OK &&
@@ -105,7 +106,7 @@ static gossip *start_gossip(const agent_opts *o, cluster *cl, struct member_sink
 		gp.ud = sink;
 		g = gossip_new(&gp, err);
 	}
-	gossip_keyring_wipe(&keys);
+	clusterkey_wipe(&keys);
 	return g;
 }
 

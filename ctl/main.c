@@ -15,7 +15,9 @@
  * engine.  Single-threaded.
  */
 #include "common/buf.h"
+#include "common/clusterkey.h"
 #include "common/config.h"
+#include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 #include "ctl/client.h"
@@ -102,19 +104,13 @@ struct token {
 
 static int read_token_file(const char *path, struct token *t)
 {
-	FILE *f = fopen(path, "r");
-	if (!f) {
+	size_t n = 0;
+	ds_err err = {0};
+	if (ds_file_read_small(path, 0, t->text, sizeof t->text - 1, &n, &err) != DS_OK) {
 		fprintf(stderr,
 			"dsctl: cannot read the admin token from %s: %s (pass --token-file FILE, "
 			"set $DSCTL_TOKEN, or --data-dir DIR of the agent)\n",
-			path, strerror(errno));
-		return 1;
-	}
-	size_t n = fread(t->text, 1, sizeof t->text - 1, f);
-	int err = ferror(f);
-	fclose(f);
-	if (err) {
-		fprintf(stderr, "dsctl: cannot read the admin token from %s\n", path);
+			path, err.msg);
 		return 1;
 	}
 	t->text[n] = '\0';
@@ -439,26 +435,6 @@ static int cmd_keys_revoke(const struct ctl_opts *o, const struct cmd_flags *fl,
 
 /* ---- cluster ---- */
 
-/* Standard base64 with padding (the key file format, docs/cluster.md). */
-static void base64(const uint8_t *in, size_t n, char *out)
-{
-	static const char tab[] =
-		"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-	size_t o = 0;
-	for (size_t i = 0; i < n; i += 3) {
-		uint32_t v = (uint32_t)in[i] << 16;
-		if (i + 1 < n)
-			v |= (uint32_t)in[i + 1] << 8;
-		if (i + 2 < n)
-			v |= in[i + 2];
-		out[o++] = tab[v >> 18 & 63];
-		out[o++] = tab[v >> 12 & 63];
-		out[o++] = i + 1 < n ? tab[v >> 6 & 63] : '=';
-		out[o++] = i + 2 < n ? tab[v & 63] : '=';
-	}
-	out[o] = '\0';
-}
-
 /* mkdir -p of path's parent, new directories 0700. */
 static int make_parents(const char *path)
 {
@@ -480,35 +456,12 @@ static int make_parents(const char *path)
 	return mkdir(dir, 0700) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-/* Writes text to path with mode 0600: exclusive create, or (force) a
- * temporary file renamed over it. */
-static int write_private(const char *path, const char *text, int force)
+static void key_file_exists(const char *path)
 {
-	char tmp[PATH_MAX];
-	const char *target = path;
-	if (force) {
-		if ((size_t)snprintf(tmp, sizeof tmp, "%s.new-%ld", path, (long)getpid()) >=
-		    sizeof tmp)
-			return -1;
-		target = tmp;
-	}
-	int fd = open(target, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-	if (fd < 0)
-		return -1;
-	size_t len = strlen(text);
-	int ok = fchmod(fd, 0600) == 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
-	int e = errno;
-	close(fd);
-	if (ok && force && rename(tmp, path) != 0) {
-		e = errno;
-		ok = 0;
-	}
-	if (!ok) {
-		unlink(target);
-		errno = e;
-		return -1;
-	}
-	return 0;
+	fprintf(stderr,
+		"dsctl: %s exists; pass --force to replace it (the cluster then needs the new key "
+		"on every node)\n",
+		path);
 }
 
 static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
@@ -516,13 +469,11 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 {
 	const char *path = fl->key_file;
 	uint8_t raw[33]; /* byte 32: the key id */
-	char b64[64], line[96];
+	char line[CLUSTERKEY_LINE_MAX];
 	struct stat st;
+	ds_err err = {0};
 	if (!fl->force && stat(path, &st) == 0) {
-		fprintf(stderr,
-			"dsctl: %s exists; pass --force to replace it (the cluster then needs the "
-			"new key on every node)\n",
-			path);
+		key_file_exists(path);
 		return 1;
 	}
 	if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
@@ -530,11 +481,18 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 		return 1;
 	}
 	uint8_t kid = raw[32] ? raw[32] : 1; /* key id 0 is for raw 32-byte key files */
-	base64(raw, 32, b64);
-	snprintf(line, sizeof line, "dsck1:%02x:%s\n", kid, b64);
-	int rc = 0;
-	if (make_parents(path) != 0 || write_private(path, line, fl->force) != 0) {
-		fprintf(stderr, "dsctl: cannot write %s: %s\n", path, strerror(errno));
+	int rc = clusterkey_format(kid, raw, line, sizeof line, &err);
+	if (rc == DS_OK && make_parents(path) != 0)
+		rc = ds_err_set(&err, DS_EIO, "cannot create the directories of %s: %s", path,
+				strerror(errno));
+	if (rc == DS_OK)
+		rc = ds_file_write_private(path, line, strlen(line), fl->force ? 0 : DS_WRITE_EXCL,
+					   &err);
+	if (rc == DS_EBUSY) {
+		key_file_exists(path);
+		rc = 1;
+	} else if (rc != DS_OK) {
+		fprintf(stderr, "dsctl: cannot write %s: %s\n", path, err.msg);
 		rc = 1;
 	} else if (o->json) {
 		json_t *out = json_pack("{s:s,s:i}", "key_file", path, "key_id", (int)kid);
@@ -550,9 +508,8 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 		       "Keep it secret: whoever holds it can join and speak for the cluster.\n",
 		       path, kid, path, path, path, path, path);
 	}
-	memset(raw, 0, sizeof raw);
-	memset(b64, 0, sizeof b64);
-	memset(line, 0, sizeof line);
+	explicit_bzero(raw, sizeof raw);
+	explicit_bzero(line, sizeof line);
 	return rc;
 }
 

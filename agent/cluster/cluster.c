@@ -38,6 +38,7 @@
  * control API call in.
  */
 #include "agent/cluster/cluster.h"
+#include "agent/auth/clusterkey_file.h"
 #include "common/hex.h"
 #include "common/jsonx.h"
 #include "common/log.h"
@@ -642,7 +643,7 @@ static void *inventory_main(void *arg)
 cluster *cluster_new(const cluster_params *p, ds_err *err)
 {
 	cluster *c = calloc(1, sizeof *c);
-	gossip_keyring keys;
+	clusterkey_ring keys;
 	int have_keys = 0;
 	memset(&keys, 0, sizeof keys);
 	if (!c) {
@@ -667,7 +668,7 @@ cluster *cluster_new(const cluster_params *p, ds_err *err)
 		goto out;
 	gossip_id_hex(c->self_id, c->self_hex);
 	if (p->cluster_key) {
-		if ((rc = gossip_key_load(p->cluster_key, &keys, err)) != DS_OK)
+		if ((rc = clusterkey_file_load(p->cluster_key, &keys, err)) != DS_OK)
 			goto out;
 		have_keys = 1;
 		if (!(c->auth = rpc_auth_new((const uint8_t(*)[RPC_KEY_LEN])keys.key, keys.n,
@@ -698,7 +699,7 @@ cluster *cluster_new(const cluster_params *p, ds_err *err)
 	}
 out:
 	if (have_keys)
-		gossip_keyring_wipe(&keys);
+		clusterkey_wipe(&keys);
 	if (rc) {
 		cluster_free(c);
 		return NULL;

@@ -13,6 +13,7 @@
  * repository root, as for the integration tests); without them the test is
  * skipped.  Names start with agent_meta_.
  */
+#include "agent/auth/clusterkey_file.h"
 #include "agent/cluster/gossip.h"
 #include "tests/unit/unit.h"
 
@@ -137,9 +138,9 @@ TEST(agent_meta_peers_never_see_defaults)
 	for (size_t i = 0; i < sizeof key; i++)
 		key[i] = (uint8_t)ut_rand_u64();
 	CHECK_EQ(write_key(key_path, key), 0);
-	gossip_keyring ring;
+	clusterkey_ring ring;
 	ds_err e = {0};
-	CHECK_EQ(gossip_key_load(key_path, &ring, &e), DS_OK);
+	CHECK_EQ(clusterkey_file_load(key_path, &ring, &e), DS_OK);
 
 	struct meta_log log = {.first_eligible = -1, .first_priority = -1};
 	pthread_mutex_init(&log.mu, NULL);
@@ -181,7 +182,7 @@ out:
 		waitpid(pid, NULL, 0);
 	}
 	gossip_free(seed);
-	gossip_keyring_wipe(&ring);
+	clusterkey_wipe(&ring);
 	pthread_mutex_lock(&log.mu);
 	CHECK(log.versions >= 1);
 	CHECK(log.with_ports >= 1);
