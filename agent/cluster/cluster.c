@@ -767,9 +767,7 @@ void cluster_member_event(cluster *c, const gossip_event *ev)
 	char id[GOSSIP_ID_HEX];
 	ds_err e = {0};
 	gossip_id_hex(ev->member.id, id);
-	struct timespec ts;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	if (store_member_event_add(c->st, (double)ts.tv_sec + ts.tv_nsec * 1e-9, id, ev->member.name,
+	if (store_member_event_add(c->st, unix_now(), id, ev->member.name,
 				   ev->member.addr, gossip_event_name(ev->kind),
 				   gossip_state_name(ev->member.state),
 				   ev->prev_state >= 0 ? gossip_state_name(ev->prev_state) : NULL,

@@ -1076,7 +1076,7 @@ out:
 	return rc;
 }
 
-int store_member_event_add(store *s, double ts, const char *node_id, const char *name,
+int store_member_event_add(store *s, int64_t ts, const char *node_id, const char *name,
 			   const char *addr, const char *kind, const char *state,
 			   const char *prev_state, int64_t incarnation, ds_err *err)
 {
@@ -1089,7 +1089,7 @@ int store_member_event_add(store *s, double ts, const char *node_id, const char 
 		  &st, err);
 	if (rc)
 		goto out;
-	sqlite3_bind_double(st, 1, ts);
+	sqlite3_bind_int64(st, 1, ts);
 	sqlite3_bind_text(st, 2, node_id, -1, SQLITE_STATIC);
 	sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
 	bind_str(st, 4, addr);
