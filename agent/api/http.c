@@ -137,7 +137,8 @@ int http_resp_header(http_resp *resp, const char *name, const char *value)
 	return DS_OK;
 }
 
-void http_resp_clear(http_resp *resp)
+/* Frees what resp holds (body, headers; calls stream_done when set). */
+static void http_resp_clear(http_resp *resp)
 {
 	free(resp->body);
 	resp->body = NULL;
@@ -155,27 +156,6 @@ void http_resp_clear(http_resp *resp)
 const char *http_req_header(const http_req *req, const char *name)
 {
 	return MHD_lookup_connection_value(req->conn, MHD_HEADER_KIND, name);
-}
-
-const char *http_req_arg(const http_req *req, const char *name)
-{
-	return MHD_lookup_connection_value(req->conn, MHD_GET_ARGUMENT_KIND, name);
-}
-
-void http_req_peer(const http_req *req, char *out, size_t n)
-{
-	const union MHD_ConnectionInfo *ci =
-		MHD_get_connection_info(req->conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
-	snprintf(out, n, "?");
-	if (!ci || !ci->client_addr)
-		return;
-	const struct sockaddr *sa = ci->client_addr;
-	if (sa->sa_family == AF_INET)
-		inet_ntop(AF_INET, &((const struct sockaddr_in *)(const void *)sa)->sin_addr, out,
-			  (socklen_t)n);
-	else if (sa->sa_family == AF_INET6)
-		inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr,
-			  out, (socklen_t)n);
 }
 
 int http_conn_gone(struct MHD_Connection *conn)

@@ -109,7 +109,8 @@ cluster_params cluster_default_params(void)
 	return p;
 }
 
-int64_t cluster_now_ms(void)
+/* Monotonic milliseconds, the clock the election runs on. */
+static int64_t cluster_now_ms(void)
 {
 	return (int64_t)(ds_now_ns() / 1000000u);
 }
@@ -122,11 +123,6 @@ static int64_t unix_now(void)
 rpc_auth *cluster_rpc_auth(cluster *c)
 {
 	return c->auth;
-}
-
-election *cluster_election(cluster *c)
-{
-	return c->el;
 }
 
 /* ---- the gossip view ---- */

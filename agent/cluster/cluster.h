@@ -72,10 +72,6 @@ void cluster_member_event(cluster *c, const gossip_event *ev);
 
 /* The credential checker of agent-to-agent requests (NULL for a single node). */
 rpc_auth *cluster_rpc_auth(cluster *c);
-/* The election (fencing: election_fence(cluster_election(c), epoch, ...)). */
-election *cluster_election(cluster *c);
-/* Monotonic milliseconds, the clock the election runs on. */
-int64_t cluster_now_ms(void);
 
 /* GET /v1/node: this node (identity, role, epoch, digest, inventory with the
  * latest health).  New reference or NULL (out of memory). */

@@ -962,15 +962,6 @@ void election_status_get(election *el, int64_t now_ms, election_status *out)
 	pthread_mutex_unlock(&el->mu);
 }
 
-size_t election_history(election *el, election_entry *out, size_t max)
-{
-	pthread_mutex_lock(&el->mu);
-	size_t n = el->n_hist < max ? el->n_hist : max;
-	memcpy(out, el->hist + (el->n_hist - n), n * sizeof *out);
-	pthread_mutex_unlock(&el->mu);
-	return n;
-}
-
 int election_fence(election *el, uint64_t epoch, int64_t now_ms, ds_err *err)
 {
 	int rc = DS_OK;

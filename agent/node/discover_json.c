@@ -37,7 +37,7 @@ const char *disc_level_name(disc_level level, int nvlinks, char *buf, size_t siz
 	}
 }
 
-const char *disc_src_name(disc_src src)
+static const char *disc_src_name(disc_src src)
 {
 	switch (src) {
 	case DISC_SRC_NVLINK: return "nvlink";
