@@ -29,6 +29,7 @@
 #define NVLINK_MAX 36 /* NVML_NVLINK_MAX_LINKS in NVML API 13 */
 #define PATH_COMPONENTS_MAX 32
 #define FIXTURE_IFADDRS "/etc/dsagent-fixture/ifaddrs"
+#define FIXTURE_IFADDRS_MAX (1u << 20) /* bytes of that file */
 
 /* ---- private per-run state -------------------------------------------------- */
 

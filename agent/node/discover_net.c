@@ -10,11 +10,12 @@
  * only), the files under the sysroot (discover.c helpers), disc_dev_numa.
  *
  * Invariants: discover.c's 1-4; the fixture file stands in for getifaddrs
- * only under a sysroot, and is read line by line to its end.
+ * only under a sysroot, and is read whole (ds_file_read_all, capped).
  *
  * Threading: one scan per thread.
  */
 #include "agent/node/discover_impl.h"
+#include "common/fileutil.h"
 #include "common/strutil.h"
 
 #include <arpa/inet.h>
@@ -214,16 +215,23 @@ static void nics_fixture(scan *s)
 	char path[PATH_MAX];
 	if (disc_path_of(s, path, sizeof path, FIXTURE_IFADDRS))
 		return;
-	FILE *f = fopen(path, "re");
-	if (!f) {
+	char *text = NULL;
+	size_t len = 0;
+	ds_err err = {0};
+	int rc = ds_file_read_all(path, FIXTURE_IFADDRS_MAX, &text, &len, &err);
+	if (rc == DS_ENOMEM)
+		s->oom = 1;
+	if (rc != DS_OK) {
 		disc_note_add(s, "nics", "%s: %s (under --sysroot, addresses come from this file)",
-		     FIXTURE_IFADDRS, errno == ENOENT ? "not found" : strerror(errno));
+			      FIXTURE_IFADDRS, rc == DS_ENOTFOUND ? "not found" : err.msg);
 		return;
 	}
-	char *line = NULL;
-	size_t cap = 0;
 	int lineno = 0;
-	while (getline(&line, &cap, f) >= 0) {
+	for (char *line = text, *next; line < text + len; line = next) {
+		char *nl = memchr(line, '\n', (size_t)(text + len - line));
+		next = nl ? nl + 1 : text + len;
+		if (nl)
+			*nl = '\0';
 		lineno++;
 		char *hash = strchr(line, '#');
 		if (hash)
@@ -262,8 +270,7 @@ static void nics_fixture(scan *s)
 		if (family)
 			nic_add_addr(s, n, family, buf, prefix);
 	}
-	free(line);
-	fclose(f);
+	free(text);
 }
 
 static int cmp_nic(const void *a, const void *b)
