@@ -49,18 +49,22 @@ struct ctl_opts {
 };
 
 static const cfg_opt opts_table[] = {
-	{"agent", CFG_STR, offsetof(struct ctl_opts, agent), "http://127.0.0.1:7481", 1, 0,
-	 "URL of the agent's control API"},
-	{"token-file", CFG_STR, offsetof(struct ctl_opts, token_file), NULL, 1, 0,
-	 "file holding the admin token (else $DSCTL_TOKEN, else DATA_DIR/admin.token)"},
-	{"data-dir", CFG_STR, offsetof(struct ctl_opts, data_dir), DEFAULT_DATA_DIR, 1, 0,
-	 "the agent's data directory, where admin.token is read from"},
-	{"json", CFG_BOOL, offsetof(struct ctl_opts, json), "false", 1, 0,
-	 "print one JSON document instead of text"},
-	{"timeout", CFG_INT, offsetof(struct ctl_opts, timeout_ms), "10000", 1, 600000,
-	 "request timeout in milliseconds"},
-	{"help", CFG_BOOL, offsetof(struct ctl_opts, help), "false", 1, 0, "this help"},
-	{0},
+	{.name = "agent", .type = CFG_STR, .offset = offsetof(struct ctl_opts, agent),
+	 .def = "http://127.0.0.1:7481", .min = 1, .max = 0,
+	 .help = "URL of the agent's control API"},
+	{.name = "token-file", .type = CFG_STR, .offset = offsetof(struct ctl_opts, token_file),
+	 .def = NULL, .min = 1, .max = 0,
+	 .help = "file holding the admin token (else $DSCTL_TOKEN, else DATA_DIR/admin.token)"},
+	{.name = "data-dir", .type = CFG_STR, .offset = offsetof(struct ctl_opts, data_dir),
+	 .def = DEFAULT_DATA_DIR, .min = 1, .max = 0,
+	 .help = "the agent's data directory, where admin.token is read from"},
+	{.name = "json", .type = CFG_BOOL, .offset = offsetof(struct ctl_opts, json),
+	 .def = "false", .min = 1, .max = 0, .help = "print one JSON document instead of text"},
+	{.name = "timeout", .type = CFG_INT, .offset = offsetof(struct ctl_opts, timeout_ms),
+	 .def = "10000", .min = 1, .max = 600000, .help = "request timeout in milliseconds"},
+	{.name = "help", .type = CFG_BOOL, .offset = offsetof(struct ctl_opts, help),
+	 .def = "false", .min = 1, .max = 0, .help = "this help"},
+	{.name = NULL},
 };
 
 /* Flags of the subcommands (each command's table points into this struct). */
@@ -73,21 +77,23 @@ struct cmd_flags {
 
 #define F(f) offsetof(struct cmd_flags, f)
 static const cfg_opt create_flags[] = {
-	{"expires", CFG_I64, F(expires_days), NULL, 0, 36500,
-	 "days until the key expires (default: never)"},
-	{"rpm", CFG_I64, F(rpm), NULL, 0, 1e9, "requests per minute (default: unlimited)"},
-	{"tpm", CFG_I64, F(tpm), NULL, 0, 1e12,
-	 "prompt + completion tokens per minute (default: unlimited)"},
-	{"max-concurrency", CFG_I64, F(max_concurrency), NULL, 0, 1e6,
-	 "requests in flight at once (default: unlimited)"},
-	{0},
+	{.name = "expires", .type = CFG_I64, .offset = F(expires_days), .def = NULL, .min = 0,
+	 .max = 36500, .help = "days until the key expires (default: never)"},
+	{.name = "rpm", .type = CFG_I64, .offset = F(rpm), .def = NULL, .min = 0, .max = 1e9,
+	 .help = "requests per minute (default: unlimited)"},
+	{.name = "tpm", .type = CFG_I64, .offset = F(tpm), .def = NULL, .min = 0, .max = 1e12,
+	 .help = "prompt + completion tokens per minute (default: unlimited)"},
+	{.name = "max-concurrency", .type = CFG_I64, .offset = F(max_concurrency), .def = NULL,
+	 .min = 0, .max = 1e6, .help = "requests in flight at once (default: unlimited)"},
+	{.name = NULL},
 };
 static const cfg_opt cluster_init_flags[] = {
-	{"key-file", CFG_STR, F(key_file), "/etc/dsagent/cluster.key", 1, 0,
-	 "where to write the key (created with mode 0600, parent directories 0700)"},
-	{"force", CFG_BOOL, F(force), "false", 1, 0,
-	 "replace an existing key file (every node then needs the new key)"},
-	{0},
+	{.name = "key-file", .type = CFG_STR, .offset = F(key_file),
+	 .def = "/etc/dsagent/cluster.key", .min = 1, .max = 0,
+	 .help = "where to write the key (created with mode 0600, parent directories 0700)"},
+	{.name = "force", .type = CFG_BOOL, .offset = F(force), .def = "false", .min = 1, .max = 0,
+	 .help = "replace an existing key file (every node then needs the new key)"},
+	{.name = NULL},
 };
 static const cfg_opt no_flags[] = {{0}};
 
@@ -1040,12 +1046,14 @@ static const struct command {
 	 .help = "write a new cluster key file (0600) for dsagent --cluster-key; no agent needed"},
 	{.word = "cluster", .sub = "members", .fn = cmd_cluster_members, .flags = no_flags,
 	 .args = "", .help = "the agent's member list: name, node id, address, state, incarnation"},
-	{.word = "cluster", .sub = "status", .fn = cmd_cluster_status, .flags = no_flags, .args = "",
+	{.word = "cluster", .sub = "status", .fn = cmd_cluster_status, .flags = no_flags,
+	 .args = "",
 	 .help = "membership and election as the agent sees them: head, epoch, lease, quorum, "
 		 "members, recent elections"},
 	{.word = "nodes", .fn = cmd_nodes, .flags = no_flags, .args = "[NAME]",
 	 .help = "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
-		 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, notes)",
+		 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, "
+		 "notes)",
 	 .opt_args = 1},
 	{.word = NULL},
 };
