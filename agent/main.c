@@ -20,6 +20,7 @@
 #include "agent/cluster/gossip.h"
 #include "agent/node/discover.h"
 #include "agent/api/http.h"
+#include "agent/auth/clusterkey_file.h"
 #include "agent/auth/keys.h"
 #include "agent/options.h"
 #include "agent/api/serve.h"
@@ -80,21 +81,21 @@ static void on_member_event(void *ud, const gossip_event *ev)
 	cluster_member_event(sink->cl, ev);
 }
 
-/* Gossip membership (--cluster-key): key file, node id, metadata, seeds.
- * NULL with err when it cannot start (the agent then refuses to start). */
-static gossip *start_gossip(const agent_opts *o, struct member_sink *sink, ds_err *err)
+/* Gossip membership (--cluster-key): key file, node id, seeds, and the
+ * metadata the cluster builds (the cluster is its only writer).  NULL with
+ * err when it cannot start (the agent then refuses to start). */
+static gossip *start_gossip(const agent_opts *o, cluster *cl, struct member_sink *sink,
+			    ds_err *err)
 {
-	gossip_keyring keys;
+	clusterkey_ring keys;
 	gossip_params gp = gossip_default_params();
-	gossip_meta meta = {.role = GOSSIP_ROLE_NONE, .health = GOSSIP_HEALTH_OK, .eligible = 1};
 	uint8_t mb[GOSSIP_META_MAX];
 	gossip *g = NULL;
-	if (gossip_key_load(o->cluster_key, &keys, err) != DS_OK)
+	if (clusterkey_file_load(o->cluster_key, &keys, err) != DS_OK)
 		return NULL;
-	ds_strlcpy(meta.version, eng_version(), sizeof meta.version);
 	if (gossip_node_id_load(o->data_dir, gp.node_id, NULL, err) == DS_OK &&
 	    gossip_timing_profile(o->gossip_profile, &gp.timing, err) == DS_OK &&
-	    gossip_meta_encode(&meta, mb, sizeof mb, &gp.meta_len, err) == DS_OK) {
+	    cluster_meta_initial(cl, mb, sizeof mb, &gp.meta_len, err) == DS_OK) {
 		gp.bind_addr = o->gossip_bind;
 		gp.port = o->gossip_port;
 		gp.advertise_addr = o->advertise_addr;
@@ -106,21 +107,8 @@ static gossip *start_gossip(const agent_opts *o, struct member_sink *sink, ds_er
 		gp.ud = sink;
 		g = gossip_new(&gp, err);
 	}
-	gossip_keyring_wipe(&keys);
+	clusterkey_wipe(&keys);
 	return g;
-}
-
-/* The control and API ports join the metadata once both servers listen. */
-static void gossip_meta_ports(gossip *g, int control_port, int api_port)
-{
-	gossip_meta meta = {.role = GOSSIP_ROLE_NONE, .health = GOSSIP_HEALTH_OK, .eligible = 1};
-	uint8_t mb[GOSSIP_META_MAX];
-	size_t len = 0;
-	ds_strlcpy(meta.version, eng_version(), sizeof meta.version);
-	meta.control_port = (uint16_t)control_port;
-	meta.api_port = (uint16_t)api_port;
-	if (gossip_meta_encode(&meta, mb, sizeof mb, &len, NULL) == DS_OK)
-		gossip_set_meta(g, mb, len, NULL);
 }
 
 int main(int argc, char **argv)
@@ -229,18 +217,23 @@ int main(int argc, char **argv)
 	}
 	sink.st = st;
 	sink.cl = cl;
-	if (opts.cluster_key && !(gos = start_gossip(&opts, &sink, &err))) {
+	if (opts.cluster_key && !(gos = start_gossip(&opts, cl, &sink, &err))) {
 		fprintf(stderr, "dsagent: gossip: %s\n", err.msg);
 		rc = 1;
 		goto out;
 	}
 
-	control_ctx ctx = {opts.name, be->name, kb_describe(be), ds_now_s()};
-	ctx.gossip = gos;
-	ctx.cluster = cl;
-	ctx.test_faults = opts.test_fault_injection;
-	ctx.keys = keys;               /* the admin routes of `dsctl keys` */
-	ctx.admin_token = admin_token;
+	control_ctx ctx = {
+		.node_name = opts.name,
+		.backend = be->name,
+		.backend_desc = kb_describe(be),
+		.started_s = ds_now_s(),
+		.keys = keys, /* the admin routes of `dsctl keys` */
+		.admin_token = admin_token,
+		.gossip = gos,
+		.test_faults = opts.test_fault_injection,
+		.cluster = cl,
+	};
 	http_params hp = http_default_params();
 	hp.bind_addr = opts.bind;
 	hp.port = opts.control_port;
@@ -297,7 +290,6 @@ int main(int argc, char **argv)
 		gossip_member self;
 		gossip_members(gos, &self, 1);
 		gossip_id_hex(self.id, idh);
-		gossip_meta_ports(gos, http_server_port(control), http_server_port(api));
 		printf("dsagent gossip=%s:%d node_id=%s\n", gossip_advertise_addr(gos),
 		       gossip_port(gos), idh);
 	}

@@ -15,7 +15,9 @@
  * engine.  Single-threaded.
  */
 #include "common/buf.h"
+#include "common/clusterkey.h"
 #include "common/config.h"
+#include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 #include "ctl/client.h"
@@ -47,18 +49,22 @@ struct ctl_opts {
 };
 
 static const cfg_opt opts_table[] = {
-	{"agent", CFG_STR, offsetof(struct ctl_opts, agent), "http://127.0.0.1:7481", 1, 0,
-	 "URL of the agent's control API"},
-	{"token-file", CFG_STR, offsetof(struct ctl_opts, token_file), NULL, 1, 0,
-	 "file holding the admin token (else $DSCTL_TOKEN, else DATA_DIR/admin.token)"},
-	{"data-dir", CFG_STR, offsetof(struct ctl_opts, data_dir), DEFAULT_DATA_DIR, 1, 0,
-	 "the agent's data directory, where admin.token is read from"},
-	{"json", CFG_BOOL, offsetof(struct ctl_opts, json), "false", 1, 0,
-	 "print one JSON document instead of text"},
-	{"timeout", CFG_INT, offsetof(struct ctl_opts, timeout_ms), "10000", 1, 600000,
-	 "request timeout in milliseconds"},
-	{"help", CFG_BOOL, offsetof(struct ctl_opts, help), "false", 1, 0, "this help"},
-	{0},
+	{.name = "agent", .type = CFG_STR, .offset = offsetof(struct ctl_opts, agent),
+	 .def = "http://127.0.0.1:7481", .min = 1, .max = 0,
+	 .help = "URL of the agent's control API"},
+	{.name = "token-file", .type = CFG_STR, .offset = offsetof(struct ctl_opts, token_file),
+	 .def = NULL, .min = 1, .max = 0,
+	 .help = "file holding the admin token (else $DSCTL_TOKEN, else DATA_DIR/admin.token)"},
+	{.name = "data-dir", .type = CFG_STR, .offset = offsetof(struct ctl_opts, data_dir),
+	 .def = DEFAULT_DATA_DIR, .min = 1, .max = 0,
+	 .help = "the agent's data directory, where admin.token is read from"},
+	{.name = "json", .type = CFG_BOOL, .offset = offsetof(struct ctl_opts, json),
+	 .def = "false", .min = 1, .max = 0, .help = "print one JSON document instead of text"},
+	{.name = "timeout", .type = CFG_INT, .offset = offsetof(struct ctl_opts, timeout_ms),
+	 .def = "10000", .min = 1, .max = 600000, .help = "request timeout in milliseconds"},
+	{.name = "help", .type = CFG_BOOL, .offset = offsetof(struct ctl_opts, help),
+	 .def = "false", .min = 1, .max = 0, .help = "this help"},
+	{.name = NULL},
 };
 
 /* Flags of the subcommands (each command's table points into this struct). */
@@ -71,21 +77,23 @@ struct cmd_flags {
 
 #define F(f) offsetof(struct cmd_flags, f)
 static const cfg_opt create_flags[] = {
-	{"expires", CFG_I64, F(expires_days), NULL, 0, 36500,
-	 "days until the key expires (default: never)"},
-	{"rpm", CFG_I64, F(rpm), NULL, 0, 1e9, "requests per minute (default: unlimited)"},
-	{"tpm", CFG_I64, F(tpm), NULL, 0, 1e12,
-	 "prompt + completion tokens per minute (default: unlimited)"},
-	{"max-concurrency", CFG_I64, F(max_concurrency), NULL, 0, 1e6,
-	 "requests in flight at once (default: unlimited)"},
-	{0},
+	{.name = "expires", .type = CFG_I64, .offset = F(expires_days), .def = NULL, .min = 0,
+	 .max = 36500, .help = "days until the key expires (default: never)"},
+	{.name = "rpm", .type = CFG_I64, .offset = F(rpm), .def = NULL, .min = 0, .max = 1e9,
+	 .help = "requests per minute (default: unlimited)"},
+	{.name = "tpm", .type = CFG_I64, .offset = F(tpm), .def = NULL, .min = 0, .max = 1e12,
+	 .help = "prompt + completion tokens per minute (default: unlimited)"},
+	{.name = "max-concurrency", .type = CFG_I64, .offset = F(max_concurrency), .def = NULL,
+	 .min = 0, .max = 1e6, .help = "requests in flight at once (default: unlimited)"},
+	{.name = NULL},
 };
 static const cfg_opt cluster_init_flags[] = {
-	{"key-file", CFG_STR, F(key_file), "/etc/dsagent/cluster.key", 1, 0,
-	 "where to write the key (created with mode 0600, parent directories 0700)"},
-	{"force", CFG_BOOL, F(force), "false", 1, 0,
-	 "replace an existing key file (every node then needs the new key)"},
-	{0},
+	{.name = "key-file", .type = CFG_STR, .offset = F(key_file),
+	 .def = "/etc/dsagent/cluster.key", .min = 1, .max = 0,
+	 .help = "where to write the key (created with mode 0600, parent directories 0700)"},
+	{.name = "force", .type = CFG_BOOL, .offset = F(force), .def = "false", .min = 1, .max = 0,
+	 .help = "replace an existing key file (every node then needs the new key)"},
+	{.name = NULL},
 };
 static const cfg_opt no_flags[] = {{0}};
 
@@ -102,19 +110,13 @@ struct token {
 
 static int read_token_file(const char *path, struct token *t)
 {
-	FILE *f = fopen(path, "r");
-	if (!f) {
+	size_t n = 0;
+	ds_err err = {0};
+	if (ds_file_read_small(path, 0, t->text, sizeof t->text - 1, &n, &err) != DS_OK) {
 		fprintf(stderr,
 			"dsctl: cannot read the admin token from %s: %s (pass --token-file FILE, "
 			"set $DSCTL_TOKEN, or --data-dir DIR of the agent)\n",
-			path, strerror(errno));
-		return 1;
-	}
-	size_t n = fread(t->text, 1, sizeof t->text - 1, f);
-	int err = ferror(f);
-	fclose(f);
-	if (err) {
-		fprintf(stderr, "dsctl: cannot read the admin token from %s\n", path);
+			path, err.msg);
 		return 1;
 	}
 	t->text[n] = '\0';
@@ -178,7 +180,7 @@ static json_t *call(const struct ctl_opts *o, const char *method, const char *pa
 		    const json_t *req, int admin)
 {
 	struct token tok;
-	ctl_client c = {o->agent, NULL, o->timeout_ms};
+	ctl_client c = {.base_url = o->agent, .timeout_ms = o->timeout_ms};
 	buf body;
 	ds_err err = {0};
 	json_t *v = NULL;
@@ -439,26 +441,6 @@ static int cmd_keys_revoke(const struct ctl_opts *o, const struct cmd_flags *fl,
 
 /* ---- cluster ---- */
 
-/* Standard base64 with padding (the key file format, docs/cluster.md). */
-static void base64(const uint8_t *in, size_t n, char *out)
-{
-	static const char tab[] =
-		"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-	size_t o = 0;
-	for (size_t i = 0; i < n; i += 3) {
-		uint32_t v = (uint32_t)in[i] << 16;
-		if (i + 1 < n)
-			v |= (uint32_t)in[i + 1] << 8;
-		if (i + 2 < n)
-			v |= in[i + 2];
-		out[o++] = tab[v >> 18 & 63];
-		out[o++] = tab[v >> 12 & 63];
-		out[o++] = i + 1 < n ? tab[v >> 6 & 63] : '=';
-		out[o++] = i + 2 < n ? tab[v & 63] : '=';
-	}
-	out[o] = '\0';
-}
-
 /* mkdir -p of path's parent, new directories 0700. */
 static int make_parents(const char *path)
 {
@@ -480,35 +462,12 @@ static int make_parents(const char *path)
 	return mkdir(dir, 0700) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-/* Writes text to path with mode 0600: exclusive create, or (force) a
- * temporary file renamed over it. */
-static int write_private(const char *path, const char *text, int force)
+static void key_file_exists(const char *path)
 {
-	char tmp[PATH_MAX];
-	const char *target = path;
-	if (force) {
-		if ((size_t)snprintf(tmp, sizeof tmp, "%s.new-%ld", path, (long)getpid()) >=
-		    sizeof tmp)
-			return -1;
-		target = tmp;
-	}
-	int fd = open(target, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-	if (fd < 0)
-		return -1;
-	size_t len = strlen(text);
-	int ok = fchmod(fd, 0600) == 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
-	int e = errno;
-	close(fd);
-	if (ok && force && rename(tmp, path) != 0) {
-		e = errno;
-		ok = 0;
-	}
-	if (!ok) {
-		unlink(target);
-		errno = e;
-		return -1;
-	}
-	return 0;
+	fprintf(stderr,
+		"dsctl: %s exists; pass --force to replace it (the cluster then needs the new key "
+		"on every node)\n",
+		path);
 }
 
 static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
@@ -516,13 +475,11 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 {
 	const char *path = fl->key_file;
 	uint8_t raw[33]; /* byte 32: the key id */
-	char b64[64], line[96];
+	char line[CLUSTERKEY_LINE_MAX];
 	struct stat st;
+	ds_err err = {0};
 	if (!fl->force && stat(path, &st) == 0) {
-		fprintf(stderr,
-			"dsctl: %s exists; pass --force to replace it (the cluster then needs the "
-			"new key on every node)\n",
-			path);
+		key_file_exists(path);
 		return 1;
 	}
 	if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
@@ -530,11 +487,18 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 		return 1;
 	}
 	uint8_t kid = raw[32] ? raw[32] : 1; /* key id 0 is for raw 32-byte key files */
-	base64(raw, 32, b64);
-	snprintf(line, sizeof line, "dsck1:%02x:%s\n", kid, b64);
-	int rc = 0;
-	if (make_parents(path) != 0 || write_private(path, line, fl->force) != 0) {
-		fprintf(stderr, "dsctl: cannot write %s: %s\n", path, strerror(errno));
+	int rc = clusterkey_format(kid, raw, line, sizeof line, &err);
+	if (rc == DS_OK && make_parents(path) != 0)
+		rc = ds_err_set(&err, DS_EIO, "cannot create the directories of %s: %s", path,
+				strerror(errno));
+	if (rc == DS_OK)
+		rc = ds_file_write_private(path, line, strlen(line), fl->force ? 0 : DS_WRITE_EXCL,
+					   &err);
+	if (rc == DS_EBUSY) {
+		key_file_exists(path);
+		rc = 1;
+	} else if (rc != DS_OK) {
+		fprintf(stderr, "dsctl: cannot write %s: %s\n", path, err.msg);
 		rc = 1;
 	} else if (o->json) {
 		json_t *out = json_pack("{s:s,s:i}", "key_file", path, "key_id", (int)kid);
@@ -550,9 +514,8 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 		       "Keep it secret: whoever holds it can join and speak for the cluster.\n",
 		       path, kid, path, path, path, path, path);
 	}
-	memset(raw, 0, sizeof raw);
-	memset(b64, 0, sizeof b64);
-	memset(line, 0, sizeof line);
+	explicit_bzero(raw, sizeof raw);
+	explicit_bzero(line, sizeof line);
 	return rc;
 }
 
@@ -1067,26 +1030,32 @@ static const struct command {
 	const char *help;
 	int opt_args;           /* optional positional arguments after those */
 } commands[] = {
-	{"health", NULL, cmd_health, no_flags, 0, "", "is the agent up; its name, version and backend"},
-	{"version", NULL, cmd_version, no_flags, 0, "", "version and compute backend of the agent"},
-	{"keys", "create", cmd_keys_create, create_flags, 1,
-	 "NAME [--expires DAYS] [--rpm N] [--tpm N] [--max-concurrency N]",
-	 "create an API key and print it (once)"},
-	{"keys", "list", cmd_keys_list, no_flags, 0, "",
-	 "every key: id, name, prefix, times, usage, limits, revoked"},
-	{"keys", "revoke", cmd_keys_revoke, no_flags, 1, "ID", "revoke a key at once"},
-	{"cluster", "init", cmd_cluster_init, cluster_init_flags, 0, "[--key-file F] [--force]",
-	 "write a new cluster key file (0600) for dsagent --cluster-key; no agent needed"},
-	{"cluster", "members", cmd_cluster_members, no_flags, 0, "",
-	 "the agent's member list: name, node id, address, state, incarnation"},
-	{"cluster", "status", cmd_cluster_status, no_flags, 0, "",
-	 "membership and election as the agent sees them: head, epoch, lease, quorum, members, "
-	 "recent elections"},
-	{"nodes", NULL, cmd_nodes, no_flags, 0, "[NAME]",
-	 "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
-	 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, notes)",
-	 1},
-	{NULL, NULL, NULL, NULL, 0, NULL, NULL, 0},
+	{.word = "health", .fn = cmd_health, .flags = no_flags, .args = "",
+	 .help = "is the agent up; its name, version and backend"},
+	{.word = "version", .fn = cmd_version, .flags = no_flags, .args = "",
+	 .help = "version and compute backend of the agent"},
+	{.word = "keys", .sub = "create", .fn = cmd_keys_create, .flags = create_flags, .nargs = 1,
+	 .args = "NAME [--expires DAYS] [--rpm N] [--tpm N] [--max-concurrency N]",
+	 .help = "create an API key and print it (once)"},
+	{.word = "keys", .sub = "list", .fn = cmd_keys_list, .flags = no_flags, .args = "",
+	 .help = "every key: id, name, prefix, times, usage, limits, revoked"},
+	{.word = "keys", .sub = "revoke", .fn = cmd_keys_revoke, .flags = no_flags, .nargs = 1,
+	 .args = "ID", .help = "revoke a key at once"},
+	{.word = "cluster", .sub = "init", .fn = cmd_cluster_init, .flags = cluster_init_flags,
+	 .args = "[--key-file F] [--force]",
+	 .help = "write a new cluster key file (0600) for dsagent --cluster-key; no agent needed"},
+	{.word = "cluster", .sub = "members", .fn = cmd_cluster_members, .flags = no_flags,
+	 .args = "", .help = "the agent's member list: name, node id, address, state, incarnation"},
+	{.word = "cluster", .sub = "status", .fn = cmd_cluster_status, .flags = no_flags,
+	 .args = "",
+	 .help = "membership and election as the agent sees them: head, epoch, lease, quorum, "
+		 "members, recent elections"},
+	{.word = "nodes", .fn = cmd_nodes, .flags = no_flags, .args = "[NAME]",
+	 .help = "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
+		 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, "
+		 "notes)",
+	 .opt_args = 1},
+	{.word = NULL},
 };
 
 static void usage(FILE *f)

@@ -137,7 +137,8 @@ int http_resp_header(http_resp *resp, const char *name, const char *value)
 	return DS_OK;
 }
 
-void http_resp_clear(http_resp *resp)
+/* Frees what resp holds (body, headers; calls stream_done when set). */
+static void http_resp_clear(http_resp *resp)
 {
 	free(resp->body);
 	resp->body = NULL;
@@ -157,34 +158,13 @@ const char *http_req_header(const http_req *req, const char *name)
 	return MHD_lookup_connection_value(req->conn, MHD_HEADER_KIND, name);
 }
 
-const char *http_req_arg(const http_req *req, const char *name)
-{
-	return MHD_lookup_connection_value(req->conn, MHD_GET_ARGUMENT_KIND, name);
-}
-
-void http_req_peer(const http_req *req, char *out, size_t n)
-{
-	const union MHD_ConnectionInfo *ci =
-		MHD_get_connection_info(req->conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
-	snprintf(out, n, "?");
-	if (!ci || !ci->client_addr)
-		return;
-	const struct sockaddr *sa = ci->client_addr;
-	if (sa->sa_family == AF_INET)
-		inet_ntop(AF_INET, &((const struct sockaddr_in *)(const void *)sa)->sin_addr, out,
-			  (socklen_t)n);
-	else if (sa->sa_family == AF_INET6)
-		inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr,
-			  out, (socklen_t)n);
-}
-
 int http_conn_gone(struct MHD_Connection *conn)
 {
 	const union MHD_ConnectionInfo *ci =
 		MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
 	if (!ci)
 		return 1;
-	struct pollfd pf = {ci->connect_fd, POLLIN | POLLRDHUP, 0};
+	struct pollfd pf = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
 	if (poll(&pf, 1, 0) <= 0)
 		return 0;
 	if (pf.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))
@@ -303,7 +283,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 		return MHD_YES;
 	}
 	http_resp resp = {0};
-	http_req req = {method, url, st->body.data ? st->body.data : "", st->body.len, c};
+	http_req req = {
+		.method = method,
+		.path = url,
+		.body = st->body.data ? st->body.data : "",
+		.body_len = st->body.len,
+		.conn = c,
+	};
 	if (st->too_large) {
 		http_resp_error(&resp, 413, "invalid_request_error", "request_too_large",
 				"request body is larger than the limit of %zu bytes", s->p.max_body);

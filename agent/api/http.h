@@ -94,14 +94,9 @@ void http_resp_error_param(http_resp *resp, int status, const char *type, const 
 /* Adds a response header (copied).  Names and values with control characters
  * are refused (DS_EINVAL), so nothing a client sent can split a header. */
 int http_resp_header(http_resp *resp, const char *name, const char *value);
-/* Frees what resp holds (body, headers; calls stream_done when set). */
-void http_resp_clear(http_resp *resp);
 
-/* Header value of the request, or NULL; query-string argument, or NULL. */
+/* Header value of the request, or NULL. */
 const char *http_req_header(const http_req *req, const char *name);
-const char *http_req_arg(const http_req *req, const char *name);
-/* The peer's IPv4/IPv6 address as text ("?" when unknown). */
-void http_req_peer(const http_req *req, char *out, size_t n);
 
 /* 1 when the client closed its side of the connection (checked without
  * blocking; for handlers and stream readers that wait on the engine). */

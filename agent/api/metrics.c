@@ -21,25 +21,48 @@ typedef struct hist_def {
 } hist_def;
 
 static const hist_def hists[MET_N_HIST] = {
-	[MET_TTFT] = {"time_to_first_token_seconds", "Time to first token in seconds.", 19,
-		      {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-		       5.0, 7.5, 10.0, 20.0, 40.0, 80.0}},
-	[MET_ITL] = {"inter_token_latency_seconds", "Time between output tokens in seconds.", 18,
-		     {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-		      7.5, 10.0, 20.0, 40.0}},
-	[MET_E2E] = {"e2e_request_latency_seconds", "End-to-end request latency in seconds.", 20,
-		     {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-		      60.0, 120.0, 240.0, 480.0, 960.0, 1920.0}},
-	[MET_QUEUE] = {"request_queue_time_seconds", "Time spent waiting in the queue in seconds.",
-		       20,
-		       {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-			60.0, 120.0, 240.0, 480.0, 960.0, 1920.0}},
-	[MET_PROMPT_TOKENS] = {"request_prompt_tokens", "Prompt tokens per request.", 16,
-			       {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
-				50000, 100000}},
-	[MET_GEN_TOKENS] = {"request_generation_tokens", "Generated tokens per request.", 16,
-			    {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
-			     50000, 100000}},
+	[MET_TTFT] = {
+		.name = "time_to_first_token_seconds",
+		.help = "Time to first token in seconds.",
+		.n = 19,
+		.le = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+		       1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0},
+	},
+	[MET_ITL] = {
+		.name = "inter_token_latency_seconds",
+		.help = "Time between output tokens in seconds.",
+		.n = 18,
+		.le = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+		       2.5, 5.0, 7.5, 10.0, 20.0, 40.0},
+	},
+	[MET_E2E] = {
+		.name = "e2e_request_latency_seconds",
+		.help = "End-to-end request latency in seconds.",
+		.n = 20,
+		.le = {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+		       50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0},
+	},
+	[MET_QUEUE] = {
+		.name = "request_queue_time_seconds",
+		.help = "Time spent waiting in the queue in seconds.",
+		.n = 20,
+		.le = {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+		       50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0},
+	},
+	[MET_PROMPT_TOKENS] = {
+		.name = "request_prompt_tokens",
+		.help = "Prompt tokens per request.",
+		.n = 16,
+		.le = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+		       50000, 100000},
+	},
+	[MET_GEN_TOKENS] = {
+		.name = "request_generation_tokens",
+		.help = "Generated tokens per request.",
+		.n = 16,
+		.le = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+		       50000, 100000},
+	},
 };
 
 static const char *const fin_names[MET_N_FIN] = {"stop", "length", "abort", "error"};

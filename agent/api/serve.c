@@ -128,8 +128,12 @@ int serve_load(serve *s, ds_err *err)
 		*err = (ds_err){0};
 	}
 	find_eot(s);
-	sched_params sp = {s->p.max_running, s->p.max_waiting, s->p.max_batch_tokens,
-			   s->p.prefill_chunk};
+	sched_params sp = {
+		.max_running = s->p.max_running,
+		.max_waiting = s->p.max_waiting,
+		.token_budget = s->p.max_batch_tokens,
+		.prefill_chunk = s->p.prefill_chunk,
+	};
 	if (!(s->sc = sched_new(s->m, &sp, err)))
 		return err->code ? err->code : DS_EIO;
 	atomic_store(&s->ready, 1);
@@ -416,12 +420,12 @@ out:
 }
 
 const http_route serve_routes[] = {
-	{"GET", "/health", get_health},
-	{"GET", "/v1/models", get_models},
-	{"GET", "/metrics", get_metrics},
-	{"POST", "/v1/chat/completions", oai_chat},
-	{"POST", "/v1/completions", oai_completions},
-	{"POST", "/tokenize", post_tokenize},
-	{"POST", "/detokenize", post_detokenize},
+	{.method = "GET", .path = "/health", .fn = get_health},
+	{.method = "GET", .path = "/v1/models", .fn = get_models},
+	{.method = "GET", .path = "/metrics", .fn = get_metrics},
+	{.method = "POST", .path = "/v1/chat/completions", .fn = oai_chat},
+	{.method = "POST", .path = "/v1/completions", .fn = oai_completions},
+	{.method = "POST", .path = "/tokenize", .fn = post_tokenize},
+	{.method = "POST", .path = "/detokenize", .fn = post_detokenize},
 	{0},
 };

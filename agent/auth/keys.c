@@ -35,8 +35,6 @@
 #include "common/log.h"
 #include "common/strutil.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
@@ -48,7 +46,6 @@
 #include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
-#include <unistd.h>
 
 #define SECRET_LEN 32
 #define KEY_RAW_LEN 32
@@ -90,51 +87,6 @@ static int path_join(char *out, size_t n, const char *dir, const char *file, ds_
 	return DS_OK;
 }
 
-/* Creates path exclusively with mode 0600 and writes data; DS_EBUSY when it
- * exists already (another process won the race: read it instead). */
-static int private_file_create(const char *path, const void *data, size_t len, ds_err *err)
-{
-	int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-	if (fd < 0) {
-		if (errno == EEXIST)
-			return DS_EBUSY;
-		return ds_err_set(err, DS_EIO, "cannot create %s: %s", path, strerror(errno));
-	}
-	const char *p = data;
-	size_t done = 0;
-	int rc = DS_OK;
-	while (done < len) {
-		ssize_t w = write(fd, p + done, len - done);
-		if (w < 0 && errno == EINTR)
-			continue;
-		if (w <= 0) {
-			rc = ds_err_set(err, DS_EIO, "cannot write %s: %s", path, strerror(errno));
-			break;
-		}
-		done += (size_t)w;
-	}
-	if (rc == DS_OK && fsync(fd) != 0)
-		rc = ds_err_set(err, DS_EIO, "cannot sync %s: %s", path, strerror(errno));
-	close(fd);
-	if (rc) {
-		unlink(path);
-		return rc;
-	}
-	/* Make the new name itself durable. */
-	char dir[PATH_MAX];
-	ds_strlcpy(dir, path, sizeof dir);
-	char *slash = strrchr(dir, '/');
-	if (slash) {
-		*slash = '\0';
-		int dfd = open(dir[0] ? dir : "/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-		if (dfd >= 0) {
-			fsync(dfd);
-			close(dfd);
-		}
-	}
-	return DS_OK;
-}
-
 static int load_secret(const char *data_dir, uint8_t secret[SECRET_LEN], ds_err *err)
 {
 	char path[PATH_MAX];
@@ -160,7 +112,7 @@ static int load_secret(const char *data_dir, uint8_t secret[SECRET_LEN], ds_err 
 		if (rc != DS_ENOTFOUND)
 			return rc;
 		randombytes_buf(buf, SECRET_LEN);
-		rc = private_file_create(path, buf, SECRET_LEN, err);
+		rc = ds_file_write_private(path, buf, SECRET_LEN, DS_WRITE_EXCL, err);
 		if (rc == DS_OK) {
 			memcpy(secret, buf, SECRET_LEN);
 			sodium_memzero(buf, sizeof buf);
@@ -231,7 +183,7 @@ int keys_admin_token_load(const char *data_dir, char out[KEYS_TOKEN_SIZE], int *
 				  sodium_base64_VARIANT_URLSAFE_NO_PADDING);
 		size_t tl = strlen(text);
 		text[tl] = '\n';
-		rc = private_file_create(path, text, tl + 1, err);
+		rc = ds_file_write_private(path, text, tl + 1, DS_WRITE_EXCL, err);
 		if (rc == DS_OK) {
 			memcpy(out, text, tl);
 			out[tl] = '\0';

@@ -27,6 +27,10 @@
  *     bumps the gossip incarnation).
  *  4. cluster_free stops and joins both threads before anything they use is
  *     freed.
+ *  5. This file is the only writer of this node's gossip metadata: the
+ *     metadata gossip starts with comes from cluster_meta_initial, every
+ *     later version from publish_meta, both built by meta_encode, so no peer
+ *     ever sees a default role, eligibility or priority for this node.
  *
  * Threading: c->mu guards inv, digest, ports, the drop list and the peer
  * table; the election, gossip, store and rpc_auth have their own locks.  Two
@@ -34,6 +38,8 @@
  * control API call in.
  */
 #include "agent/cluster/cluster.h"
+#include "agent/auth/clusterkey_file.h"
+#include "common/hex.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"
@@ -103,7 +109,8 @@ cluster_params cluster_default_params(void)
 	return p;
 }
 
-int64_t cluster_now_ms(void)
+/* Monotonic milliseconds, the clock the election runs on. */
+static int64_t cluster_now_ms(void)
 {
 	return (int64_t)(ds_now_ns() / 1000000u);
 }
@@ -116,11 +123,6 @@ static int64_t unix_now(void)
 rpc_auth *cluster_rpc_auth(cluster *c)
 {
 	return c->auth;
-}
-
-election *cluster_election(cluster *c)
-{
-	return c->el;
 }
 
 /* ---- the gossip view ---- */
@@ -173,34 +175,6 @@ static int zero_bytes(const uint8_t *b, size_t n)
 		if (b[i])
 			return 0;
 	return 1;
-}
-
-static void bytes_hex(const uint8_t *b, size_t n, char *out)
-{
-	static const char d[] = "0123456789abcdef";
-	for (size_t i = 0; i < n; i++) {
-		out[2 * i] = d[b[i] >> 4];
-		out[2 * i + 1] = d[b[i] & 15];
-	}
-	out[2 * n] = '\0';
-}
-
-static int hex_bytes(const char *hex, uint8_t *out, size_t n)
-{
-	if (strlen(hex) != 2 * n)
-		return -1;
-	for (size_t i = 0; i < n; i++) {
-		int v = 0;
-		for (int k = 0; k < 2; k++) {
-			char ch = hex[2 * i + k];
-			int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
-			if (d < 0)
-				return -1;
-			v = v * 16 + d;
-		}
-		out[i] = (uint8_t)v;
-	}
-	return 0;
 }
 
 static int dropped_name(cluster *c, const char *name)
@@ -320,13 +294,14 @@ static void push_view(cluster *c, int64_t now)
 	free(v);
 }
 
-/* Republishes this node's metadata when a field changed. */
-static void publish_meta(cluster *c, int64_t now)
+/* This node's metadata: version, the election's view (role, epoch, head),
+ * the operator's eligible and priority, the inventory digest and the ports
+ * once cluster_start knows them.  The one builder of it (invariant 5). */
+static int meta_encode(cluster *c, int64_t now, uint8_t *out, size_t cap, size_t *len,
+		       ds_err *err)
 {
 	election_status es;
 	gossip_meta md;
-	uint8_t mb[GOSSIP_META_MAX];
-	size_t len = 0;
 	election_status_get(c->el, now, &es);
 	memset(&md, 0, sizeof md);
 	ds_strlcpy(md.version, c->p.version ? c->p.version : "", sizeof md.version);
@@ -339,13 +314,34 @@ static void publish_meta(cluster *c, int64_t now)
 		memcpy(md.head_id, es.head, GOSSIP_ID_LEN);
 	md.head_epoch = es.has_head ? es.head_epoch : 0;
 	pthread_mutex_lock(&c->mu);
-	if (c->digest[0])
-		hex_bytes(c->digest, md.inventory, sizeof md.inventory);
+	if (strlen(c->digest) != 2 * sizeof md.inventory ||
+	    ds_hex_decode(c->digest, sizeof md.inventory, md.inventory) != 0)
+		memset(md.inventory, 0, sizeof md.inventory); /* none yet */
 	md.control_port = (uint16_t)c->control_port;
 	md.api_port = (uint16_t)c->api_port;
 	pthread_mutex_unlock(&c->mu);
-	if (gossip_meta_encode(&md, mb, sizeof mb, &len, NULL) != DS_OK)
+	return gossip_meta_encode(&md, out, cap, len, err);
+}
+
+int cluster_meta_initial(cluster *c, uint8_t *out, size_t cap, size_t *len, ds_err *err)
+{
+	int rc = meta_encode(c, cluster_now_ms(), out, cap, len, err);
+	if (rc == DS_OK && *len <= sizeof c->meta) { /* what gossip starts with */
+		memcpy(c->meta, out, *len);
+		c->meta_len = *len;
+	}
+	return rc;
+}
+
+/* Republishes this node's metadata when a field changed. */
+static void publish_meta(cluster *c, int64_t now)
+{
+	election_status es;
+	uint8_t mb[GOSSIP_META_MAX];
+	size_t len = 0;
+	if (meta_encode(c, now, mb, sizeof mb, &len, NULL) != DS_OK)
 		return;
+	election_status_get(c->el, now, &es);
 	if (len != c->meta_len || memcmp(mb, c->meta, len) != 0) {
 		ds_err err = {0};
 		if (gossip_set_meta(c->g, mb, len, &err) == DS_OK) {
@@ -364,7 +360,7 @@ static void publish_meta(cluster *c, int64_t now)
 static int wait_or_stop(cluster *c, int ms)
 {
 	struct timespec ts;
-	clock_gettime(CLOCK_REALTIME, &ts);
+	clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of c->cv (cluster_new) */
 	ts.tv_sec += ms / 1000;
 	ts.tv_nsec += (long)(ms % 1000) * 1000000L;
 	if (ts.tv_nsec >= 1000000000L) {
@@ -576,7 +572,7 @@ static void collect(cluster *c, int64_t now)
 		snprintf(seen, sizeof seen, "%s|%s|%lld|%s|%d|%d", n.status, n.role,
 			 (long long)n.epoch, n.addr, n.control_port, n.api_port);
 		if (!zero_bytes(md.inventory, sizeof md.inventory))
-			bytes_hex(md.inventory, sizeof md.inventory, dg);
+			ds_hex_encode(md.inventory, sizeof md.inventory, dg);
 		int write_seen = 0, fetch = 0;
 		pthread_mutex_lock(&c->mu);
 		struct peer *p = peer_get(c, m->id);
@@ -643,7 +639,7 @@ static void *inventory_main(void *arg)
 cluster *cluster_new(const cluster_params *p, ds_err *err)
 {
 	cluster *c = calloc(1, sizeof *c);
-	gossip_keyring keys;
+	clusterkey_ring keys;
 	int have_keys = 0;
 	memset(&keys, 0, sizeof keys);
 	if (!c) {
@@ -653,7 +649,11 @@ cluster *cluster_new(const cluster_params *p, ds_err *err)
 	c->p = *p;
 	c->st = p->store;
 	pthread_mutex_init(&c->mu, NULL);
-	pthread_cond_init(&c->cv, NULL);
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* waits are intervals */
+	pthread_cond_init(&c->cv, &ca);
+	pthread_condattr_destroy(&ca);
 	int rc = DS_OK;
 	if (!p->store || !p->node_name || !p->data_dir || p->lease_ms < 30 || p->health_ms < 50) {
 		rc = ds_err_set(err, DS_EINVAL, "cluster: bad parameters");
@@ -664,7 +664,7 @@ cluster *cluster_new(const cluster_params *p, ds_err *err)
 		goto out;
 	gossip_id_hex(c->self_id, c->self_hex);
 	if (p->cluster_key) {
-		if ((rc = gossip_key_load(p->cluster_key, &keys, err)) != DS_OK)
+		if ((rc = clusterkey_file_load(p->cluster_key, &keys, err)) != DS_OK)
 			goto out;
 		have_keys = 1;
 		if (!(c->auth = rpc_auth_new((const uint8_t(*)[RPC_KEY_LEN])keys.key, keys.n,
@@ -695,7 +695,7 @@ cluster *cluster_new(const cluster_params *p, ds_err *err)
 	}
 out:
 	if (have_keys)
-		gossip_keyring_wipe(&keys);
+		clusterkey_wipe(&keys);
 	if (rc) {
 		cluster_free(c);
 		return NULL;
@@ -718,6 +718,8 @@ int cluster_start(cluster *c, gossip *g, int control_port, int api_port, ds_err 
 	self_node(c, &self, cluster_now_ms());
 	if (store_node_seen(c->st, &self, unix_now(), &e) != DS_OK)
 		log_warn("cluster", "cannot record this node", "error=\"%s\"", e.msg);
+	if (g) /* the ports join the metadata now, before the election thread runs */
+		publish_meta(c, cluster_now_ms());
 	if (pthread_create(&c->inv_th, NULL, inventory_main, c) != 0)
 		return ds_err_set(err, DS_EINTERNAL, "cannot start the inventory thread");
 	if (g && pthread_create(&c->el_th, NULL, election_main, c) != 0) {
@@ -761,9 +763,7 @@ void cluster_member_event(cluster *c, const gossip_event *ev)
 	char id[GOSSIP_ID_HEX];
 	ds_err e = {0};
 	gossip_id_hex(ev->member.id, id);
-	struct timespec ts;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	if (store_member_event_add(c->st, (double)ts.tv_sec + ts.tv_nsec * 1e-9, id, ev->member.name,
+	if (store_member_event_add(c->st, unix_now(), id, ev->member.name,
 				   ev->member.addr, gossip_event_name(ev->kind),
 				   gossip_state_name(ev->member.state),
 				   ev->prev_state >= 0 ? gossip_state_name(ev->prev_state) : NULL,
@@ -1062,7 +1062,7 @@ static json_t *local_nodes(cluster *c, const char *reason)
 		meta_of(&v[i], &md);
 		member_node(&v[i], &md, &n);
 		if (!zero_bytes(md.inventory, sizeof md.inventory))
-			bytes_hex(md.inventory, sizeof md.inventory, n.digest);
+			ds_hex_encode(md.inventory, sizeof md.inventory, n.digest);
 		if ((items[k] = node_json(&n, NULL, 0)))
 			k++;
 	}

@@ -7,8 +7,10 @@
  *     cluster_params p = cluster_default_params();   ... fill ...
  *     cluster *c = cluster_new(&p, &err);     discovery, own node in the store,
  *                                             the election (single node: head now)
- *     gossip_new(... on_event -> cluster_member_event(c, ev) ...)
+ *     cluster_meta_initial(c, meta, sizeof meta, &meta_len, &err);
+ *     gossip_new(... meta, on_event -> cluster_member_event(c, ev) ...)
  *     cluster_start(c, gossip_or_NULL, control_port, api_port, &err);
+ *                                             publishes the metadata with the ports
  *     ... control API handlers call cluster_*_json / cluster_election_post ...
  *     cluster_free(c);                        stops its threads (before gossip_free)
  *
@@ -53,8 +55,14 @@ typedef struct cluster cluster;
 /* Discovers this node (DS_EINVAL etc. from disc_run), writes it to the store,
  * loads the cluster key (when set) and creates the election.  NULL with err. */
 cluster *cluster_new(const cluster_params *p, ds_err *err);
-/* Starts the threads; g is the gossip instance (NULL exactly when
- * cluster_key was NULL) and must outlive cluster_free. */
+/* This node's gossip metadata as the cluster publishes it (role, epoch,
+ * eligible, priority, inventory digest; no ports yet), for gossip_params.meta:
+ * the cluster is the only writer of the metadata, from the first version on.
+ * Call before cluster_start.  DS_ERANGE when cap is too small. */
+int cluster_meta_initial(cluster *c, uint8_t *out, size_t cap, size_t *len, ds_err *err);
+/* Publishes the metadata with the ports (when g) and starts the threads; g
+ * is the gossip instance (NULL exactly when cluster_key was NULL) and must
+ * outlive cluster_free. */
 int cluster_start(cluster *c, gossip *g, int control_port, int api_port, ds_err *err);
 /* Stops the threads and frees.  NULL is a no-op. */
 void cluster_free(cluster *c);
@@ -64,10 +72,6 @@ void cluster_member_event(cluster *c, const gossip_event *ev);
 
 /* The credential checker of agent-to-agent requests (NULL for a single node). */
 rpc_auth *cluster_rpc_auth(cluster *c);
-/* The election (fencing: election_fence(cluster_election(c), epoch, ...)). */
-election *cluster_election(cluster *c);
-/* Monotonic milliseconds, the clock the election runs on. */
-int64_t cluster_now_ms(void);
 
 /* GET /v1/node: this node (identity, role, epoch, digest, inventory with the
  * latest health).  New reference or NULL (out of memory). */

@@ -24,6 +24,7 @@
  * election.
  */
 #include "agent/cluster/election.h"
+#include "common/hex.h"
 #include "common/log.h"
 #include "common/strutil.h"
 
@@ -120,30 +121,17 @@ const char *election_role_name(int role)
 
 void election_id_hex(const uint8_t id[ELECTION_ID_LEN], char out[33])
 {
-	static const char d[] = "0123456789abcdef";
-	for (int i = 0; i < ELECTION_ID_LEN; i++) {
-		out[2 * i] = d[id[i] >> 4];
-		out[2 * i + 1] = d[id[i] & 15];
-	}
-	out[32] = '\0';
+	ds_hex_encode(id, ELECTION_ID_LEN, out);
 }
 
 int election_id_parse(const char *text, uint8_t id[ELECTION_ID_LEN])
 {
-	if (!text || strlen(text) != 32)
+	if (!text || strlen(text) != 2 * ELECTION_ID_LEN)
 		return DS_EFORMAT;
-	for (int i = 0; i < ELECTION_ID_LEN; i++) {
-		int v = 0;
-		for (int k = 0; k < 2; k++) {
-			char c = text[2 * i + k];
-			int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-			if (d < 0)
-				return DS_EFORMAT;
-			v = v * 16 + d;
-		}
-		id[i] = (uint8_t)v;
-	}
-	return DS_OK;
+	for (int i = 0; i < 2 * ELECTION_ID_LEN; i++)
+		if (text[i] >= 'A' && text[i] <= 'F') /* ids are lower case on the wire */
+			return DS_EFORMAT;
+	return ds_hex_decode(text, ELECTION_ID_LEN, id) == 0 ? DS_OK : DS_EFORMAT;
 }
 
 static uint64_t next_rand(election *el)
@@ -210,11 +198,6 @@ static int quorum_now(const election *el)
 	return election_quorum(known > el->p.expect ? known : el->p.expect);
 }
 
-static void hex_of(const uint8_t id[ELECTION_ID_LEN], char out[33])
-{
-	election_id_hex(id, out);
-}
-
 /* Remembers (epoch, head) in the history cache (sorted, newest kept). */
 static int hist_has(const election *el, uint64_t epoch)
 {
@@ -260,9 +243,9 @@ static void record(election *el, uint64_t epoch, const uint8_t *head, const uint
 	memset(&e, 0, sizeof e);
 	e.epoch = (int64_t)epoch;
 	if (head)
-		hex_of(head, e.head);
+		election_id_hex(head, e.head);
 	if (cand)
-		hex_of(cand, e.candidate);
+		election_id_hex(cand, e.candidate);
 	e.votes = votes;
 	e.quorum = quorum;
 	ds_strlcpy(e.outcome, outcome, sizeof e.outcome);
@@ -306,7 +289,7 @@ election *election_new(const election_params *p, int64_t now_ms, ds_err *err)
 		return NULL;
 	}
 	el->p = *p;
-	hex_of(p->self_id, el->self_hex);
+	election_id_hex(p->self_id, el->self_hex);
 	pthread_mutex_init(&el->mu, NULL);
 	el->rng = p->seed ^ 0x9E3779B97F4A7C15ULL;
 	for (int i = 0; i < ELECTION_ID_LEN; i++)
@@ -478,7 +461,7 @@ static int absorb_epochs(election *el, const election_reply *rep, const int *ans
 static void step_down(election *el, int64_t now, const char *why)
 {
 	char h[33];
-	hex_of(el->p.self_id, h);
+	election_id_hex(el->p.self_id, h);
 	log_warn("election", "head steps down", "epoch=%llu reason=\"%s\"",
 		 (unsigned long long)el->head_epoch, why);
 	el->role = GOSSIP_ROLE_NONE;
@@ -762,7 +745,7 @@ void election_tick(election *el, int64_t now_ms)
 	}
 	if (el->role == GOSSIP_ROLE_FOLLOWER) {
 		char h[33];
-		hex_of(el->head, h);
+		election_id_hex(el->head, h);
 		log_warn("election", "head lost", "head=%s epoch=%llu reason=\"no heartbeat for %d ms\"",
 			 h, (unsigned long long)el->head_epoch, el->p.lease_ms);
 		el->role = GOSSIP_ROLE_NONE;
@@ -805,7 +788,7 @@ static int deny(election_reply *r, const char *fmt, ...)
 static int decide(election *el, const election_msg *m, int64_t now, election_reply *r)
 {
 	char ch[33], other[33];
-	hex_of(m->from, ch);
+	election_id_hex(m->from, ch);
 	const election_member *c = find(el, m->from);
 	if (!c || c->state != GOSSIP_ALIVE)
 		return deny(r, "candidate %s is not alive in this node's view", ch);
@@ -821,12 +804,12 @@ static int decide(election *el, const election_msg *m, int64_t now, election_rep
 		return deny(r, "this node is the head of epoch %llu and holds its lease",
 			    (unsigned long long)el->head_epoch);
 	if (el->promise_until > now && memcmp(el->promise_to, m->from, ELECTION_ID_LEN) != 0) {
-		hex_of(el->promise_to, other);
+		election_id_hex(el->promise_to, other);
 		return deny(r, "promised to %s for %lld ms more (its lease)", other,
 			    (long long)(el->promise_until - now));
 	}
 	if (el->voted_epoch == m->epoch && memcmp(el->voted_for, m->from, ELECTION_ID_LEN) != 0) {
-		hex_of(el->voted_for, other);
+		election_id_hex(el->voted_for, other);
 		return deny(r, "already voted for %s in epoch %llu", other,
 			    (unsigned long long)m->epoch);
 	}
@@ -863,7 +846,7 @@ static int decide(election *el, const election_msg *m, int64_t now, election_rep
 static void on_heartbeat(election *el, const election_msg *m, int64_t now, election_reply *r)
 {
 	char hh[33], other[33];
-	hex_of(m->from, hh);
+	election_id_hex(m->from, hh);
 	if (m->epoch < el->epoch) {
 		deny(r, "stale epoch %llu: this node is at epoch %llu", (unsigned long long)m->epoch,
 		     (unsigned long long)el->epoch);
@@ -871,7 +854,7 @@ static void on_heartbeat(election *el, const election_msg *m, int64_t now, elect
 	}
 	if (el->knows_head && el->head_epoch == m->epoch &&
 	    memcmp(el->head, m->from, ELECTION_ID_LEN) != 0) {
-		hex_of(el->head, other);
+		election_id_hex(el->head, other);
 		log_error("election", "two heads claim one epoch", "epoch=%llu known=%s claimant=%s",
 			  (unsigned long long)m->epoch, other, hh);
 		deny(r, "epoch %llu already has head %s here", (unsigned long long)m->epoch, other);
@@ -977,15 +960,6 @@ void election_status_get(election *el, int64_t now_ms, election_status *out)
 	if (!valid)
 		ds_strlcpy(out->why, el->why[0] ? el->why : "no head yet", sizeof out->why);
 	pthread_mutex_unlock(&el->mu);
-}
-
-size_t election_history(election *el, election_entry *out, size_t max)
-{
-	pthread_mutex_lock(&el->mu);
-	size_t n = el->n_hist < max ? el->n_hist : max;
-	memcpy(out, el->hist + (el->n_hist - n), n * sizeof *out);
-	pthread_mutex_unlock(&el->mu);
-	return n;
 }
 
 int election_fence(election *el, uint64_t epoch, int64_t now_ms, ds_err *err)

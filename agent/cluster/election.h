@@ -166,9 +166,6 @@ typedef struct election_status {
 
 void election_status_get(election *el, int64_t now_ms, election_status *out);
 
-/* The newest known (epoch, head) pairs, oldest first; returns how many
- * (at most max). */
-size_t election_history(election *el, election_entry *out, size_t max);
 
 /* Fencing, for every plan, launch and abort that carries an epoch: DS_OK when
  * epoch is the reign this node currently recognises (it is the head with a

@@ -102,7 +102,7 @@ struct gossip {
 	uint32_t adv_ip;
 	uint16_t adv_port;
 	uint8_t id[GOSSIP_ID_LEN];
-	gossip_keyring keys;
+	clusterkey_ring keys;
 	gossip_event_fn on_event;
 	void *ud;
 	char *seeds[SEEDS_MAX];
@@ -1472,7 +1472,7 @@ void gossip_free(gossip *g)
 	free(g->order);
 	gossip_tab_free(&g->tab);
 	gossip_replay_free(&g->replay);
-	gossip_keyring_wipe(&g->keys);
+	clusterkey_wipe(&g->keys);
 	pthread_mutex_destroy(&g->mu);
 	free(g);
 }
@@ -1565,7 +1565,8 @@ void gossip_leave(gossip *g, int wait_ms)
 	pthread_mutex_unlock(&g->mu);
 	log_info("gossip", "left the cluster", "told=%zu", n);
 	if (wait_ms > 0) {
-		struct timespec ts = {wait_ms / 1000, (long)(wait_ms % 1000) * 1000000L};
+		struct timespec ts = {.tv_sec = wait_ms / 1000,
+				      .tv_nsec = (long)(wait_ms % 1000) * 1000000L};
 		nanosleep(&ts, NULL);
 	}
 }

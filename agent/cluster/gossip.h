@@ -24,6 +24,7 @@
 #ifndef DS_AGENT_GOSSIP_H
 #define DS_AGENT_GOSSIP_H
 
+#include "common/clusterkey.h"
 #include "common/status.h"
 
 #include <jansson.h>
@@ -34,38 +35,21 @@
 #define GOSSIP_ID_HEX 33      /* buffer for its hex text and NUL */
 #define GOSSIP_NAME_MAX 64    /* node names: 1..64 printable ASCII bytes, no spaces */
 #define GOSSIP_META_MAX 512   /* metadata bytes per member */
-#define GOSSIP_KEY_LEN 32     /* cluster key bytes */
-#define GOSSIP_KEYS_MAX 4     /* keys in one key file (the first one seals) */
 #define GOSSIP_DEFAULT_PORT 7946
 
 /* ---- node id and cluster key files ---- */
 
 /* Reads DATA_DIR/node.id (32 hex digits and a newline), or creates it with 16
- * random bytes (mode 0600, exclusive create) when missing; *created says
- * which (may be NULL).  DS_EFORMAT when the file is not a node id, DS_EIO. */
+ * random bytes (ds_file_write_private: mode 0600, exclusive, atomic) when
+ * missing; *created says which (may be NULL).  DS_EFORMAT when the file is
+ * not a node id, DS_EIO. */
 int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *created,
 			ds_err *err);
 /* 32 lowercase hex digits + NUL. */
 void gossip_id_hex(const uint8_t id[GOSSIP_ID_LEN], char out[GOSSIP_ID_HEX]);
 
-/* The keys a node seals with (keys[0]) and accepts (all), each with its id
- * byte.  Wipe with gossip_keyring_wipe. */
-typedef struct gossip_keyring {
-	int n;
-	uint8_t id[GOSSIP_KEYS_MAX];
-	uint8_t key[GOSSIP_KEYS_MAX][GOSSIP_KEY_LEN];
-} gossip_keyring;
-
-/* Loads a cluster key file: either exactly 32 raw bytes (key id 0), or text
- * lines "dsck1:<key id, 2 hex digits>:<32 bytes in standard base64>" (the
- * first line seals, up to GOSSIP_KEYS_MAX lines, ids distinct; blank lines
- * and '#' comments skipped).  DS_ENOTFOUND (missing), DS_EPERM (a regular
- * file readable or writable by group or others, or not a regular file),
- * DS_EFORMAT (anything else wrong, the message says what), DS_EIO. */
-int gossip_key_load(const char *path, gossip_keyring *out, ds_err *err);
-/* Parses key file text (the part of gossip_key_load after the file checks). */
-int gossip_key_parse(const char *text, size_t len, gossip_keyring *out, ds_err *err);
-void gossip_keyring_wipe(gossip_keyring *k);
+/* The keys: a clusterkey_ring (common/clusterkey.h), loaded by
+ * agent/auth/clusterkey_file.h. */
 
 /* ---- timing ---- */
 
@@ -235,7 +219,7 @@ typedef struct gossip_params {
 	int advertise_port;         /* 0 = the bound port */
 	uint8_t node_id[GOSSIP_ID_LEN];
 	const char *node_name;      /* 1..GOSSIP_NAME_MAX printable, no spaces */
-	const gossip_keyring *keys; /* copied; n >= 1 */
+	const clusterkey_ring *keys; /* copied; n >= 1 */
 	const char *seeds;          /* "HOST:PORT[,HOST:PORT...]" or NULL: start alone */
 	gossip_timing timing;       /* from gossip_timing_profile */
 	uint64_t epoch;             /* sent in every packet header (gossip_set_epoch) */

@@ -56,14 +56,14 @@ enum gossip_drop {
 
 /* Seals plen plaintext bytes with keys->key[0] into out (cap bytes, needs
  * plen + GOSSIP_OVERHEAD); *outlen gets the packet size.  DS_ERANGE. */
-int gossip_seal(const gossip_keyring *keys, const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch,
+int gossip_seal(const clusterkey_ring *keys, const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch,
 		uint64_t seq, const uint8_t *plain, size_t plen, uint8_t *out, size_t cap,
 		size_t *outlen);
 
 /* Opens a packet of len bytes (max_len: the size limit of its transport) into
  * plain (needs len bytes) and fills *h.  Returns GOSSIP_DROP_NONE or the
  * reason: TOO_LARGE, MALFORMED (short, bad version), BAD_KEY, AUTH_FAIL. */
-int gossip_open(const gossip_keyring *keys, const uint8_t *pkt, size_t len, size_t max_len,
+int gossip_open(const clusterkey_ring *keys, const uint8_t *pkt, size_t len, size_t max_len,
 		gossip_hdr *h, uint8_t *plain, size_t *plen);
 
 /* ---- plaintext: a sequence of messages [type u8][body len u16 BE][body] ---- */

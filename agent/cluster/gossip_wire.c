@@ -1,11 +1,14 @@
 /*
  * gossip_wire.c - what gossip puts on the wire and on disk: the message
  * codec, packet sealing (XChaCha20-Poly1305), the replay window, the
- * suspicion-timeout math, timing profiles, metadata TLVs, the node id file
- * and the cluster key file (formats in gossip_impl.h and docs/cluster.md).
+ * suspicion-timeout math, timing profiles, metadata TLVs and the node id
+ * file (formats in gossip_impl.h and docs/cluster.md; the cluster key file
+ * is common/clusterkey.c and agent/auth/clusterkey_file.c).
  *
- * Callers: agent/cluster/gossip.c and gossip_state.c, agent/main.c (key and node id
- * files), tests/unit/test_gossip.c.  Calls: libsodium.
+ * Callers: agent/cluster/gossip.c and gossip_state.c, agent/main.c and
+ * agent/cluster/cluster.c (node id file), tests/unit/test_gossip.c.  Calls:
+ * libsodium (sealing, random ids), common/fileutil (the node id file),
+ * common/hex.
  *
  * Invariants:
  *  1. Every decoder reads only inside [p, p + len) and checks each length
@@ -21,6 +24,7 @@
  */
 #include "agent/cluster/gossip_impl.h"
 #include "common/fileutil.h"
+#include "common/hex.h"
 #include "common/strutil.h"
 
 #include <errno.h>
@@ -85,7 +89,7 @@ static void hdr_write(uint8_t *out, uint8_t key_id, const uint8_t nonce[24],
 	put64(out + 50, seq);
 }
 
-int gossip_seal(const gossip_keyring *keys, const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch,
+int gossip_seal(const clusterkey_ring *keys, const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch,
 		uint64_t seq, const uint8_t *plain, size_t plen, uint8_t *out, size_t cap,
 		size_t *outlen)
 {
@@ -101,7 +105,7 @@ int gossip_seal(const gossip_keyring *keys, const uint8_t sender[GOSSIP_ID_LEN],
 	return DS_OK;
 }
 
-int gossip_open(const gossip_keyring *keys, const uint8_t *pkt, size_t len, size_t max_len,
+int gossip_open(const clusterkey_ring *keys, const uint8_t *pkt, size_t len, size_t max_len,
 		gossip_hdr *h, uint8_t *plain, size_t *plen)
 {
 	if (len > max_len)
@@ -445,12 +449,50 @@ static const gossip_timing profiles[] = {
 	/* hashicorp/memberlist DefaultLANConfig; reconnect and reap as Serf
 	 * (ReconnectInterval 30 s), reap after an hour rather than 24 h; the
 	 * join referral limit is ours (memberlist answers every join in full). */
-	{"lan", 1000, 500, 3, 4, 6, 4, 200, 3, 30000, 30000, 30000, 3600000, 10000, 8, 1000,
-	 30000, 30000, 4},
+	{
+		.name = "lan",
+		.probe_interval_ms = 1000,
+		.probe_timeout_ms = 500,
+		.indirect_checks = 3,
+		.suspicion_mult = 4,
+		.suspicion_max_mult = 6,
+		.retransmit_mult = 4,
+		.gossip_interval_ms = 200,
+		.gossip_nodes = 3,
+		.push_pull_ms = 30000,
+		.gossip_to_dead_ms = 30000,
+		.reconnect_ms = 30000,
+		.reap_ms = 3600000,
+		.tcp_timeout_ms = 10000,
+		.awareness_max = 8,
+		.join_backoff_min_ms = 1000,
+		.join_backoff_max_ms = 30000,
+		.max_skew_ms = 30000,
+		.join_full_per_s = 4,
+	},
 	/* Fast timers for several agents on one machine: a crash is declared dead
 	 * in about 1-5 s, a partition heals within a few seconds. */
-	{"test", 200, 100, 2, 3, 6, 3, 50, 3, 2000, 3000, 1000, 60000, 1000, 8, 100, 1000, 30000,
-	 2},
+	{
+		.name = "test",
+		.probe_interval_ms = 200,
+		.probe_timeout_ms = 100,
+		.indirect_checks = 2,
+		.suspicion_mult = 3,
+		.suspicion_max_mult = 6,
+		.retransmit_mult = 3,
+		.gossip_interval_ms = 50,
+		.gossip_nodes = 3,
+		.push_pull_ms = 2000,
+		.gossip_to_dead_ms = 3000,
+		.reconnect_ms = 1000,
+		.reap_ms = 60000,
+		.tcp_timeout_ms = 1000,
+		.awareness_max = 8,
+		.join_backoff_min_ms = 100,
+		.join_backoff_max_ms = 1000,
+		.max_skew_ms = 30000,
+		.join_full_per_s = 2,
+	},
 };
 
 int gossip_timing_profile(const char *name, gossip_timing *out, ds_err *err)
@@ -627,7 +669,7 @@ const char *gossip_event_name(int kind)
 
 void gossip_id_hex(const uint8_t id[GOSSIP_ID_LEN], char out[GOSSIP_ID_HEX])
 {
-	sodium_bin2hex(out, GOSSIP_ID_HEX, id, GOSSIP_ID_LEN);
+	ds_hex_encode(id, GOSSIP_ID_LEN, out);
 }
 
 void gossip_event_json(const gossip_event *ev, char *out, size_t n)
@@ -649,7 +691,7 @@ void gossip_event_json(const gossip_event *ev, char *out, size_t n)
 		 (unsigned)ev->member.incarnation, (unsigned long long)ev->member.boot);
 }
 
-#define S(f) {#f, offsetof(gossip_stats, f)}
+#define S(f) {.name = #f, .offset = offsetof(gossip_stats, f)}
 const gossip_stat_field gossip_stat_fields[] = {
 	S(packets_in),	     S(bytes_in),	     S(packets_out),	S(bytes_out),
 	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(tcp_bytes_in), S(tcp_bytes_out), S(pings_out),
@@ -658,22 +700,11 @@ const gossip_stat_field gossip_stat_fields[] = {
 	S(drop_malformed),   S(drop_bad_key),	     S(drop_auth_fail), S(drop_replay),
 	S(drop_stale),	     S(drop_wrong_target),   S(drop_own_id),	S(drop_unknown_sender),
 	S(drop_test),	     S(send_errors),	     S(events_lost),	S(table_full),
-	{NULL, 0},
+	{.name = NULL},
 };
 #undef S
 
 /* ---- files: node id and cluster key ---- */
-
-static int hexval(char c)
-{
-	if (c >= '0' && c <= '9')
-		return c - '0';
-	if (c >= 'a' && c <= 'f')
-		return c - 'a' + 10;
-	if (c >= 'A' && c <= 'F')
-		return c - 'A' + 10;
-	return -1;
-}
 
 int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *created,
 			ds_err *err)
@@ -697,14 +728,9 @@ int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *cr
 						  "%s must hold 32 hex digits (the node id); remove it "
 						  "to make a new id",
 						  path);
-			for (int i = 0; i < GOSSIP_ID_LEN; i++) {
-				int hi = hexval(text[2 * i]), lo = hexval(text[2 * i + 1]);
-				if (hi < 0 || lo < 0)
-					return ds_err_set(err, DS_EFORMAT,
-							  "%s must hold 32 hex digits (the node id)",
-							  path);
-				id[i] = (uint8_t)(hi << 4 | lo);
-			}
+			if (ds_hex_decode(text, GOSSIP_ID_LEN, id) != 0)
+				return ds_err_set(err, DS_EFORMAT,
+						  "%s must hold 32 hex digits (the node id)", path);
 			return DS_OK;
 		}
 		if (rc != DS_ENOTFOUND)
@@ -713,20 +739,12 @@ int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *cr
 		char hex[GOSSIP_ID_HEX + 1];
 		randombytes_buf(fresh, sizeof fresh);
 		gossip_id_hex(fresh, hex);
-		hex[32] = '\n';
-		int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-		if (fd < 0) {
-			if (errno == EEXIST)
-				continue; /* another process won: read its id */
-			return ds_err_set(err, DS_EIO, "cannot create %s: %s", path, strerror(errno));
-		}
-		ssize_t w = write(fd, hex, 33);
-		int ok = w == 33 && fsync(fd) == 0;
-		close(fd);
-		if (!ok) {
-			unlink(path);
-			return ds_err_set(err, DS_EIO, "cannot write %s", path);
-		}
+		hex[2 * GOSSIP_ID_LEN] = '\n';
+		rc = ds_file_write_private(path, hex, 2 * GOSSIP_ID_LEN + 1, DS_WRITE_EXCL, err);
+		if (rc == DS_EBUSY)
+			continue; /* another process won: read its id */
+		if (rc != DS_OK)
+			return rc;
 		memcpy(id, fresh, GOSSIP_ID_LEN);
 		if (created)
 			*created = 1;
@@ -735,98 +753,3 @@ int gossip_node_id_load(const char *data_dir, uint8_t id[GOSSIP_ID_LEN], int *cr
 	return ds_err_set(err, DS_EIO, "%s keeps appearing and disappearing", path);
 }
 
-void gossip_keyring_wipe(gossip_keyring *k)
-{
-	sodium_memzero(k, sizeof *k);
-}
-
-int gossip_key_parse(const char *text, size_t len, gossip_keyring *out, ds_err *err)
-{
-	memset(out, 0, sizeof *out);
-	if (len == GOSSIP_KEY_LEN) { /* raw key: text lines are always longer */
-		out->n = 1;
-		out->id[0] = 0;
-		memcpy(out->key[0], text, GOSSIP_KEY_LEN);
-		return DS_OK;
-	}
-	size_t o = 0;
-	int line = 0;
-	while (o < len) {
-		size_t e = o;
-		while (e < len && text[e] != '\n')
-			e++;
-		line++;
-		size_t a = o, b = e;
-		o = e + 1;
-		while (a < b && (text[a] == ' ' || text[a] == '\t' || text[a] == '\r'))
-			a++;
-		while (b > a && (text[b - 1] == ' ' || text[b - 1] == '\t' || text[b - 1] == '\r'))
-			b--;
-		if (a == b || text[a] == '#')
-			continue;
-		const char *s = text + a;
-		size_t n = b - a;
-		if (n < 10 || memcmp(s, "dsck1:", 6) != 0 || s[8] != ':' || hexval(s[6]) < 0 ||
-		    hexval(s[7]) < 0) {
-			gossip_keyring_wipe(out);
-			return ds_err_set(err, DS_EFORMAT,
-					  "line %d is not a cluster key (expected "
-					  "dsck1:<key id, 2 hex digits>:<base64 of 32 bytes>; make "
-					  "one with `dsctl cluster init`)",
-					  line);
-		}
-		uint8_t kid = (uint8_t)(hexval(s[6]) << 4 | hexval(s[7]));
-		uint8_t key[GOSSIP_KEY_LEN + 1];
-		size_t kl = 0;
-		const char *end = NULL;
-		int bad = sodium_base642bin(key, sizeof key, s + 9, n - 9, NULL, &kl, &end,
-					    sodium_base64_VARIANT_ORIGINAL) != 0 ||
-			  end != s + n || kl != GOSSIP_KEY_LEN;
-		if (bad) {
-			sodium_memzero(key, sizeof key);
-			gossip_keyring_wipe(out);
-			return ds_err_set(err, DS_EFORMAT,
-					  "line %d: the key is not 32 bytes in standard base64",
-					  line);
-		}
-		for (int i = 0; i < out->n; i++)
-			if (out->id[i] == kid) {
-				sodium_memzero(key, sizeof key);
-				gossip_keyring_wipe(out);
-				return ds_err_set(err, DS_EFORMAT, "line %d: key id %02x appears twice",
-						  line, kid);
-			}
-		if (out->n == GOSSIP_KEYS_MAX) {
-			sodium_memzero(key, sizeof key);
-			gossip_keyring_wipe(out);
-			return ds_err_set(err, DS_EFORMAT, "more than %d keys", GOSSIP_KEYS_MAX);
-		}
-		out->id[out->n] = kid;
-		memcpy(out->key[out->n], key, GOSSIP_KEY_LEN);
-		out->n++;
-		sodium_memzero(key, sizeof key);
-	}
-	if (out->n == 0)
-		return ds_err_set(err, DS_EFORMAT,
-				  "no key in it (expected 32 raw bytes or lines "
-				  "dsck1:<key id>:<base64 key>; make one with `dsctl cluster init`)");
-	return DS_OK;
-}
-
-int gossip_key_load(const char *path, gossip_keyring *out, ds_err *err)
-{
-	char text[4096];
-	size_t len = 0;
-	memset(out, 0, sizeof *out);
-	if (sodium_init() < 0)
-		return ds_err_set(err, DS_EINTERNAL, "libsodium could not start");
-	int rc = ds_file_read_small(path, DS_FILE_PRIVATE, text, sizeof text - 1, &len, err);
-	if (rc == DS_OK) {
-		text[len] = '\0';
-		rc = gossip_key_parse(text, len, out, err);
-		if (rc)
-			ds_err_wrap(err, "cluster key file %s", path);
-	}
-	sodium_memzero(text, sizeof text);
-	return rc;
-}

@@ -25,6 +25,7 @@
  * cache is guarded by its mutex.
  */
 #include "agent/cluster/rpc.h"
+#include "common/hex.h"
 #include "common/strutil.h"
 
 #include <arpa/inet.h>
@@ -71,16 +72,6 @@ struct rpc_auth {
 	int64_t floor_ms;         /* nothing at or below this time is accepted */
 };
 
-static void hex(const uint8_t *in, size_t n, char *out)
-{
-	static const char d[] = "0123456789abcdef";
-	for (size_t i = 0; i < n; i++) {
-		out[2 * i] = d[in[i] >> 4];
-		out[2 * i + 1] = d[in[i] & 15];
-	}
-	out[2 * n] = '\0';
-}
-
 rpc_auth *rpc_auth_new(const uint8_t keys[][RPC_KEY_LEN], int n_keys, const uint8_t self_id[16],
 		       ds_err *err)
 {
@@ -104,7 +95,7 @@ rpc_auth *rpc_auth_new(const uint8_t keys[][RPC_KEY_LEN], int n_keys, const uint
 	for (int i = 0; i < n_keys; i++)
 		crypto_generichash(a->key[i], sizeof a->key[i], (const unsigned char *)CONTEXT,
 				   sizeof CONTEXT - 1, keys[i], RPC_KEY_LEN);
-	hex(self_id, 16, a->self_hex);
+	ds_hex_encode(self_id, 16, a->self_hex);
 	pthread_mutex_init(&a->mu, NULL);
 	return a;
 }
@@ -127,7 +118,7 @@ static void mac_of(const uint8_t key[crypto_generichash_BYTES], const char *meth
 	char bhex[65], head[512];
 	crypto_generichash(bh, sizeof bh, (const unsigned char *)(body ? body : ""),
 			   body ? body_len : 0, NULL, 0);
-	hex(bh, sizeof bh, bhex);
+	ds_hex_encode(bh, sizeof bh, bhex);
 	int n = snprintf(head, sizeof head, "%s\n%s\n%lld\n%s\n%s\n%s", method, path,
 			 (long long)ms, nonce, sender, bhex);
 	if (n < 0 || (size_t)n >= sizeof head) /* paths are capped well below this */
@@ -142,9 +133,9 @@ void rpc_auth_sign(rpc_auth *a, const char *method, const char *path, const char
 	uint8_t mac[32], nb[8];
 	char mhex[65], nonce[17];
 	randombytes_buf(nb, sizeof nb);
-	hex(nb, sizeof nb, nonce);
+	ds_hex_encode(nb, sizeof nb, nonce);
 	mac_of(a->key[0], method, path, body, body_len, now_ms, nonce, a->self_hex, mac);
-	hex(mac, sizeof mac, mhex);
+	ds_hex_encode(mac, sizeof mac, mhex);
 	snprintf(out, RPC_AUTH_MAX, "DSCluster %s.%lld.%s.%s", a->self_hex, (long long)now_ms,
 		 nonce, mhex);
 }
@@ -154,20 +145,14 @@ int rpc_auth_is_cluster(const char *header)
 	return header && strncasecmp(header, "DSCluster ", 10) == 0;
 }
 
+/* 2n lower-case hex digits of s into out[n]; 0 or -1.  Upper case is
+ * refused: the sender's id text is compared as text later. */
 static int unhex(const char *s, size_t n, uint8_t *out)
 {
-	for (size_t i = 0; i < n; i++) {
-		int v = 0;
-		for (int k = 0; k < 2; k++) {
-			char c = s[2 * i + k];
-			int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-			if (d < 0)
-				return -1;
-			v = v * 16 + d;
-		}
-		out[i] = (uint8_t)v;
-	}
-	return 0;
+	for (size_t i = 0; i < 2 * n; i++)
+		if (s[i] >= 'A' && s[i] <= 'F')
+			return -1;
+	return ds_hex_decode(s, n, out);
 }
 
 int rpc_auth_verify(rpc_auth *a, const char *method, const char *path, const char *body,

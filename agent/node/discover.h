@@ -239,7 +239,6 @@ int disc_print(const disc_params *p, FILE *f, ds_err *err);
 
 /* "NV18" for DISC_LEVEL_NV with 18 links, else "PIX" ... "unknown". */
 const char *disc_level_name(disc_level level, int nvlinks, char *buf, size_t size);
-const char *disc_src_name(disc_src src);
 
 /* ---- parsers (exposed for tests/unit/test_discover.c) ---------------------- */
 

@@ -34,7 +34,7 @@ extern const char store_sql_0001[];
 extern const char store_sql_0002[];
 
 const store_migration store_migrations[] = {
-	{1, "schema/0001_init.sql", store_sql_0001},
-	{2, "schema/0002_cluster.sql", store_sql_0002},
-	{0, NULL, NULL},
+	{.version = 1, .file = "schema/0001_init.sql", .sql = store_sql_0001},
+	{.version = 2, .file = "schema/0002_cluster.sql", .sql = store_sql_0002},
+	{.version = 0},
 };

@@ -1051,32 +1051,7 @@ out:
 	return rc;
 }
 
-int store_node_get(store *s, const char *id, store_node *out, ds_err *err)
-{
-	sqlite3_stmt *st = NULL;
-	int rc;
-	memset(out, 0, sizeof *out);
-	pthread_mutex_lock(&s->mu);
-	rc = prep(s, NODE_COLS "WHERE id = ?1", &st, err);
-	if (rc)
-		goto out;
-	sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
-	int step = sqlite3_step(st);
-	if (step == SQLITE_ROW) {
-		if (node_row(st, out) != DS_OK)
-			rc = ds_err_set(err, DS_ENOMEM, "out of memory reading a node");
-	} else if (step == SQLITE_DONE) {
-		rc = ds_err_set(err, DS_ENOTFOUND, "no node with id %s", id);
-	} else {
-		rc = db_fail(s, err, "reading a node");
-	}
-out:
-	sqlite3_finalize(st);
-	pthread_mutex_unlock(&s->mu);
-	return rc;
-}
-
-int store_member_event_add(store *s, double ts, const char *node_id, const char *name,
+int store_member_event_add(store *s, int64_t ts, const char *node_id, const char *name,
 			   const char *addr, const char *kind, const char *state,
 			   const char *prev_state, int64_t incarnation, ds_err *err)
 {
@@ -1089,7 +1064,7 @@ int store_member_event_add(store *s, double ts, const char *node_id, const char 
 		  &st, err);
 	if (rc)
 		goto out;
-	sqlite3_bind_double(st, 1, ts);
+	sqlite3_bind_int64(st, 1, ts);
 	sqlite3_bind_text(st, 2, node_id, -1, SQLITE_STATIC);
 	sqlite3_bind_text(st, 3, name, -1, SQLITE_STATIC);
 	bind_str(st, 4, addr);

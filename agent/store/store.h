@@ -125,13 +125,12 @@ int store_node_seen(store *s, const store_node *n, int64_t now, ds_err *err);
 /* Every node, ordered by name then id, each with its inventory text.
  * Free with store_nodes_free. */
 int store_node_list(store *s, store_node **out, size_t *n, ds_err *err);
-/* One node; DS_ENOTFOUND when absent.  Free out->inventory with free(). */
-int store_node_get(store *s, const char *id, store_node *out, ds_err *err);
 void store_nodes_free(store_node *v, size_t n);
 
-/* Appends one membership change (member_events).  Strings may be NULL
- * except node_id, name, kind and state. */
-int store_member_event_add(store *s, double ts, const char *node_id, const char *name,
+/* Appends one membership change (member_events) at ts (Unix seconds, like
+ * every stored time).  Strings may be NULL except node_id, name, kind and
+ * state. */
+int store_member_event_add(store *s, int64_t ts, const char *node_id, const char *name,
 			   const char *addr, const char *kind, const char *state,
 			   const char *prev_state, int64_t incarnation, ds_err *err);
 

@@ -5,6 +5,7 @@
  * in-process instances on loopback (join, bad packets counted, leave).
  * Every name starts with gossip_ (run them with `tests/unit gossip_`).
  */
+#include "agent/auth/clusterkey_file.h"
 #include "agent/cluster/gossip.h"
 #include "agent/cluster/gossip_impl.h"
 #include "tests/unit/unit.h"
@@ -102,9 +103,9 @@ static int msg_equal(const gossip_msg *a, const gossip_msg *b)
 	return 0;
 }
 
-static gossip_keyring ring_of(uint8_t id, const uint8_t key[32])
+static clusterkey_ring ring_of(uint8_t id, const uint8_t key[32])
 {
-	gossip_keyring k;
+	clusterkey_ring k;
 	memset(&k, 0, sizeof k);
 	k.n = 1;
 	k.id[0] = id;
@@ -258,7 +259,7 @@ TEST(gossip_seal_open_and_every_failure)
 	rand_bytes(key, 32);
 	rand_bytes(other, 32);
 	rand_bytes(sender, 16);
-	gossip_keyring ring = ring_of(7, key), wrong = ring_of(7, other), wrong_id = ring_of(8, key);
+	clusterkey_ring ring = ring_of(7, key), wrong = ring_of(7, other), wrong_id = ring_of(8, key);
 	for (int iter = 0; iter < 20; iter++) {
 		size_t plen = rand_below(sizeof plain + 1);
 		rand_bytes(plain, plen);
@@ -296,11 +297,11 @@ TEST(gossip_seal_open_and_every_failure)
 		}
 	}
 	/* a two-key ring opens packets of either key (rotation) */
-	gossip_keyring two = ring_of(7, key);
+	clusterkey_ring two = ring_of(7, key);
 	two.n = 2;
 	two.id[1] = 9;
 	memcpy(two.key[1], other, 32);
-	gossip_keyring nine = ring_of(9, other);
+	clusterkey_ring nine = ring_of(9, other);
 	uint8_t pkt[256], out[256];
 	size_t n = 0, olen = 0;
 	gossip_hdr h;
@@ -814,28 +815,28 @@ TEST(gossip_key_file)
 	char b64[64], b642[64], text[512];
 	sodium_bin2base64(b64, sizeof b64, key, 32, sodium_base64_VARIANT_ORIGINAL);
 	sodium_bin2base64(b642, sizeof b642, key2, 32, sodium_base64_VARIANT_ORIGINAL);
-	gossip_keyring k;
+	clusterkey_ring k;
 	ds_err e = {0};
 	/* missing */
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_ENOTFOUND);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_ENOTFOUND);
 	/* one line, comments, a second key for rotation */
 	int n = snprintf(text, sizeof text, "# cluster key\n  dsck1:a7:%s  \n\ndsck1:03:%s\n", b64,
 			 b642);
 	write_file(path, text, (size_t)n, 0600);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_OK);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_OK);
 	CHECK_EQ(k.n, 2);
 	CHECK_EQ(k.id[0], 0xa7);
 	CHECK_EQ(k.id[1], 0x03);
 	CHECK(memcmp(k.key[0], key, 32) == 0 && memcmp(k.key[1], key2, 32) == 0);
 	/* group- or world-readable: refused, the message says how to fix it */
 	chmod(path, 0644);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_EPERM);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_EPERM);
 	CHECK(strstr(e.msg, "chmod 600") != NULL);
 	chmod(path, 0640);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_EPERM);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_EPERM);
 	/* raw 32 bytes: key id 0 */
 	write_file(path, key, 32, 0600);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_OK);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_OK);
 	CHECK_EQ(k.n, 1);
 	CHECK_EQ(k.id[0], 0);
 	/* not a key */
@@ -845,19 +846,19 @@ TEST(gossip_key_file)
 	};
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
 		write_file(path, bad[i], strlen(bad[i]), 0600);
-		CHECK_EQ(gossip_key_load(path, &k, &e), DS_EFORMAT);
+		CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_EFORMAT);
 	}
 	/* 31 raw bytes, a 16-byte key, a duplicate id */
 	write_file(path, key, 31, 0600);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_EFORMAT);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_EFORMAT);
 	char short_b64[64];
 	sodium_bin2base64(short_b64, sizeof short_b64, key, 16, sodium_base64_VARIANT_ORIGINAL);
 	n = snprintf(text, sizeof text, "dsck1:01:%s\n", short_b64);
 	write_file(path, text, (size_t)n, 0600);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_EFORMAT);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_EFORMAT);
 	n = snprintf(text, sizeof text, "dsck1:01:%s\ndsck1:01:%s\n", b64, b642);
 	write_file(path, text, (size_t)n, 0600);
-	CHECK_EQ(gossip_key_load(path, &k, &e), DS_EFORMAT);
+	CHECK_EQ(clusterkey_file_load(path, &k, &e), DS_EFORMAT);
 	CHECK(strstr(e.msg, "twice") != NULL);
 	/* the message never shows key material */
 	CHECK(strstr(e.msg, b64) == NULL);
@@ -946,7 +947,7 @@ TEST(gossip_three_instances_loopback)
 	CHECK(sodium_init() >= 0);
 	uint8_t key[32];
 	rand_bytes(key, 32);
-	gossip_keyring ring = ring_of(0x42, key);
+	clusterkey_ring ring = ring_of(0x42, key);
 	gossip *g[3] = {NULL, NULL, NULL};
 	evlog logs[3];
 	memset(logs, 0, sizeof logs);
