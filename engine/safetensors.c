@@ -452,43 +452,6 @@ static int parse_header(st_model *m, int si, ds_err *err)
 
 /* ---- the index ---- */
 
-/* Reads a whole small file (at most cap bytes) into a malloc'd buffer. */
-static int read_file(const char *path, size_t cap, char **out, size_t *len, ds_err *err)
-{
-	int rc = DS_OK;
-	char *buf = NULL;
-	struct stat st;
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", path,
-				  strerror(errno));
-	if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-		rc = ds_err_set(err, DS_EIO, "%s: not a readable regular file", path);
-		goto out;
-	}
-	if ((uint64_t)st.st_size > cap) {
-		rc = ds_err_set(err, DS_EFORMAT, "%s: %lld bytes, larger than the limit of %zu",
-				path, (long long)st.st_size, cap);
-		goto out;
-	}
-	*len = (size_t)st.st_size;
-	buf = malloc(*len + 1);
-	if (!buf) {
-		rc = ds_err_set(err, DS_ENOMEM, "%s: out of memory", path);
-		goto out;
-	}
-	if (fread(buf, 1, *len, f) != *len) {
-		rc = ds_err_set(err, DS_EIO, "%s: read error", path);
-		goto out;
-	}
-	*out = buf;
-	buf = NULL;
-out:
-	free(buf);
-	fclose(f);
-	return rc;
-}
-
 /* A shard must be a plain file name inside the checkpoint directory. */
 static int shard_name_ok(const char *s)
 {
@@ -501,7 +464,7 @@ static int read_index(st_model *m, json_t **wmap_out, json_t **root_out, ds_err 
 {
 	char *text = NULL;
 	size_t len = 0;
-	int rc = read_file(m->index_path, ST_MAX_INDEX_BYTES, &text, &len, err);
+	int rc = ds_file_read_all(m->index_path, ST_MAX_INDEX_BYTES, &text, &len, err);
 	if (rc)
 		return rc;
 	json_t *root = parse_json(m->index_path, text, len, err);
@@ -619,6 +582,36 @@ st_model *st_open_mode(const char *dir, enum ds_map_mode mode, ds_err *err)
 		return NULL;
 	}
 	return m;
+}
+
+int st_remap(st_model *m, enum ds_map_mode mode, ds_err *err)
+{
+	if (m->map_mode == mode)
+		return DS_OK;
+	for (int i = 0; i < m->n_shards; i++) {
+		shard_file *s = &m->shards[i];
+		void *map = NULL;
+		size_t map_len = 0;
+		int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", s->path,
+					  strerror(errno));
+		int rc = ds_file_map(fd, s->path, s->size, mode, &map, &map_len, err);
+		close(fd);
+		if (rc)
+			return rc;
+		/* the same bytes at a new address: every tensor of the shard moves */
+		for (size_t j = 0; j < m->n; j++) {
+			st_tensor *t = &m->ents[j].t;
+			if (t->shard == i)
+				t->data = (const char *)map + ((const char *)t->data - (const char *)s->map);
+		}
+		ds_file_unmap(s->map, s->map_len);
+		s->map = map;
+		s->map_len = map_len;
+	}
+	m->map_mode = mode;
+	return DS_OK;
 }
 
 void st_close(st_model *m)
