@@ -782,7 +782,6 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 	base->vocab_size = c->vocab_size;
 	base->ctx = m->ctx;
 	base->bt = m->bt;
-	base->bos_id = c->bos_token_id;
 	base->n_eos = c->n_eos < MODEL_MAX_EOS ? c->n_eos : MODEL_MAX_EOS;
 	for (int i = 0; i < base->n_eos; i++)
 		base->eos_ids[i] = c->eos_token_ids[i];

@@ -602,7 +602,6 @@ model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 	base->vocab_size = c->vocab;
 	base->ctx = m->ctx;
 	base->bt = m->bt;
-	base->bos_id = c->bos;
 	base->n_eos = c->n_eos;
 	memcpy(base->eos_ids, c->eos, sizeof base->eos_ids);
 	base->weight_bytes = msrc_tensor_bytes(src);

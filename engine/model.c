@@ -231,11 +231,6 @@ int model_max_batch_tokens(const model *m)
 	return (int)m->bt;
 }
 
-int model_bos_id(const model *m)
-{
-	return m->bos_id;
-}
-
 int model_eos_ids(const model *m, const int **ids)
 {
 	*ids = m->eos_ids;

@@ -97,7 +97,6 @@ kv_cache *model_kv(model *m);
 int model_vocab_size(const model *m);
 int model_max_ctx(const model *m);
 int model_max_batch_tokens(const model *m);
-int model_bos_id(const model *m);     /* -1 when the config has none */
 int model_eos_ids(const model *m, const int **ids); /* count; ids borrowed */
 const char *model_arch_name(const model *m);
 /* "cpu" or "cuda": the backend the model runs on. */

@@ -28,7 +28,6 @@ struct model {
 	kv_cache *kv;
 	int vocab_size;
 	int64_t ctx, bt;           /* max context, max tokens per step */
-	int bos_id;                /* -1 = none */
 	int n_eos;
 	int eos_ids[MODEL_MAX_EOS];
 	size_t weight_bytes;       /* checkpoint tensor bytes */

@@ -753,8 +753,3 @@ const char *st_shard_path(const st_model *m, int i)
 {
 	return i >= 0 && i < m->n_shards ? m->shards[i].path : NULL;
 }
-
-const char *st_dir(const st_model *m)
-{
-	return m->dir;
-}

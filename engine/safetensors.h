@@ -108,7 +108,6 @@ size_t st_file_bytes(const st_model *m);  /* sum of shard file sizes */
 int st_shard_count(const st_model *m);
 /* "dir/model-00001-of-000163.safetensors"; NULL when out of range. */
 const char *st_shard_path(const st_model *m, int shard);
-const char *st_dir(const st_model *m);
 
 /* "F32", "F16", "BF16", "F8_E4M3" ("?" otherwise). */
 const char *st_dtype_name(enum kb_dtype t);
