@@ -2,9 +2,11 @@
  * deepseek.c - the DeepSeek-V3 / R1 / V2 / V2-Lite graph: MLA attention
  * (naive and absorbed forms), dense MLP and DeepSeekMoE, over a paged KV cache.
  *
- * Called through engine/model.h (model_load, model_forward).  Computes only
- * through the kb_backend chosen at load; plain C here does bookkeeping and
- * copies (gathers, cache writes).  Follows deepseek_v3_spec.md §3-§5:
+ * Called through engine/model.h (model_load, model_forward) with the model
+ * source model_load opened (config and tensors come from it; the path is
+ * never reopened).  Computes only through the kb_backend chosen at load
+ * against the ops it lists (deepseek_needs); plain C here does bookkeeping
+ * and copies (gathers, cache writes).  Follows deepseek_v3_spec.md §3-§5:
  *
  *   x = embed[token]
  *   per layer L < num_hidden_layers (the MTP layer is never loaded):

@@ -16,7 +16,10 @@
  * GGUF files use interleaved pairs.  Frequencies: theta^(-2i/d), with the
  * "llama3" or "linear" rope_scaling of the config applied.
  *
- * Called through engine/model.h; computes only through the kb_backend.
+ * Called through engine/model.h with the model source model_load opened
+ * (config and tensors come from it; the path is never reopened); lists the
+ * ops it needs (llama_needs) so that model_backend_choose picks a backend
+ * that has them all; computes only through that kb_backend.
  * Buffers are sized at load; forward never allocates.  One step at a time.
  */
 #include "common/jsonx.h"

@@ -1,8 +1,9 @@
 /*
  * safetensors.c - open a Hugging Face safetensors checkpoint (see safetensors.h).
  *
- * Called by the model loader (and tests); calls jansson and common/
- * (ds_file_map).
+ * Called by the model source (engine/source.c: st_open when the loader
+ * first asks for tensors, st_remap once the backend is chosen) and tests;
+ * calls jansson and common/ (ds_file_map, ds_file_read_all for the index).
  * Thread rule: st_open/st_close on one thread; the st_model is immutable in
  * between, so lookups from many threads need no lock.
  *
@@ -16,6 +17,9 @@
  *                            parse_header (bounds, JSON, one add_tensor per entry)
  *                                                    v
  *            indexed only: check_index (every listed tensor sits in its shard)
+ *
+ *   st_remap(mode): each shard mapped again as mode says, its tensors' data
+ *   pointers moved by the same offset, the old mapping dropped.
  *
  * File layout: u64 little-endian N, N bytes of JSON, then the data buffer;
  * data_offsets are relative to the first byte after the JSON.

@@ -9,8 +9,9 @@
  *   msrc_open(path)
  *     .gguf  --gguf_open--> kind GGUF (arch = general.architecture)
  *     DIR    --ds_file_read_all(config.json, MCFG_MAX_FILE_BYTES), jsonx_parse
- *            --> kind HF (arch = model_type; no config.json: kept as an error
- *                for msrc_config, a tokenizer-only directory still opens)
+ *            --> kind HF (arch = model_type; a config.json absent, over the
+ *                cap or not a JSON object is kept as an error for
+ *                msrc_config, so a tokenizer-only directory still opens)
  *   msrc_tensors (HF, first call)   --st_open--> shards mapped (page cache)
  *   msrc_hold_weights(mode) (HF)    --st_remap--> e.g. huge-page copies
  *   msrc_unref (last)               --gguf_close / st_close, json_decref
@@ -82,19 +83,23 @@ static int open_hf(msrc *s, ds_err *err)
 	if (!(s->cfg_path = malloc(n)))
 		return ds_err_set(err, DS_ENOMEM, "out of memory");
 	snprintf(s->cfg_path, n, "%s/config.json", s->path);
-	int rc = ds_file_read_all(s->cfg_path, MCFG_MAX_FILE_BYTES, &text, &len, &s->cfg_err);
-	if (rc == DS_ENOTFOUND)
-		return DS_OK; /* tokenizer-only directory: msrc_config says why */
-	if (rc) {
-		*err = s->cfg_err;
-		return rc;
-	}
-	s->cfg = jsonx_parse(text, len, MCFG_JSON_MAX_DEPTH, err);
+	/* an absent or unusable config.json is kept as an error for msrc_config:
+	 * the tokenizer of a tokenizer-only directory still loads, and the model
+	 * loaders report it */
+	if (ds_file_read_all(s->cfg_path, MCFG_MAX_FILE_BYTES, &text, &len, &s->cfg_err))
+		return DS_OK;
+	s->cfg = jsonx_parse(text, len, MCFG_JSON_MAX_DEPTH, &s->cfg_err);
 	free(text);
-	if (!s->cfg)
-		return ds_err_wrap(err, "%s", s->cfg_path);
-	if (!json_is_object(s->cfg))
-		return ds_err_set(err, DS_EFORMAT, "%s: must be a JSON object", s->cfg_path);
+	if (!s->cfg) {
+		ds_err_wrap(&s->cfg_err, "%s", s->cfg_path);
+		return DS_OK;
+	}
+	if (!json_is_object(s->cfg)) {
+		ds_err_set(&s->cfg_err, DS_EFORMAT, "%s: must be a JSON object", s->cfg_path);
+		json_decref(s->cfg);
+		s->cfg = NULL;
+		return DS_OK;
+	}
 	const char *type = json_string_value(json_object_get(s->cfg, "model_type"));
 	if (type)
 		ds_strlcpy(s->arch, type, sizeof s->arch);

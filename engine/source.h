@@ -14,8 +14,9 @@
  *   MSRC_GGUF  a .gguf file: metadata, tensors and tokenizer in one mapping
  *              (gguf_open, at msrc_open).
  *   MSRC_HF    a Hugging Face directory: config.json read whole under
- *              MCFG_MAX_FILE_BYTES and parsed at msrc_open (absent: the
- *              loaders report it; a tokenizer-only directory still opens),
+ *              MCFG_MAX_FILE_BYTES and parsed at msrc_open (absent or
+ *              unusable: msrc_config reports it to the loaders; a
+ *              tokenizer-only directory still opens),
  *              the safetensors index and shard headers opened on first use
  *              (msrc_tensors) with the shards mapped from the page cache;
  *              msrc_hold_weights switches them to huge-page copies once the
@@ -56,9 +57,10 @@ enum msrc_kind {
 typedef struct msrc msrc;
 
 /* path: a .gguf file or a checkpoint directory.  NULL with err filled:
- * gguf_open's errors for a file; for a directory DS_ENOTFOUND when it is
- * missing, config.json's read and JSON errors (naming the file) when it
- * exists but cannot be used, DS_ENOMEM. */
+ * gguf_open's errors for a file; DS_ENOTFOUND / DS_EINVAL when path is
+ * neither a directory nor a .gguf file; DS_ENOMEM.  config.json's own
+ * errors (missing, over the cap, bad JSON; naming the file) come from
+ * msrc_config. */
 msrc *msrc_open(const char *path, ds_err *err);
 msrc *msrc_ref(msrc *s);   /* returns s */
 void msrc_unref(msrc *s);  /* NULL is a no-op; the last one closes */
@@ -73,8 +75,9 @@ const char *msrc_arch(const msrc *s);
 /* GGUF only (NULL for MSRC_HF). */
 struct gguf_file *msrc_gguf(const msrc *s);
 
-/* MSRC_HF: the parsed config.json and its path; DS_ENOTFOUND (or the read
- * error kept from msrc_open) when the directory has none. */
+/* MSRC_HF: the parsed config.json (a JSON object) and its path; else the
+ * error kept from msrc_open (DS_ENOTFOUND, DS_ERANGE over the cap,
+ * DS_EFORMAT...), naming the file. */
 int msrc_config(const msrc *s, const struct json_t **root, const char **path, ds_err *err);
 
 /* MSRC_HF: the safetensors checkpoint, opened on the first call (index and
