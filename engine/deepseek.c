@@ -2,9 +2,11 @@
  * deepseek.c - the DeepSeek-V3 / R1 / V2 / V2-Lite graph: MLA attention
  * (naive and absorbed forms), dense MLP and DeepSeekMoE, over a paged KV cache.
  *
- * Called through engine/model.h (model_load, model_forward).  Computes only
- * through the kb_backend chosen at load; plain C here does bookkeeping and
- * copies (gathers, cache writes).  Follows deepseek_v3_spec.md §3-§5:
+ * Called through engine/model.h (model_load, model_forward) with the model
+ * source model_load opened (config and tensors come from it; the path is
+ * never reopened).  Computes only through the kb_backend chosen at load
+ * against the ops it lists (deepseek_needs); plain C here does bookkeeping
+ * and copies (gathers, cache writes).  Follows deepseek_v3_spec.md §3-§5:
  *
  *   x = embed[token]
  *   per layer L < num_hidden_layers (the MTP layer is never loaded):
@@ -41,12 +43,12 @@
  * Buffers: allocated once in model_load from max_batch_tokens (bt) and
  * max_ctx; model_forward never allocates.  Thread rule: one step at a time.
  */
-#include "engine/engine.h"
 #include "engine/gguf.h"
 #include "engine/mconfig.h"
 #include "engine/model_impl.h"
 #include "engine/safetensors.h"
 
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,7 +82,7 @@ typedef struct deepseek_layer {
 typedef struct deepseek_model {
 	struct model base; /* must stay first: model.c sees this part */
 	mcfg cfg;
-	st_model *st;      /* Hugging Face checkpoint, or */
+	st_model *st;      /* Hugging Face checkpoint, or (both borrowed from base.src) */
 	gguf_file *gg;     /* GGUF file */
 	const kb_backend *be;
 	kv_cache *kv;
@@ -94,17 +96,26 @@ typedef struct deepseek_model {
 	int64_t bt, ctx;
 	int64_t H, nope, rope, qk, vd, lora, D;
 	size_t extra_bytes;
-	/* activations, [bt] rows unless noted */
+	/* Activations: from the backend's allocator (model_act_alloc, released
+	 * with kb_release); [bt] rows unless noted.  The graph's C code still
+	 * gathers rows of some of them with memcpy (the cpu backend's memory is
+	 * the host's; a device backend needs those gathers as ops first). */
 	float *x, *h, *cq, *q, *kva, *o, *lg;
 	float *qa, *qlat, *qpe, *u, *oa;    /* absorbed subset */
-	int32_t *a_idx, *a_seq, *a_pos;
 	float *nlat, *nkv, *nk, *nv;        /* naive: [ctx] rows */
 	float *nq, *no;                     /* naive: [bt] rows */
-	int32_t *n_idx, *n_pos;
 	float *g, *up, *act;                /* [bt][max inter] */
-	float *rlog, *rw;                   /* [bt][E], [bt][K] */
+	float *rlog;                        /* [bt][E] router logits */
+	float *xe, *ye;                     /* one expert's tokens, gathered */
+	/* Host bookkeeping (model_calloc, freed with free): index arrays and
+	 * routing results that C loops here write or read element by element
+	 * (which tokens take which attention form, the counting sort of tokens
+	 * by expert, each token's expert weight as an axpy alpha). */
+	int32_t *a_idx, *a_seq, *a_pos;     /* absorbed tokens, their sequences, positions */
+	int32_t *n_idx, *n_pos;             /* naive tokens of one sequence, positions */
+	float *rw;                          /* [bt][K] routing weights (moe_route output) */
 	int32_t *ridx, *ecount, *eoff, *etok;
-	float *ew, *xe, *ye;
+	float *ew;
 	int32_t *seq_ntok;                 /* [bt]: tokens of each sequence in the step */
 } deepseek_model;
 
@@ -561,41 +572,43 @@ static int alloc_buffers(deepseek_model *m, ds_err *err)
 	size_t moe_i = (size_t)c->moe_intermediate_size * (size_t)(c->n_shared_experts > 1 ? c->n_shared_experts : 1);
 	if (moe_i > inter)
 		inter = moe_i;
-	m->x = xalloc(m, bt * D, 4);
-	m->h = xalloc(m, bt * D, 4);
-	m->cq = xalloc(m, bt * (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 1), 4);
-	m->q = xalloc(m, bt * H * qk, 4);
-	m->kva = xalloc(m, bt * (lora + rope), 4);
-	m->o = xalloc(m, bt * H * vd, 4);
-	m->lg = xalloc(m, bt * D, 4);
-	m->qa = xalloc(m, bt * H * qk, 4);
-	m->qlat = xalloc(m, bt * H * lora, 4);
-	m->qpe = xalloc(m, bt * H * rope, 4);
-	m->u = xalloc(m, bt * H * lora, 4);
-	m->oa = xalloc(m, bt * H * vd, 4);
+	const kb_backend *be = m->be;
+	size_t *xb = &m->extra_bytes;
+	m->x = model_act_alloc(be, xb, bt * D, 4);
+	m->h = model_act_alloc(be, xb, bt * D, 4);
+	m->cq = model_act_alloc(be, xb, bt * (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 1), 4);
+	m->q = model_act_alloc(be, xb, bt * H * qk, 4);
+	m->kva = model_act_alloc(be, xb, bt * (lora + rope), 4);
+	m->o = model_act_alloc(be, xb, bt * H * vd, 4);
+	m->lg = model_act_alloc(be, xb, bt * D, 4);
+	m->qa = model_act_alloc(be, xb, bt * H * qk, 4);
+	m->qlat = model_act_alloc(be, xb, bt * H * lora, 4);
+	m->qpe = model_act_alloc(be, xb, bt * H * rope, 4);
+	m->u = model_act_alloc(be, xb, bt * H * lora, 4);
+	m->oa = model_act_alloc(be, xb, bt * H * vd, 4);
+	m->nlat = model_act_alloc(be, xb, ctx * lora, 4);
+	m->nkv = model_act_alloc(be, xb, ctx * H * (size_t)(m->nope + m->vd), 4);
+	m->nk = model_act_alloc(be, xb, ctx * H * qk, 4);
+	m->nv = model_act_alloc(be, xb, ctx * H * vd, 4);
+	m->nq = model_act_alloc(be, xb, bt * H * qk, 4);
+	m->no = model_act_alloc(be, xb, bt * H * vd, 4);
+	m->g = model_act_alloc(be, xb, bt * inter, 4);
+	m->up = model_act_alloc(be, xb, bt * inter, 4);
+	m->act = model_act_alloc(be, xb, bt * inter, 4);
+	m->rlog = model_act_alloc(be, xb, bt * (E ? E : 1), 4);
+	m->xe = model_act_alloc(be, xb, bt * D, 4);
+	m->ye = model_act_alloc(be, xb, bt * D, 4);
 	m->a_idx = xalloc(m, bt, 4);
 	m->a_seq = xalloc(m, bt, 4);
 	m->a_pos = xalloc(m, bt, 4);
-	m->nlat = xalloc(m, ctx * lora, 4);
-	m->nkv = xalloc(m, ctx * H * (size_t)(m->nope + m->vd), 4);
-	m->nk = xalloc(m, ctx * H * qk, 4);
-	m->nv = xalloc(m, ctx * H * vd, 4);
-	m->nq = xalloc(m, bt * H * qk, 4);
-	m->no = xalloc(m, bt * H * vd, 4);
 	m->n_idx = xalloc(m, bt, 4);
 	m->n_pos = xalloc(m, bt, 4);
-	m->g = xalloc(m, bt * inter, 4);
-	m->up = xalloc(m, bt * inter, 4);
-	m->act = xalloc(m, bt * inter, 4);
-	m->rlog = xalloc(m, bt * (E ? E : 1), 4);
 	m->rw = xalloc(m, bt * K, 4);
 	m->ridx = xalloc(m, bt * K, 4);
 	m->ecount = xalloc(m, E + 1, 4);
 	m->eoff = xalloc(m, E + 1, 4);
 	m->etok = xalloc(m, bt * K, 4);
 	m->ew = xalloc(m, bt * K, 4);
-	m->xe = xalloc(m, bt * D, 4);
-	m->ye = xalloc(m, bt * D, 4);
 	m->seq_ntok = xalloc(m, bt, 4);
 	if (!m->x || !m->h || !m->cq || !m->q || !m->kva || !m->o || !m->lg || !m->qa ||
 	    !m->qlat || !m->qpe || !m->u || !m->oa || !m->a_idx || !m->a_seq || !m->a_pos ||
@@ -610,33 +623,101 @@ static int alloc_buffers(deepseek_model *m, ds_err *err)
 static const model_ops deepseek_ops;
 static void deepseek_free(model *base);
 
-model *deepseek_model_load(const model_params *p, ds_err *err)
+/* The ops deepseek_forward (and the load-time conversions) call, with the
+ * dtypes this checkpoint holds: a product on every weight dtype of the
+ * decoder layers used (the MTP layers past num_hidden_layers are never
+ * loaded), f32 products and a dequantization where load_absorbed /
+ * load_split_kv_b rebuild kv_b in f32, the embedding table's lookup, the
+ * activation ops of MLA (both forms: model_set_attn switches between steps)
+ * and MoE, and the conversion of every vector (norms, router bias) to f32. */
+static int deepseek_needs(const deepseek_model *m, msrc *src, model_needs *nd, ds_err *err)
+{
+	const mcfg *c = &m->cfg;
+	const char *embed = m->gg ? "token_embd.weight" : "model.embed_tokens.weight";
+	size_t n = msrc_tensor_count(src, err);
+	if (!n && err && err->code)
+		return err->code;
+	for (int pass = 0; pass < 2; pass++) { /* products first, then conversions */
+		for (size_t i = 0; i < n; i++) {
+			msrc_tensor t = msrc_tensor_at(src, i);
+			size_t len = strlen(t.name);
+			if (t.dtype == KB_DTYPE_COUNT || model_tensor_layer(t.name) >= c->num_hidden_layers ||
+			    strcmp(t.name, embed) == 0 ||
+			    (len > 10 && strcmp(t.name + len - 10, "_scale_inv") == 0))
+				continue;
+			if (pass == 1) {
+				if (t.n_dims == 1)
+					model_needs_add(nd, KB_OP_DEQUANT, t.dtype);
+				continue;
+			}
+			if (t.n_dims < 2)
+				continue;
+			model_needs_add(nd, KB_OP_MATMUL, t.dtype);
+			/* kv_b kept in f32 (see load_absorbed, load_split_kv_b) */
+			const char *kb = strstr(t.name, "attn_k_b."), *vb = strstr(t.name, "attn_v_b.");
+			int f32 = (strstr(t.name, "kv_b") || kb || vb) && kb_dtype_is_quant(t.dtype);
+			if ((kb || vb) && !f32) { /* split halves of different dense dtypes */
+				char other[256];
+				snprintf(other, sizeof other, "%.*s%s", (int)((kb ? kb : vb) - t.name), t.name,
+					 kb ? "attn_v_b.weight" : "attn_k_b.weight");
+				enum kb_dtype od = msrc_tensor_dtype(src, other);
+				f32 = od != KB_DTYPE_COUNT && od != t.dtype;
+			}
+			if (f32) {
+				model_needs_add(nd, KB_OP_MATMUL, KB_F32);
+				model_needs_add(nd, KB_OP_DEQUANT, t.dtype);
+			}
+		}
+		if (pass == 0) {
+			enum kb_dtype et = msrc_tensor_dtype(src, embed);
+			if (et != KB_DTYPE_COUNT)
+				model_needs_add(nd, KB_OP_EMBED, et);
+			static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_SILU_MUL,
+							   KB_OP_ATTN, KB_OP_MLA_ATTN};
+			for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
+				model_needs_add(nd, acts[i], KB_F32);
+			for (int L = 0; L < c->num_hidden_layers; L++) {
+				if (mcfg_is_moe_layer(c, L)) {
+					model_needs_add(nd, KB_OP_MOE_ROUTE, KB_F32);
+					model_needs_add(nd, KB_OP_AXPY, KB_F32);
+					break;
+				}
+			}
+		}
+	}
+	return DS_OK;
+}
+
+model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 {
 	deepseek_model *m = calloc(1, sizeof *m);
 	if (!m) {
 		bad_alloc(err);
 		return NULL;
 	}
-	const int gg = eng_path_is_gguf(p->path);
+	m->base.src = msrc_ref(src);
+	const int gg = msrc_kind(src) == MSRC_GGUF;
 	int rc = DS_OK;
 	if (gg) {
-		if (!(m->gg = gguf_open(p->path, err)))
-			goto fail;
+		m->gg = msrc_gguf(src);
 		rc = mcfg_from_gguf(m->gg, &m->cfg, err);
 	} else {
-		rc = mcfg_load(p->path, &m->cfg, err);
+		const json_t *root = NULL;
+		const char *what = NULL;
+		if (!(rc = msrc_config(src, &root, &what, err)))
+			rc = mcfg_from_json(root, what, &m->cfg, err);
+		if (!rc && !(m->st = msrc_tensors(src, err)))
+			rc = err && err->code ? err->code : DS_EIO;
 	}
 	if (rc)
 		goto fail;
 	const mcfg *c = &m->cfg;
-	if (!(m->be = eng_backend_choose(p->backend, err)))
+	model_needs nd = {0};
+	if ((rc = deepseek_needs(m, src, &nd, err)))
 		goto fail;
-	if (m->be->set_threads)
-		kb_set_threads(m->be, p->threads);
-	enum ds_map_mode mode = p->weights == MODEL_WEIGHTS_HUGE ? DS_MAP_HUGE_COPY : DS_MAP_FILE;
-	if (p->weights == MODEL_WEIGHTS_AUTO && strcmp(m->be->name, "cpu") == 0 && ds_thp_usable())
-		mode = DS_MAP_HUGE_COPY;
-	if (!gg && !(m->st = st_open_mode(p->path, mode, err)))
+	if (!(m->be = model_backend_choose(p, src, &nd, err)))
+		goto fail;
+	if ((rc = msrc_hold_weights(src, model_weights_mode(p, m->be), err)))
 		goto fail;
 	m->H = c->num_attention_heads;
 	m->nope = c->qk_nope_head_dim;
@@ -703,11 +784,10 @@ model *deepseek_model_load(const model_params *p, ds_err *err)
 	base->vocab_size = c->vocab_size;
 	base->ctx = m->ctx;
 	base->bt = m->bt;
-	base->bos_id = c->bos_token_id;
 	base->n_eos = c->n_eos < MODEL_MAX_EOS ? c->n_eos : MODEL_MAX_EOS;
 	for (int i = 0; i < base->n_eos; i++)
 		base->eos_ids[i] = c->eos_token_ids[i];
-	base->weight_bytes = gg ? gguf_total_bytes(m->gg) : st_total_bytes(m->st);
+	base->weight_bytes = msrc_tensor_bytes(src);
 	base->extra_bytes = m->extra_bytes;
 	return base;
 fail:
@@ -740,15 +820,17 @@ static void deepseek_free(model *base)
 		free(ly->ed);
 	}
 	free(m->layers);
-	void *bufs[] = {m->final_norm, m->inv_freq, m->x, m->h, m->cq, m->q, m->kva, m->o, m->lg,
-			m->qa, m->qlat, m->qpe, m->u, m->oa, m->a_idx, m->a_seq, m->a_pos, m->nlat,
-			m->nkv, m->nk, m->nv, m->nq, m->no, m->n_idx, m->n_pos, m->g, m->up, m->act,
-			m->rlog, m->rw, m->ridx, m->ecount, m->eoff, m->etok, m->ew, m->xe, m->ye,
-			m->seq_ntok};
+	void *acts[] = {m->x, m->h, m->cq, m->q, m->kva, m->o, m->lg, m->qa, m->qlat, m->qpe,
+			m->u, m->oa, m->nlat, m->nkv, m->nk, m->nv, m->nq, m->no, m->g, m->up,
+			m->act, m->rlog, m->xe, m->ye};
+	for (size_t i = 0; m->be && i < sizeof acts / sizeof acts[0]; i++)
+		if (acts[i])
+			kb_release(m->be, acts[i]);
+	void *bufs[] = {m->final_norm, m->inv_freq, m->a_idx, m->a_seq, m->a_pos, m->n_idx,
+			m->n_pos, m->rw, m->ridx, m->ecount, m->eoff, m->etok, m->ew, m->seq_ntok};
 	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
 		free(bufs[i]);
-	st_close(m->st);
-	gguf_close(m->gg);
+	msrc_unref(m->base.src); /* m->st, m->gg were borrowed from it */
 	free(m);
 }
 

@@ -21,9 +21,9 @@
 #include "common/strutil.h"
 #include "engine/chat.h"
 #include "engine/engine.h"
-#include "engine/gguf.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
+#include "engine/source.h"
 #include "engine/tok.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/membw.h"
@@ -486,6 +486,7 @@ out:
 static int run(const struct run_cfg *c, ds_err *err)
 {
 	int rc = DS_OK;
+	msrc *src = NULL;
 	tok *tk = NULL;
 	model *m = NULL;
 	runner r = {0};
@@ -493,9 +494,14 @@ static int run(const struct run_cfg *c, ds_err *err)
 	int32_t *prompt = NULL;
 	size_t n_prompt = 0;
 
+	/* the checkpoint is opened once: the tokenizer and the model read it */
+	if (!(src = msrc_open(c->model, err)))
+		return err->code;
 	if (c->tokenize || c->detokenize || c->prompt || c->chat) {
-		if (!(tk = eng_tok_load(c->model, err)))
-			return err->code;
+		if (!(tk = eng_tok_load_source(src, err))) {
+			rc = err->code;
+			goto out;
+		}
 	}
 	if (c->tokenize) {
 		if ((rc = tok_encode_alloc(tk, c->tokenize, strlen(c->tokenize), TOK_PARSE_SPECIAL,
@@ -589,6 +595,7 @@ static int run(const struct run_cfg *c, ds_err *err)
 
 	model_params mp = model_default_params();
 	mp.path = c->model;
+	mp.source = src;
 	mp.backend = c->backend;
 	mp.threads = c->threads;
 	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
@@ -661,6 +668,7 @@ out:
 	runner_free(&r);
 	model_free(m);
 	tok_free(tk);
+	msrc_unref(src);
 	free(ids64);
 	free(prompt);
 	return rc;

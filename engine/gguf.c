@@ -1,7 +1,8 @@
 /*
  * gguf.c - open and validate a GGUF file (see gguf.h for the layout and the API).
  *
- * Called by the model loader, tok_gguf.c (tokenizer metadata) and tests; calls
+ * Called by the model source (engine/source.c, which the graphs and
+ * tok_gguf.c's tokenizer read through) and tests; calls
  * common/ (ds_file_map).  Thread rule: gguf_open/gguf_close on one thread; the
  * gguf_file is immutable in between, so lookups from many threads need no lock.
  *

@@ -89,7 +89,8 @@ size_t kv_cache_bytes(const kv_cache *kv)
 	return kv->layer_bytes * (size_t)kv->p.n_layers;
 }
 
-int kv_page_alloc(kv_cache *kv)
+/* Page management: alloc returns a page id with one reference, or -1. */
+static int kv_page_alloc(kv_cache *kv)
 {
 	if (kv->free_top == 0)
 		return -1;
@@ -98,12 +99,12 @@ int kv_page_alloc(kv_cache *kv)
 	return page;
 }
 
-void kv_page_ref(kv_cache *kv, int page)
+static void kv_page_ref(kv_cache *kv, int page)
 {
 	kv->refs[page]++;
 }
 
-void kv_page_unref(kv_cache *kv, int page)
+static void kv_page_unref(kv_cache *kv, int page)
 {
 	if (--kv->refs[page] == 0)
 		kv->free_stack[kv->free_top++] = page;

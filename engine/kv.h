@@ -43,11 +43,6 @@ float *kv_cache_layer(kv_cache *kv, int layer);
 int kv_cache_pages_free(const kv_cache *kv);
 size_t kv_cache_bytes(const kv_cache *kv);
 
-/* Page management: alloc returns a page id with one reference, or -1. */
-int kv_page_alloc(kv_cache *kv);
-void kv_page_ref(kv_cache *kv, int page);
-void kv_page_unref(kv_cache *kv, int page);
-
 /* Makes seq cover positions [0, n_positions): allocates the missing pages.
  * DS_EBUSY (and no change) when the free pages do not suffice. */
 int kv_seq_reserve(kv_cache *kv, kv_seq *seq, int64_t n_positions, ds_err *err);

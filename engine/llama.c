@@ -16,11 +16,13 @@
  * GGUF files use interleaved pairs.  Frequencies: theta^(-2i/d), with the
  * "llama3" or "linear" rope_scaling of the config applied.
  *
- * Called through engine/model.h; computes only through the kb_backend.
+ * Called through engine/model.h with the model source model_load opened
+ * (config and tensors come from it; the path is never reopened); lists the
+ * ops it needs (llama_needs) so that model_backend_choose picks a backend
+ * that has them all; computes only through that kb_backend.
  * Buffers are sized at load; forward never allocates.  One step at a time.
  */
 #include "common/jsonx.h"
-#include "engine/engine.h"
 #include "engine/gguf.h"
 #include "engine/model_impl.h"
 #include "engine/safetensors.h"
@@ -53,14 +55,17 @@ typedef struct llayer {
 typedef struct llama_model {
 	struct model base; /* first */
 	lcfg c;
-	st_model *st;
-	gguf_file *gg;
+	st_model *st;      /* borrowed from base.src (Hugging Face), or */
+	gguf_file *gg;     /* borrowed from base.src (GGUF) */
 	const kb_backend *be;
 	llayer *layers;
 	lw embed, head;
-	float *final_norm, *inv_freq;
+	float *final_norm, *inv_freq; /* host f32 copies */
 	size_t extra;
 	int64_t bt, ctx, qd, kvd;
+	/* activations [bt] rows, from the backend's allocator (model_act_alloc,
+	 * kb_release); the cache-row copies and the logits staging below are C
+	 * memcpy, as for deepseek.c */
 	float *x, *h, *q, *kvb, *o, *g, *u, *lg;
 } llama_model;
 
@@ -81,22 +86,10 @@ static int cfg_int(const json_t *j, const char *key, int required, int64_t lo, i
 	return DS_OK;
 }
 
-static int cfg_from_hf(const char *dir, lcfg *c, ds_err *err)
+/* config.json of a Hugging Face llama-family checkpoint (read whole by the
+ * model source; path names it in errors). */
+static int cfg_from_hf(const json_t *j, const char *path, lcfg *c, ds_err *err)
 {
-	char path[4096];
-	snprintf(path, sizeof path, "%s/config.json", dir);
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return ds_err_set(err, DS_ENOTFOUND, "cannot open %s: %m", path);
-	char *buf = malloc(1 << 20);
-	size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
-	fclose(f);
-	if (!buf)
-		return ds_err_set(err, DS_ENOMEM, "out of memory");
-	json_t *j = jsonx_parse(buf, n, 32, err);
-	free(buf);
-	if (!j)
-		return ds_err_wrap(err, "%s", path);
 	int rc = DS_OK;
 	const char *act = "silu";
 	int bias = 0;
@@ -176,7 +169,6 @@ static int cfg_from_hf(const char *dir, lcfg *c, ds_err *err)
 		}
 	}
 out:
-	json_decref(j);
 	return rc;
 }
 
@@ -471,11 +463,13 @@ static void llama_free(model *base)
 		free(m->layers[L].ffn_norm);
 	}
 	free(m->layers);
-	void *bufs[] = {m->final_norm, m->inv_freq, m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg};
-	for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-		free(bufs[i]);
-	st_close(m->st);
-	gguf_close(m->gg);
+	free(m->final_norm);
+	free(m->inv_freq);
+	void *acts[] = {m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg};
+	for (size_t i = 0; m->be && i < sizeof acts / sizeof acts[0]; i++)
+		if (acts[i])
+			kb_release(m->be, acts[i]);
+	msrc_unref(base->src); /* m->st, m->gg were borrowed from it */
 	free(m);
 }
 
@@ -495,30 +489,79 @@ static int check_cfg(const lcfg *c, const char *what, ds_err *err)
 	return DS_OK;
 }
 
-model *llama_model_load(const model_params *p, ds_err *err)
+/* The ops llama_forward calls, with the dtypes this checkpoint holds: a
+ * product on every 2-D weight dtype (the embedding table's too when the
+ * head is tied to it), the table's lookup, the activation ops, and the
+ * conversion of the norm vectors to f32 at load. */
+static int llama_needs(const llama_model *m, msrc *src, int gguf, model_needs *nd, ds_err *err)
+{
+	const char *embed = gguf ? "token_embd.weight" : "model.embed_tokens.weight";
+	size_t n = msrc_tensor_count(src, err);
+	if (!n && err && err->code)
+		return err->code;
+	enum kb_dtype et = msrc_tensor_dtype(src, embed);
+	for (int pass = 0; pass < 2; pass++) { /* products first, then conversions */
+		for (size_t i = 0; i < n; i++) {
+			msrc_tensor t = msrc_tensor_at(src, i);
+			if (t.dtype == KB_DTYPE_COUNT || model_tensor_layer(t.name) >= m->c.n_layers ||
+			    strcmp(t.name, embed) == 0)
+				continue;
+			if (pass == 0 && t.n_dims >= 2)
+				model_needs_add(nd, KB_OP_MATMUL, t.dtype);
+			if (pass == 1 && t.n_dims == 1)
+				model_needs_add(nd, KB_OP_DEQUANT, t.dtype);
+		}
+		if (pass == 0 && et != KB_DTYPE_COUNT) {
+			if (m->c.tied)
+				model_needs_add(nd, KB_OP_MATMUL, et);
+			model_needs_add(nd, KB_OP_EMBED, et);
+		}
+		if (pass == 0) {
+			static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_PAGED_ATTN,
+							   KB_OP_SILU_MUL};
+			for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
+				model_needs_add(nd, acts[i], KB_F32);
+		}
+	}
+	return DS_OK;
+}
+
+model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 {
 	llama_model *m = calloc(1, sizeof *m);
 	int rc = DS_OK;
-	size_t plen = strlen(p->path);
-	int gguf = plen > 5 && strcmp(p->path + plen - 5, ".gguf") == 0;
+	const int gguf = msrc_kind(src) == MSRC_GGUF;
+	const char *what = msrc_path(src);
 	if (!m) {
 		ds_err_set(err, DS_ENOMEM, "out of memory");
 		return NULL;
 	}
+	m->base.src = msrc_ref(src);
 	if (gguf) {
-		if (!(m->gg = gguf_open(p->path, err)) || (rc = cfg_from_gguf(m->gg, &m->c, err)))
+		m->gg = msrc_gguf(src);
+		if ((rc = cfg_from_gguf(m->gg, &m->c, err)))
 			goto fail;
-	} else if ((rc = cfg_from_hf(p->path, &m->c, err)) || !(m->st = st_open(p->path, err))) {
-		goto fail;
+	} else {
+		const json_t *root = NULL;
+		const char *cpath = NULL;
+		if ((rc = msrc_config(src, &root, &cpath, err)) || (rc = cfg_from_hf(root, cpath, &m->c, err)))
+			goto fail;
+		if (!(m->st = msrc_tensors(src, err))) {
+			rc = err && err->code ? err->code : DS_EIO;
+			goto fail;
+		}
 	}
 	lcfg *c = &m->c;
 	c->interleaved = gguf; /* see the file comment */
-	if ((rc = check_cfg(c, p->path, err)))
+	if ((rc = check_cfg(c, what, err)))
 		goto fail;
-	if (!(m->be = eng_backend_choose(p->backend, err)))
+	model_needs nd = {0};
+	if ((rc = llama_needs(m, src, gguf, &nd, err)))
 		goto fail;
-	if (m->be->set_threads)
-		kb_set_threads(m->be, p->threads);
+	if (!(m->be = model_backend_choose(p, src, &nd, err)))
+		goto fail;
+	if ((rc = msrc_hold_weights(src, model_weights_mode(p, m->be), err)))
+		goto fail;
 	m->qd = (int64_t)c->n_heads * c->head_dim;
 	m->kvd = (int64_t)c->n_kv * c->head_dim;
 	m->bt = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
@@ -538,14 +581,15 @@ model *llama_model_load(const model_params *p, ds_err *err)
 	if ((rc = load_weights(m, gguf, err)))
 		goto fail;
 	const size_t bt = (size_t)m->bt;
-	m->x = xalloc(m, bt * (size_t)c->dim, 4);
-	m->h = xalloc(m, bt * (size_t)c->dim, 4);
-	m->lg = xalloc(m, bt * (size_t)c->dim, 4);
-	m->q = xalloc(m, bt * (size_t)m->qd, 4);
-	m->o = xalloc(m, bt * (size_t)m->qd, 4);
-	m->kvb = xalloc(m, bt * 2 * (size_t)m->kvd, 4);
-	m->g = xalloc(m, bt * (size_t)c->ffn, 4);
-	m->u = xalloc(m, bt * (size_t)c->ffn, 4);
+	const kb_backend *be = m->be;
+	m->x = model_act_alloc(be, &m->extra, bt * (size_t)c->dim, 4);
+	m->h = model_act_alloc(be, &m->extra, bt * (size_t)c->dim, 4);
+	m->lg = model_act_alloc(be, &m->extra, bt * (size_t)c->dim, 4);
+	m->q = model_act_alloc(be, &m->extra, bt * (size_t)m->qd, 4);
+	m->o = model_act_alloc(be, &m->extra, bt * (size_t)m->qd, 4);
+	m->kvb = model_act_alloc(be, &m->extra, bt * 2 * (size_t)m->kvd, 4);
+	m->g = model_act_alloc(be, &m->extra, bt * (size_t)c->ffn, 4);
+	m->u = model_act_alloc(be, &m->extra, bt * (size_t)c->ffn, 4);
 	if (!m->x || !m->h || !m->lg || !m->q || !m->o || !m->kvb || !m->g || !m->u) {
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory for the activation buffers");
 		goto fail;
@@ -561,10 +605,9 @@ model *llama_model_load(const model_params *p, ds_err *err)
 	base->vocab_size = c->vocab;
 	base->ctx = m->ctx;
 	base->bt = m->bt;
-	base->bos_id = c->bos;
 	base->n_eos = c->n_eos;
 	memcpy(base->eos_ids, c->eos, sizeof base->eos_ids);
-	base->weight_bytes = m->st ? st_total_bytes(m->st) : gguf_total_bytes(m->gg);
+	base->weight_bytes = msrc_tensor_bytes(src);
 	base->extra_bytes = m->extra;
 	return base;
 fail:

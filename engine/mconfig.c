@@ -96,11 +96,11 @@
  */
 #include "engine/mconfig.h"
 
+#include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "engine/gguf.h"
 #include "common/strutil.h"
 
-#include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdint.h>
@@ -109,7 +109,6 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#define JSON_MAX_DEPTH 32
 #define LABEL_MAX 96
 
 enum need { OPT, REQ, NUL };
@@ -575,16 +574,13 @@ static void derive(mcfg *c)
 
 /* ---- public ---- */
 
-int mcfg_parse(const char *text, size_t len, const char *what, mcfg *out, ds_err *err)
+int mcfg_from_json(const json_t *root, const char *what, mcfg *out, ds_err *err)
 {
 	ds_err local = {0};
 	if (!err)
 		err = &local;
 	pctx p = {what, err};
 	memset(out, 0, sizeof *out);
-	json_t *root = jsonx_parse(text, len, JSON_MAX_DEPTH, err);
-	if (!root)
-		return ds_err_wrap(err, "%s", what);
 	int arch = 0, rc = DS_OK;
 	if (!json_is_object(root))
 		rc = ds_err_set(err, DS_EFORMAT, "%s: must be a JSON object", what);
@@ -608,43 +604,20 @@ int mcfg_parse(const char *text, size_t len, const char *what, mcfg *out, ds_err
 		rc = check_layers(&p, out);
 	if (!rc)
 		derive(out);
-	json_decref(root);
 	return rc;
 }
 
-static int read_text(const char *path, char **out, size_t *len, ds_err *err)
+int mcfg_parse(const char *text, size_t len, const char *what, mcfg *out, ds_err *err)
 {
-	struct stat st;
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", path,
-				  strerror(errno));
-	int rc = DS_OK;
-	char *buf = NULL;
-	if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-		rc = ds_err_set(err, DS_EIO, "%s: not a readable regular file", path);
-		goto out;
-	}
-	if (st.st_size > (off_t)MCFG_MAX_FILE_BYTES) {
-		rc = ds_err_set(err, DS_ERANGE, "%s: larger than %u bytes", path,
-				MCFG_MAX_FILE_BYTES);
-		goto out;
-	}
-	*len = (size_t)st.st_size;
-	buf = malloc(*len + 1);
-	if (!buf) {
-		rc = ds_err_set(err, DS_ENOMEM, "%s: out of memory", path);
-		goto out;
-	}
-	if (fread(buf, 1, *len, f) != *len) {
-		rc = ds_err_set(err, DS_EIO, "%s: read error", path);
-		goto out;
-	}
-	*out = buf;
-	buf = NULL;
-out:
-	free(buf);
-	fclose(f);
+	ds_err local = {0};
+	if (!err)
+		err = &local;
+	memset(out, 0, sizeof *out);
+	json_t *root = jsonx_parse(text, len, MCFG_JSON_MAX_DEPTH, err);
+	if (!root)
+		return ds_err_wrap(err, "%s", what);
+	int rc = mcfg_from_json(root, what, out, err);
+	json_decref(root);
 	return rc;
 }
 
@@ -658,7 +631,7 @@ int mcfg_load(const char *path, mcfg *out, ds_err *err)
 		return ds_err_set(err, DS_EINVAL, "path too long: %.200s", path);
 	char *text = NULL;
 	size_t len = 0;
-	int rc = read_text(file, &text, &len, err);
+	int rc = ds_file_read_all(file, MCFG_MAX_FILE_BYTES, &text, &len, err);
 	if (!rc)
 		rc = mcfg_parse(text, len, file, out, err);
 	free(text);

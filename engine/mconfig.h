@@ -28,7 +28,11 @@
 
 #define MCFG_MAX_EOS 8
 #define MCFG_MAX_ROPE_DIM 4096
+/* config.json is read whole (ds_file_read_all) under this cap: published
+ * configs are a few KiB, a few MiB leaves room for long comments or padding;
+ * a larger file is refused with its name and the cap, never truncated. */
 #define MCFG_MAX_FILE_BYTES (4u << 20)
+#define MCFG_JSON_MAX_DEPTH 32
 
 /* A later issue adds more architectures here.  A GGUF ("deepseek2" for both)
  * counts as V3 with sigmoid routing and as V2 with softmax routing. */
@@ -124,6 +128,9 @@ int mcfg_load(const char *path, mcfg *out, ds_err *err);
 
 /* The same from memory; `what` names the source in errors. */
 int mcfg_parse(const char *text, size_t len, const char *what, mcfg *out, ds_err *err);
+/* The same from a parsed config.json (a model source holds one). */
+struct json_t;
+int mcfg_from_json(const struct json_t *root, const char *what, mcfg *out, ds_err *err);
 
 /* The same from the metadata of a GGUF file written by llama.cpp's converter
  * for general.architecture "deepseek2" (DeepSeek-V2 / V2-Lite / V3 / R1);

@@ -1,15 +1,28 @@
 /*
- * model.c - picks the architecture of a checkpoint and answers engine/model.h
- * from the shared base (model_impl.h).
+ * model.c - opens the model source, picks the architecture of a checkpoint,
+ * and answers engine/model.h from the shared base (model_impl.h).
  *
  *   DIR with config.json, model_type deepseek_v3 | deepseek_v2  -> deepseek.c
  *   DIR with config.json, model_type llama | mistral | qwen2     -> llama.c
- *   FILE.gguf, general.architecture llama                        -> llama.c
  *   FILE.gguf, general.architecture deepseek2                    -> deepseek.c
- * Thread rule: as model.h (one step at a time per model).
+ *   FILE.gguf, any other general.architecture                    -> llama.c
+ *
+ * Model load (every edge names the function that takes it):
+ *
+ *   path | p->source --msrc_open / msrc_ref--> source (opened once)
+ *     --msrc_arch--> graph loader (deepseek_model_load | llama_model_load):
+ *        config (mcfg_from_json | mcfg_from_gguf | llama's own)
+ *        --needs: the ops its forward calls x the dtypes the source holds
+ *        --model_backend_choose (eng_backend_pick: cuda then cpu for auto,
+ *          support check before kb_backend_get; or backend_override)
+ *        --msrc_hold_weights(mode for that backend) --> tensors, buffers
+ *        (model_act_alloc: the backend's allocator), KV cache
+ *   model_free --ops->free--> kb_release, msrc_unref
+ *
+ * Callers: dsrun, the agent's serve module, tests/tools.  Thread rule: as
+ * model.h (one step at a time per model).
  */
-#include "common/jsonx.h"
-#include "engine/gguf.h"
+#include "engine/engine.h"
 #include "engine/model_impl.h"
 
 #include <stdio.h>
@@ -44,62 +57,86 @@ int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx)
 	return pages > INT32_MAX ? INT32_MAX : (int)pages;
 }
 
-static int ends_with(const char *s, const char *suffix)
+/* The graph of an architecture name (GGUF general.architecture or HF
+ * model_type); anything else goes to deepseek.c, whose config check names
+ * what it supports. */
+static int arch_is_llama(const char *arch)
 {
-	size_t n = strlen(s), k = strlen(suffix);
-	return n >= k && strcmp(s + n - k, suffix) == 0;
-}
-
-/* model_type of DIR/config.json into out ("" when unreadable: the DeepSeek
- * loader then reports the precise problem). */
-static void read_model_type(const char *dir, char *out, size_t size)
-{
-	char path[4096];
-	out[0] = '\0';
-	snprintf(path, sizeof path, "%s/config.json", dir);
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return;
-	char buf[1 << 16];
-	size_t n = fread(buf, 1, sizeof buf - 1, f);
-	fclose(f);
-	buf[n] = '\0';
-	json_t *v = jsonx_parse(buf, n, 64, NULL);
-	const char *t = json_string_value(json_object_get(v, "model_type"));
-	if (t)
-		snprintf(out, size, "%s", t);
-	json_decref(v);
+	static const char *const names[] = {"llama", "mistral", "qwen2"};
+	for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+		if (strcmp(arch, names[i]) == 0)
+			return 1;
+	return 0;
 }
 
 model *model_load(const model_params *p, ds_err *err)
 {
-	if (!p->path) {
-		ds_err_set(err, DS_EINVAL, "no model path given");
+	msrc *src = p->source ? msrc_ref(p->source) : msrc_open(p->path, err);
+	if (!src)
 		return NULL;
-	}
-	if (ends_with(p->path, ".gguf")) {
-		/* general.architecture decides; the loader reopens the file (the
-		 * mapping is shared by the page cache, the metadata is parsed twice) */
-		gguf_file *g = gguf_open(p->path, err);
-		const char *arch = NULL;
-		if (!g)
-			return NULL;
-		int ds = gguf_get_str(g, "general.architecture", &arch, NULL, NULL) == DS_OK &&
-			 strcmp(arch, "deepseek2") == 0;
-		gguf_close(g);
-		return ds ? deepseek_model_load(p, err) : llama_model_load(p, err);
-	}
-	char type[64];
-	read_model_type(p->path, type, sizeof type);
-	if (strcmp(type, "llama") == 0 || strcmp(type, "mistral") == 0 || strcmp(type, "qwen2") == 0)
-		return llama_model_load(p, err);
-	return deepseek_model_load(p, err);
+	const char *arch = msrc_arch(src);
+	/* a GGUF of another architecture reaches llama.c, which names it */
+	int llama = msrc_kind(src) == MSRC_GGUF ? strcmp(arch, "deepseek2") != 0 : arch_is_llama(arch);
+	model *m = llama ? llama_model_load(p, src, err) : deepseek_model_load(p, src, err);
+	msrc_unref(src); /* the model holds its own reference */
+	return m;
 }
 
 void model_free(model *m)
 {
 	if (m)
 		m->ops->free(m);
+}
+
+void model_needs_add(model_needs *nd, enum kb_op op, enum kb_dtype dtype)
+{
+	for (int i = 0; i < nd->n; i++)
+		if (nd->v[i].op == op && nd->v[i].dtype == dtype)
+			return;
+	if (nd->n < (int)(sizeof nd->v / sizeof nd->v[0]))
+		nd->v[nd->n++] = (kb_op_need){.op = op, .dtype = dtype};
+}
+
+enum ds_map_mode model_weights_mode(const model_params *p, const kb_backend *be)
+{
+	if (p->weights == MODEL_WEIGHTS_HUGE)
+		return DS_MAP_HUGE_COPY;
+	if (p->weights == MODEL_WEIGHTS_AUTO && strcmp(be->name, "cpu") == 0 && ds_thp_usable())
+		return DS_MAP_HUGE_COPY;
+	return DS_MAP_FILE;
+}
+
+int model_tensor_layer(const char *name)
+{
+	static const char *const prefixes[] = {"blk.", "model.layers."};
+	for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++) {
+		size_t n = strlen(prefixes[i]);
+		if (strncmp(name, prefixes[i], n) != 0 || name[n] < '0' || name[n] > '9')
+			continue;
+		long v = 0;
+		for (const char *c = name + n; *c >= '0' && *c <= '9' && v < INT32_MAX; c++)
+			v = v * 10 + (*c - '0');
+		return (int)v;
+	}
+	return -1;
+}
+
+const kb_backend *model_backend_choose(const model_params *p, const msrc *src, const model_needs *nd,
+				       ds_err *err)
+{
+	const kb_backend *be;
+	if (p->backend_override) {
+		be = p->backend_override;
+		if (kb_check(be, nd->v, nd->n, err)) {
+			ds_err_wrap(err, "model %s", msrc_path(src));
+			return NULL;
+		}
+	} else if (!(be = eng_backend_pick(p->backend, nd->v, nd->n, msrc_path(src), err))) {
+		return NULL;
+	}
+	if (be->set_threads)
+		kb_set_threads(be, p->threads);
+	return be;
 }
 
 int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err)
@@ -157,6 +194,15 @@ int model_linear(const kb_backend *be, const model_weight *w, const float *x, in
 	return M ? kb_matmul(be, &a) : DS_OK;
 }
 
+void *model_act_alloc(const kb_backend *be, size_t *counter, size_t n, size_t size)
+{
+	size_t bytes = (n ? n : 1) * size;
+	void *p = kb_alloc(be, bytes);
+	if (p)
+		*counter += bytes;
+	return p;
+}
+
 void *model_calloc(size_t *counter, size_t n, size_t size)
 {
 	void *p = calloc(n ? n : 1, size);
@@ -183,11 +229,6 @@ int model_max_ctx(const model *m)
 int model_max_batch_tokens(const model *m)
 {
 	return (int)m->bt;
-}
-
-int model_bos_id(const model *m)
-{
-	return m->bos_id;
 }
 
 int model_eos_ids(const model *m, const int **ids)

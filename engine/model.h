@@ -48,9 +48,23 @@ enum model_weights {
 	MODEL_WEIGHTS_HUGE = 2, /* always the huge-page copy */
 };
 
+struct msrc;
+struct kb_backend;
+
 typedef struct model_params {
-	const char *path;     /* checkpoint directory */
-	const char *backend;  /* "auto", "cpu", "cuda" */
+	const char *path;     /* checkpoint directory or .gguf file (when source is NULL) */
+	/* An open model source (engine/source.h), e.g. the one the caller loaded
+	 * the tokenizer from: model_load takes its own reference and ignores
+	 * path.  NULL: model_load opens path. */
+	struct msrc *source;
+	/* "auto": the first of cuda, cpu that runs every op the checkpoint needs
+	 * (a compiled-in cuda that lacks one is skipped with a log line); "cpu"
+	 * or "cuda": that one, or an error naming the op it lacks. */
+	const char *backend;
+	/* For tests and for callers that already hold a backend instance: used
+	 * instead of `backend` after the same support check (against its own
+	 * supports_op).  NULL normally. */
+	const struct kb_backend *backend_override;
 	int threads;          /* 0 = one per core */
 	int max_batch_tokens; /* tokens per step */
 	int max_ctx;          /* longest sequence; 0 = min(model's, 4096) */
@@ -65,6 +79,12 @@ typedef struct model_params {
 typedef struct model model;
 
 model_params model_default_params(void);
+/* Opens the source once (or takes p->source), picks the graph from the
+ * architecture it names, lists the ops that graph needs for the dtypes the
+ * checkpoint holds, chooses the backend that runs them all (see backend
+ * above), then maps the weights and allocates the buffers.  NULL with err
+ * filled: the source's errors, DS_EUNSUPPORTED naming the op (and dtype) the
+ * requested backend lacks, the loaders' config and tensor errors, DS_ENOMEM. */
 model *model_load(const model_params *p, ds_err *err);
 void model_free(model *m);
 
@@ -77,7 +97,6 @@ kv_cache *model_kv(model *m);
 int model_vocab_size(const model *m);
 int model_max_ctx(const model *m);
 int model_max_batch_tokens(const model *m);
-int model_bos_id(const model *m);     /* -1 when the config has none */
 int model_eos_ids(const model *m, const int **ids); /* count; ids borrowed */
 const char *model_arch_name(const model *m);
 /* "cpu" or "cuda": the backend the model runs on. */

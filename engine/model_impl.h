@@ -9,6 +9,7 @@
 #define DS_ENGINE_MODEL_IMPL_H
 
 #include "engine/model.h"
+#include "engine/source.h"
 #include "kernels/backend.h"
 
 #define MODEL_MAX_EOS 8
@@ -23,10 +24,10 @@ struct model {
 	const model_ops *ops;
 	const char *arch;          /* "deepseek_v3", "llama", ... (static string) */
 	const kb_backend *be;
+	msrc *src;                 /* one reference, released by model_free */
 	kv_cache *kv;
 	int vocab_size;
 	int64_t ctx, bt;           /* max context, max tokens per step */
-	int bos_id;                /* -1 = none */
 	int n_eos;
 	int eos_ids[MODEL_MAX_EOS];
 	size_t weight_bytes;       /* checkpoint tensor bytes */
@@ -46,16 +47,46 @@ typedef struct model_weight {
 int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
 		 float *y, int64_t y_stride, int64_t M, int accumulate);
 
-/* calloc that adds the bytes to *counter (a model's extra_bytes). */
+/* calloc that adds the bytes to *counter (a model's extra_bytes): host
+ * memory the graph's C code reads (f32 copies of norms, bookkeeping). */
 void *model_calloc(size_t *counter, size_t n, size_t size);
+/* n * size bytes of activation memory from the backend's allocator
+ * (kb_alloc: device memory on a device backend), added to *counter; freed
+ * with kb_release.  Not zeroed: every activation is written before it is
+ * read within a step. */
+void *model_act_alloc(const kb_backend *be, size_t *counter, size_t n, size_t size);
+
+/* The ops a graph needs for one checkpoint, deduplicated, in the order added
+ * (the support check names the first one a backend lacks, so the graphs add
+ * the products first). */
+typedef struct model_needs {
+	int n;
+	kb_op_need v[KB_OP_COUNT * KB_DTYPE_COUNT];
+} model_needs;
+void model_needs_add(model_needs *nd, enum kb_op op, enum kb_dtype dtype);
+/* How to hold safetensors shards on backend be: p->weights, with AUTO meaning
+ * huge-page copies on the cpu backend when the kernel offers them, else the
+ * file mapping. */
+enum ds_map_mode model_weights_mode(const model_params *p, const kb_backend *be);
+/* Layer index of a tensor name "blk.L." (GGUF) or "model.layers.L." (HF);
+ * -1 for a tensor outside the layers. */
+int model_tensor_layer(const char *name);
+/* The backend that runs every need: p->backend_override (checked against its
+ * own supports_op), else eng_backend_pick(p->backend); sets its thread
+ * count.  NULL with err naming the missing op. */
+const kb_backend *model_backend_choose(const model_params *p, const msrc *src, const model_needs *nd,
+				       ds_err *err);
 /* KV pages to allocate: p->n_pages when set; else enough for max_seqs
  * sequences of ctx positions, capped by p->kv_bytes when that is set (at
  * least one sequence's worth). kp gives the layer count, row and page size. */
 int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx);
 
-/* Architecture loaders (model.c picks one from the checkpoint). */
-model *deepseek_model_load(const model_params *p, ds_err *err);
-model *llama_model_load(const model_params *p, ds_err *err);
+/* Architecture loaders (model.c picks one from the source's architecture).
+ * They read everything through src (never the path again), choose the
+ * backend with model_backend_choose before weights are held, and keep a
+ * reference to src in base.src. */
+model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err);
+model *llama_model_load(const model_params *p, msrc *src, ds_err *err);
 
 /* Shared checks of a step against the base (token ids, positions, block
  * tables); every forward calls it first. */

@@ -1,8 +1,9 @@
 /*
  * safetensors.c - open a Hugging Face safetensors checkpoint (see safetensors.h).
  *
- * Called by the model loader (and tests); calls jansson and common/
- * (ds_file_map).
+ * Called by the model source (engine/source.c: st_open when the loader
+ * first asks for tensors, st_remap once the backend is chosen) and tests;
+ * calls jansson and common/ (ds_file_map, ds_file_read_all for the index).
  * Thread rule: st_open/st_close on one thread; the st_model is immutable in
  * between, so lookups from many threads need no lock.
  *
@@ -16,6 +17,9 @@
  *                            parse_header (bounds, JSON, one add_tensor per entry)
  *                                                    v
  *            indexed only: check_index (every listed tensor sits in its shard)
+ *
+ *   st_remap(mode): each shard mapped again as mode says, its tensors' data
+ *   pointers moved by the same offset, the old mapping dropped.
  *
  * File layout: u64 little-endian N, N bytes of JSON, then the data buffer;
  * data_offsets are relative to the first byte after the JSON.
@@ -452,43 +456,6 @@ static int parse_header(st_model *m, int si, ds_err *err)
 
 /* ---- the index ---- */
 
-/* Reads a whole small file (at most cap bytes) into a malloc'd buffer. */
-static int read_file(const char *path, size_t cap, char **out, size_t *len, ds_err *err)
-{
-	int rc = DS_OK;
-	char *buf = NULL;
-	struct stat st;
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", path,
-				  strerror(errno));
-	if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-		rc = ds_err_set(err, DS_EIO, "%s: not a readable regular file", path);
-		goto out;
-	}
-	if ((uint64_t)st.st_size > cap) {
-		rc = ds_err_set(err, DS_EFORMAT, "%s: %lld bytes, larger than the limit of %zu",
-				path, (long long)st.st_size, cap);
-		goto out;
-	}
-	*len = (size_t)st.st_size;
-	buf = malloc(*len + 1);
-	if (!buf) {
-		rc = ds_err_set(err, DS_ENOMEM, "%s: out of memory", path);
-		goto out;
-	}
-	if (fread(buf, 1, *len, f) != *len) {
-		rc = ds_err_set(err, DS_EIO, "%s: read error", path);
-		goto out;
-	}
-	*out = buf;
-	buf = NULL;
-out:
-	free(buf);
-	fclose(f);
-	return rc;
-}
-
 /* A shard must be a plain file name inside the checkpoint directory. */
 static int shard_name_ok(const char *s)
 {
@@ -501,7 +468,7 @@ static int read_index(st_model *m, json_t **wmap_out, json_t **root_out, ds_err 
 {
 	char *text = NULL;
 	size_t len = 0;
-	int rc = read_file(m->index_path, ST_MAX_INDEX_BYTES, &text, &len, err);
+	int rc = ds_file_read_all(m->index_path, ST_MAX_INDEX_BYTES, &text, &len, err);
 	if (rc)
 		return rc;
 	json_t *root = parse_json(m->index_path, text, len, err);
@@ -619,6 +586,36 @@ st_model *st_open_mode(const char *dir, enum ds_map_mode mode, ds_err *err)
 		return NULL;
 	}
 	return m;
+}
+
+int st_remap(st_model *m, enum ds_map_mode mode, ds_err *err)
+{
+	if (m->map_mode == mode)
+		return DS_OK;
+	for (int i = 0; i < m->n_shards; i++) {
+		shard_file *s = &m->shards[i];
+		void *map = NULL;
+		size_t map_len = 0;
+		int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", s->path,
+					  strerror(errno));
+		int rc = ds_file_map(fd, s->path, s->size, mode, &map, &map_len, err);
+		close(fd);
+		if (rc)
+			return rc;
+		/* the same bytes at a new address: every tensor of the shard moves */
+		for (size_t j = 0; j < m->n; j++) {
+			st_tensor *t = &m->ents[j].t;
+			if (t->shard == i)
+				t->data = (const char *)map + ((const char *)t->data - (const char *)s->map);
+		}
+		ds_file_unmap(s->map, s->map_len);
+		s->map = map;
+		s->map_len = map_len;
+	}
+	m->map_mode = mode;
+	return DS_OK;
 }
 
 void st_close(st_model *m)
@@ -759,9 +756,4 @@ int st_shard_count(const st_model *m)
 const char *st_shard_path(const st_model *m, int i)
 {
 	return i >= 0 && i < m->n_shards ? m->shards[i].path : NULL;
-}
-
-const char *st_dir(const st_model *m)
-{
-	return m->dir;
 }

@@ -38,7 +38,10 @@
 
 #define ST_MAX_DIMS 8
 #define ST_MAX_HEADER_BYTES (100u << 20) /* per shard header */
-#define ST_MAX_INDEX_BYTES (100u << 20)  /* model.safetensors.index.json */
+/* model.safetensors.index.json, read whole (ds_file_read_all): DeepSeek-V3's
+ * lists ~92k tensors in ~9 MiB; a larger file is refused (DS_ERANGE, naming
+ * the file and this cap), never truncated */
+#define ST_MAX_INDEX_BYTES (100u << 20)
 
 /* st_tensor.dtype of a tensor whose dtype the kernels do not support (I64,
  * U8, BOOL, F64, F8_E5M2, unknown strings...; dtype_name says which).  Such
@@ -69,6 +72,13 @@ st_model *st_open(const char *dir, ds_err *err);
 st_model *st_open_mode(const char *dir, enum ds_map_mode mode, ds_err *err);
 void st_close(st_model *m); /* NULL is a no-op */
 
+/* Holds the shards as mode says from now on (e.g. the file mapping st_open
+ * made, copied into huge pages once the backend is known); every st_tensor's
+ * data moves with them.  Call it before any data pointer is taken.  DS_OK
+ * when already so; else the errors of ds_file_map, with the shard already
+ * switched kept switched (each tensor stays valid). */
+int st_remap(st_model *m, enum ds_map_mode mode, ds_err *err);
+
 /* O(1) lookup; NULL when absent.  May return an ST_DTYPE_NONE tensor. */
 const st_tensor *st_find(const st_model *m, const char *name);
 
@@ -98,7 +108,6 @@ size_t st_file_bytes(const st_model *m);  /* sum of shard file sizes */
 int st_shard_count(const st_model *m);
 /* "dir/model-00001-of-000163.safetensors"; NULL when out of range. */
 const char *st_shard_path(const st_model *m, int shard);
-const char *st_dir(const st_model *m);
 
 /* "F32", "F16", "BF16", "F8_E4M3" ("?" otherwise). */
 const char *st_dtype_name(enum kb_dtype t);

@@ -909,15 +909,6 @@ sched_times sched_seq_times(sched_seq *q)
 	return t;
 }
 
-int32_t sched_seq_generated(sched_seq *q)
-{
-	sched *s = q->s;
-	pthread_mutex_lock(&s->mu);
-	int32_t n = q->n_pub;
-	pthread_mutex_unlock(&s->mu);
-	return n;
-}
-
 void sched_get_stats(sched *s, sched_stats *out)
 {
 	pthread_mutex_lock(&s->mu);

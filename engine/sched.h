@@ -139,8 +139,6 @@ void sched_seq_release(sched_seq *q);
 /* Message of a SCHED_FIN_ERROR finish ("" otherwise; valid until release). */
 const char *sched_seq_error(sched_seq *q);
 sched_times sched_seq_times(sched_seq *q);
-/* Tokens generated for the sequence so far (delivered or queued). */
-int32_t sched_seq_generated(sched_seq *q);
 
 void sched_get_stats(sched *s, sched_stats *out);
 

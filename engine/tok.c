@@ -516,7 +516,8 @@ void tok_ids_free(tok_ids *ids)
 	ids->n = ids->alloc = 0;
 }
 
-int tok_ids_push(tok_ids *ids, int32_t id)
+/* 0, DS_ERANGE past max, DS_ENOMEM. */
+static int tok_ids_push(tok_ids *ids, int32_t id)
 {
 	if (ids->n >= ids->max)
 		return DS_ERANGE;

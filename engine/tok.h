@@ -168,8 +168,6 @@ typedef struct tok_ids {
 /* max 0 = 64 Mi ids. */
 void tok_ids_init(tok_ids *ids, size_t max);
 void tok_ids_free(tok_ids *ids);
-/* 0, DS_ERANGE past max, DS_ENOMEM. */
-int tok_ids_push(tok_ids *ids, int32_t id);
 
 /* ---- encode / decode ----------------------------------------------------- */
 

@@ -21,62 +21,26 @@
  * with tok_find_token), add_bos_token, chat_template (a string, or a list of
  * {name, template} whose "default" entry is used).
  */
+#include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "engine/tok_impl.h"
 
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define HF_MAX_FILE ((size_t)512 << 20)
+/* tokenizer.json / tokenizer_config.json are read whole (ds_file_read_all)
+ * under this cap: large vocabularies make files of tens of MiB (Llama 3:
+ * 9 MiB, DeepSeek-V3: 8 MiB); a larger file is refused, never truncated. */
+#define HF_MAX_FILE ((size_t)256 << 20)
 #define HF_MAX_DEPTH 64
 #define HF_MAX_SPLITS 16
-
-static int read_file(const char *path, char **out, size_t *len, ds_err *err)
-{
-	FILE *f = fopen(path, "rb");
-	char *data = NULL;
-	int rc = 0;
-	*out = NULL;
-	if (!f)
-		return ds_err_set(err, errno == ENOENT ? DS_ENOTFOUND : DS_EIO, "%s: %s", path,
-				  strerror(errno));
-	if (fseek(f, 0, SEEK_END) != 0) {
-		rc = ds_err_set(err, DS_EIO, "%s: cannot seek: %s", path, strerror(errno));
-		goto out;
-	}
-	long size = ftell(f);
-	if (size < 0 || (size_t)size > HF_MAX_FILE) {
-		rc = ds_err_set(err, DS_ERANGE, "%s: size %ld is over the limit of %zu bytes", path,
-				size, HF_MAX_FILE);
-		goto out;
-	}
-	rewind(f);
-	data = malloc((size_t)size + 1);
-	if (!data) {
-		rc = ds_err_set(err, DS_ENOMEM, "%s: out of memory", path);
-		goto out;
-	}
-	if (fread(data, 1, (size_t)size, f) != (size_t)size) {
-		rc = ds_err_set(err, DS_EIO, "%s: short read", path);
-		goto out;
-	}
-	data[size] = '\0';
-	*out = data;
-	*len = (size_t)size;
-	data = NULL;
-out:
-	free(data);
-	fclose(f);
-	return rc;
-}
 
 static json_t *load_json(const char *path, ds_err *err)
 {
 	char *text = NULL;
 	size_t len = 0;
-	if (read_file(path, &text, &len, err) != 0)
+	if (ds_file_read_all(path, HF_MAX_FILE, &text, &len, err) != 0)
 		return NULL;
 	json_t *root = jsonx_parse(text, len, HF_MAX_DEPTH, err);
 	free(text);

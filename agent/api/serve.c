@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/strutil.h"
 #include "engine/engine.h"
+#include "engine/source.h"
 
 #include <sodium.h>
 #include <stdio.h>
@@ -103,10 +104,17 @@ int serve_load(serve *s, ds_err *err)
 {
 	int rc;
 	double t0 = ds_now_s();
-	if (!(s->tk = eng_tok_load(s->p.model_path, err)))
+	/* one open of the checkpoint for the tokenizer and the model */
+	msrc *src = msrc_open(s->p.model_path, err);
+	if (!src)
 		return err->code ? err->code : DS_EIO;
+	if (!(s->tk = eng_tok_load_source(src, err))) {
+		msrc_unref(src);
+		return err->code ? err->code : DS_EIO;
+	}
 	model_params mp = model_default_params();
 	mp.path = s->p.model_path;
+	mp.source = src;
 	mp.backend = s->p.backend;
 	mp.threads = s->p.threads;
 	mp.max_ctx = s->p.ctx;
@@ -114,7 +122,9 @@ int serve_load(serve *s, ds_err *err)
 	mp.max_batch_tokens = s->p.max_batch_tokens;
 	mp.page_size = s->p.page_size;
 	mp.kv_bytes = s->p.kv_bytes;
-	if (!(s->m = model_load(&mp, err)))
+	s->m = model_load(&mp, err);
+	msrc_unref(src); /* the model holds its own reference */
+	if (!s->m)
 		return err->code ? err->code : DS_EIO;
 	s->max_ctx = model_max_ctx(s->m);
 	s->vocab = model_vocab_size(s->m);
