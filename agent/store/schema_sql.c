@@ -29,12 +29,15 @@
 
 EMBED(store_sql_0001, "schema/0001_init.sql");
 EMBED(store_sql_0002, "schema/0002_cluster.sql");
+EMBED(store_sql_0003, "schema/0003_member_events_ts.sql");
 
 extern const char store_sql_0001[];
 extern const char store_sql_0002[];
+extern const char store_sql_0003[];
 
 const store_migration store_migrations[] = {
 	{.version = 1, .file = "schema/0001_init.sql", .sql = store_sql_0001},
 	{.version = 2, .file = "schema/0002_cluster.sql", .sql = store_sql_0002},
+	{.version = 3, .file = "schema/0003_member_events_ts.sql", .sql = store_sql_0003},
 	{.version = 0},
 };

@@ -279,6 +279,48 @@ TEST(store_refuses_newer_schema)
 	ut_tmpdir_free(dir);
 }
 
+/* A database at version 2 with membership events (REAL seconds) migrates to
+ * 3: the rows stay, ts becomes INTEGER seconds. */
+TEST(store_migrates_member_event_times_to_integer_seconds)
+{
+	char *dir = ut_tmpdir_new("keys");
+	if (!dir)
+		return;
+	char db[600];
+	snprintf(db, sizeof db, "%s/dsagent.db", dir);
+	sqlite3 *raw = NULL;
+	CHECK_EQ(sqlite3_open(db, &raw), SQLITE_OK);
+	for (int i = 0; store_migrations[i].version && store_migrations[i].version <= 2; i++)
+		CHECK_EQ(sqlite3_exec(raw, store_migrations[i].sql, NULL, NULL, NULL), SQLITE_OK);
+	CHECK_EQ(sqlite3_exec(raw, "PRAGMA user_version = 2", NULL, NULL, NULL), SQLITE_OK);
+	double t = 1.7e9 + (double)(ut_rand_u64() % 1000000) + 0.75;
+	char sql[256];
+	snprintf(sql, sizeof sql,
+		 "INSERT INTO member_events (ts, node_id, name, kind, state) "
+		 "VALUES (%.3f, 'n1', 'a', 'member_join', 'alive')", t);
+	CHECK_EQ(sqlite3_exec(raw, sql, NULL, NULL, NULL), SQLITE_OK);
+	sqlite3_close(raw);
+
+	ds_err e = {0};
+	store *s = store_open(dir, &e);
+	CHECK(s != NULL);
+	if (s)
+		CHECK_EQ(store_schema_version(s), store_schema_latest());
+	store_close(s);
+
+	CHECK_EQ(sqlite3_open(db, &raw), SQLITE_OK);
+	sqlite3_stmt *q = NULL;
+	sqlite3_prepare_v2(raw, "SELECT typeof(ts), ts, name FROM member_events", -1, &q, NULL);
+	CHECK_EQ(sqlite3_step(q), SQLITE_ROW);
+	CHECK_STR((const char *)sqlite3_column_text(q, 0), "integer");
+	CHECK_EQ(sqlite3_column_int64(q, 1), (int64_t)t);
+	CHECK_STR((const char *)sqlite3_column_text(q, 2), "a");
+	CHECK_EQ(sqlite3_step(q), SQLITE_DONE);
+	sqlite3_finalize(q);
+	sqlite3_close(raw);
+	ut_tmpdir_free(dir);
+}
+
 TEST(store_refuses_a_file_that_is_not_a_database)
 {
 	char *dir = ut_tmpdir_new("keys");
