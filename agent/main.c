@@ -41,8 +41,9 @@
 
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: dsagent [options]\n\nOptions (each also DSAGENT_<NAME> or 'name = value' "
-		   "in --config FILE):\n");
+	fprintf(f, "usage: dsagent [options]\n"
+		   "       dsagent worker [options]   (a rank process: dsagent worker --help)\n\n"
+		   "Options (each also DSAGENT_<NAME> or 'name = value' in --config FILE):\n");
 	cfg_print_help(agent_opts_table, "DSAGENT", f);
 }
 
