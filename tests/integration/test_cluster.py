@@ -25,7 +25,6 @@ Each agent's stdout/stderr go to files in its own temporary directory.
 import http.client
 import json
 import os
-import random
 import re
 import signal
 import sqlite3
@@ -41,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from tests.fixtures import sysroots as sr  # noqa: E402
 from tests.fixtures.net import free_port  # noqa: E402
-from tests.fixtures.agent import GOSSIP, AgentProcess  # noqa: E402
+from tests.fixtures.agent import GOSSIP, AgentProcess, start_shuffled  # noqa: E402
 
 MODEL = ROOT / "models" / "default.gguf"
 LEASE_MS = 1500
@@ -441,16 +440,9 @@ def five(tmp_path_factory):
     key = make_key(tmp)
     seed = free_port()
     names = ["a", "b", "c", "d", "e"]
-    order = names[:]
-    random.shuffle(order)
-    nodes = {}
-    for name in order:              # random order, random delays; "a" is the seed
-        time.sleep(random.uniform(0, 0.5))
-        nodes[name] = Node(tmp / name, name, key, seed, expect=5,
-                           gossip_port=seed if name == "a" else 0)
-    last_start = max(n.started for n in nodes.values())
-    for n in nodes.values():
-        n.wait_listening()
+    nodes, order, last_start = start_shuffled(      # "a" is the seed
+        names, lambda name: Node(tmp / name, name, key, seed, expect=5,
+                                 gossip_port=seed if name == "a" else 0), 0.5)
     ns = [nodes[x] for x in names]
     yield {"nodes": ns, "last_start": last_start, "order": order}
     codes = {n.name: n.kill(signal.SIGTERM) for n in ns}

@@ -60,11 +60,19 @@ def test_detokenize_rejects_out_of_range_id():
     assert r.returncode != 0 and "999999" in r.stderr
 
 
+def shown_prompt(stderr):
+    """The ids --show-prompt printed: the JSON list line among the log lines
+    (a build with the CUDA backend also logs why it runs on the cpu)."""
+    lines = [l for l in stderr.splitlines() if l.startswith("[")]
+    assert len(lines) == 1, stderr
+    return json.loads(lines[0])
+
+
 def test_chat_prompt_has_one_bos_and_template(chat_model, hf):
     r = dsrun("-m", chat_model, "--chat", "What is 2+2?", "--system", "Be brief.", "-n", "4",
               "--temp", "0", "--show-prompt")
     assert r.returncode == 0, r.stderr
-    prompt = json.loads(r.stderr.strip().splitlines()[-1])
+    prompt = shown_prompt(r.stderr)
     want = "<｜begin▁of▁sentence｜>Be brief.<｜User｜>What is 2+2?<｜Assistant｜>"
     assert prompt == hf.encode(want, add_special_tokens=False).ids
     assert prompt.count(0) == 1 and prompt[0] == 0
@@ -74,7 +82,7 @@ def test_raw_prompt_gets_bos_and_generates_text(chat_model, hf):
     r = dsrun("-m", chat_model, "-p", "The capital of France is", "-n", "6", "--temp", "0",
               "--show-prompt", "--ignore-eos")
     assert r.returncode == 0, r.stderr
-    prompt = json.loads(r.stderr.strip().splitlines()[-1])
+    prompt = shown_prompt(r.stderr)
     assert prompt == [0] + hf.encode("The capital of France is", add_special_tokens=False).ids
     ids = dsrun("-m", chat_model, "--tokens", ",".join(map(str, prompt)), "-n", "6", "--temp", "0",
                 "--ids", "--ignore-eos")

@@ -55,7 +55,7 @@ from conftest import ROOT, binary
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from tests.fixtures.net import free_port  # noqa: E402
-from tests.fixtures.agent import GOSSIP, AgentProcess  # noqa: E402
+from tests.fixtures.agent import GOSSIP, AgentProcess, start_shuffled  # noqa: E402
 
 MODEL = ROOT / "models" / "default.gguf"
 HDR_LEN, TAG_LEN = 58, 16
@@ -226,16 +226,9 @@ def cluster(tmp_path_factory):
     assert r.returncode == 0, r.stderr
     seed_port = free_port()
     names = ["a", "b", "c", "d", "e"]
-    order = names[:]
-    random.shuffle(order)
-    nodes = {}
-    for name in order:          # random order, random delays; "a" is the seed
-        time.sleep(random.uniform(0, 0.25))
-        nodes[name] = Node(tmp / name, name, key, seed_port,
-                           gossip_port=seed_port if name == "a" else 0)
-    last_start = max(n.started for n in nodes.values())
-    for n in nodes.values():
-        n.wait_listening()
+    nodes, order, last_start = start_shuffled(      # "a" is the seed
+        names, lambda name: Node(tmp / name, name, key, seed_port,
+                                 gossip_port=seed_port if name == "a" else 0), 0.25)
     ns = [nodes[x] for x in names]
     ns_info = {"nodes": ns, "key": key, "tmp": tmp, "last_start": last_start,
                "order": order}
