@@ -115,6 +115,10 @@ static int write_weights(const char *dir)
 		off += bytes;
 	}
 	hl += (size_t)snprintf(header + hl, sizeof header - hl, "}");
+	/* spaces up to a multiple of 8 after the length word, as Hugging Face's
+	 * writer pads: the data then starts aligned for its f32 tensors */
+	while ((8 + hl) % 8 && hl < sizeof header - 1)
+		header[hl++] = ' ';
 	snprintf(path, sizeof path, "%s/model.safetensors", dir);
 	FILE *f = fopen(path, "wb");
 	int rc = -1;
