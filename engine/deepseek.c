@@ -250,8 +250,8 @@ static int load_experts(deepseek_model *m, const char *name, int64_t E, int64_t 
 	if (!g)
 		return err->code;
 	for (int64_t e = 0; e < E; e++)
-		out[e] = (wmat){(const uint8_t *)g->data + kb_dtype_bytes(g->dtype, e * n * k), NULL,
-				g->dtype, n, k, 0, 0};
+		out[e] = (wmat){.w = (const uint8_t *)g->data + kb_dtype_bytes(g->dtype, e * n * k),
+				.type = g->dtype, .n = n, .k = k};
 	return DS_OK;
 }
 
@@ -394,7 +394,7 @@ static int load_split_kv_b(deepseek_model *m, deepseek_layer *ly, const char *kb
 	float *tmp = same ? NULL : malloc((size_t)(lora * nope) * sizeof(float));
 	int rc = kv && (same || tmp) ? DS_OK : bad_alloc(err);
 	ly->kv_b_owned = kv;
-	ly->kv_b = (wmat){kv, NULL, t, H * per, lora, 0, 0};
+	ly->kv_b = (wmat){.w = kv, .type = t, .n = H * per, .k = lora};
 	for (int64_t h = 0; !rc && h < H; h++) {
 		uint8_t *dst = kv + (size_t)(h * per * lora) * esz;
 		if (same) {
@@ -422,8 +422,8 @@ static int load_split_kv_b(deepseek_model *m, deepseek_layer *ly, const char *kb
 static wmat head_ukt(const deepseek_model *m, const deepseek_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, nope = m->nope, g = ly->absorbed_block;
-	wmat w = {(const uint8_t *)ly->ukt_w + kb_dtype_bytes(ly->ukt_type, h * lora * nope),
-		  NULL, ly->ukt_type, lora, nope, 0, 0};
+	wmat w = {.w = (const uint8_t *)ly->ukt_w + kb_dtype_bytes(ly->ukt_type, h * lora * nope),
+		  .type = ly->ukt_type, .n = lora, .k = nope};
 	if (g) {
 		int64_t ur = (lora + g - 1) / g, uc = (nope + g - 1) / g;
 		w.scale = ly->ukt_s + h * ur * uc;
@@ -436,8 +436,8 @@ static wmat head_ukt(const deepseek_model *m, const deepseek_layer *ly, int64_t 
 static wmat head_uv(const deepseek_model *m, const deepseek_layer *ly, int64_t h)
 {
 	const int64_t lora = m->lora, vd = m->vd, g = ly->absorbed_block;
-	wmat w = {(const uint8_t *)ly->uv_w + kb_dtype_bytes(ly->uv_type, h * ly->uv_row_step * lora),
-		  NULL, ly->uv_type, vd, lora, 0, 0};
+	wmat w = {.w = (const uint8_t *)ly->uv_w + kb_dtype_bytes(ly->uv_type, h * ly->uv_row_step * lora),
+		  .type = ly->uv_type, .n = vd, .k = lora};
 	if (g) {
 		int64_t vr = (vd + g - 1) / g, vc = (lora + g - 1) / g;
 		w.scale = ly->uv_s + h * vr * vc;
@@ -749,7 +749,7 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 		const gguf_tensor *t = gguf_get_tensor(m->gg, "token_embd.weight", GGUF_DTYPE_ANY, 2, eshape, err);
 		if (!t)
 			goto fail;
-		m->embed = (wmat){t->data, NULL, t->dtype, c->vocab_size, m->D, 0, 0};
+		m->embed = (wmat){.w = t->data, .type = t->dtype, .n = c->vocab_size, .k = m->D};
 	} else {
 		const st_tensor *t = st_get(m->st, "model.embed_tokens.weight", ST_DTYPE_ANY, 2, eshape, err);
 		if (!t)
@@ -758,7 +758,7 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 			rc = ds_err_set(err, DS_EUNSUPPORTED, "model.embed_tokens.weight: FP8 embeddings are not supported");
 			goto fail;
 		}
-		m->embed = (wmat){t->data, NULL, t->dtype, c->vocab_size, m->D, 0, 0};
+		m->embed = (wmat){.w = t->data, .type = t->dtype, .n = c->vocab_size, .k = m->D};
 	}
 	if ((rc = load_vec(m, gg ? "output_norm.weight" : "model.norm.weight", m->D, &m->final_norm, err)))
 		goto fail;
@@ -772,7 +772,8 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 	if ((rc = alloc_buffers(m, err)))
 		goto fail;
 
-	kv_params kp = {c->num_hidden_layers, m->lora + m->rope, p->page_size > 0 ? p->page_size : 64, 0};
+	kv_params kp = {.n_layers = c->num_hidden_layers, .row_floats = m->lora + m->rope,
+			.page_size = p->page_size > 0 ? p->page_size : 64};
 	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
 	if (!(m->kv = kv_cache_new(&kp, err)))
 		goto fail;

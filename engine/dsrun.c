@@ -185,8 +185,10 @@ static int feed(runner *r, seqst *s, int row, const int32_t *toks, int n, float 
 			r->seq[i] = 0;
 			r->want[i] = out_all || (done + i == n - 1);
 		}
-		eng_batch b = {c, r->toks, r->pos, r->seq, r->want, 1,
-			       r->tables + (int64_t)row * r->max_blocks, r->max_blocks};
+		eng_batch b = {.n_tok = c, .tokens = r->toks, .pos = r->pos, .seq = r->seq,
+			       .want_logits = r->want, .n_seq = 1,
+			       .block_tables = r->tables + (int64_t)row * r->max_blocks,
+			       .max_blocks = r->max_blocks};
 		if ((rc = model_forward(r->m, &b, r->logits, err)))
 			return rc;
 		if (out_all)
@@ -212,7 +214,8 @@ static int decode_step(runner *r, seqst *ss, const int32_t *toks, int n, ds_err 
 		r->seq[i] = i;
 		r->want[i] = 1;
 	}
-	eng_batch b = {n, r->toks, r->pos, r->seq, r->want, n, r->tables, r->max_blocks};
+	eng_batch b = {.n_tok = n, .tokens = r->toks, .pos = r->pos, .seq = r->seq, .want_logits = r->want,
+		       .n_seq = n, .block_tables = r->tables, .max_blocks = r->max_blocks};
 	if ((rc = model_forward(r->m, &b, r->logits, err)))
 		return rc;
 	for (int i = 0; i < n; i++)

@@ -594,7 +594,8 @@ model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory for the activation buffers");
 		goto fail;
 	}
-	kv_params kp = {c->n_layers, 2 * m->kvd, p->page_size > 0 ? p->page_size : 64, 0};
+	kv_params kp = {.n_layers = c->n_layers, .row_floats = 2 * m->kvd,
+			.page_size = p->page_size > 0 ? p->page_size : 64};
 	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
 	model *base = &m->base;
 	if (!(base->kv = kv_cache_new(&kp, err)))

@@ -83,7 +83,8 @@ static void step(model *m, seq *ss, int n, const int32_t *toks, const int32_t *s
 	int filled[MAXSEQ] = {0};
 	for (int i = 0; i < n; i++)
 		pos[i] = ss[sidx[i]].len + filled[sidx[i]]++;
-	eng_batch b = {n, toks, pos, sidx, NULL, MAXSEQ, &tables[0][0], CTX};
+	eng_batch b = {.n_tok = n, .tokens = toks, .pos = pos, .seq = sidx, .n_seq = MAXSEQ,
+		       .block_tables = &tables[0][0], .max_blocks = CTX};
 	if (model_forward(m, &b, out, &err))
 		die("forward", &err);
 	for (int s = 0; s < MAXSEQ; s++)

@@ -13,7 +13,7 @@
 
 TEST(kv_pages_reserve_share_free)
 {
-	kv_params p = {2, 8, 4, 5}; /* 2 layers, 8 floats/row, 4 positions/page, 5 pages */
+	kv_params p = {.n_layers = 2, .row_floats = 8, .page_size = 4, .n_pages = 5};
 	ds_err e = {0};
 	kv_cache *kv = kv_cache_new(&p, &e);
 	CHECK(kv != NULL);
