@@ -623,68 +623,56 @@ static int alloc_buffers(deepseek_model *m, ds_err *err)
 static const model_ops deepseek_ops;
 static void deepseek_free(model *base);
 
+/* kv_b kept in f32 (see load_absorbed, load_split_kv_b): a block-quantized
+ * kv_b, or split halves of different dense dtypes, is rebuilt in f32 at load
+ * (a dequantization) and multiplied in f32. */
+static void kv_b_needs(msrc *src, const msrc_tensor *t, model_needs *nd)
+{
+	const char *kb = strstr(t->name, "attn_k_b."), *vb = strstr(t->name, "attn_v_b.");
+	int f32 = (strstr(t->name, "kv_b") || kb || vb) && kb_dtype_is_quant(t->dtype);
+	if ((kb || vb) && !f32) {
+		char other[256];
+		snprintf(other, sizeof other, "%.*s%s", (int)((kb ? kb : vb) - t->name), t->name,
+			 kb ? "attn_v_b.weight" : "attn_k_b.weight");
+		enum kb_dtype od = msrc_tensor_dtype(src, other);
+		f32 = od != KB_DTYPE_COUNT && od != t->dtype;
+	}
+	if (f32) {
+		model_needs_add(nd, KB_OP_MATMUL, KB_F32);
+		model_needs_add(nd, KB_OP_DEQUANT, t->dtype);
+	}
+}
+
 /* The ops deepseek_forward (and the load-time conversions) call, with the
  * dtypes this checkpoint holds: a product on every weight dtype of the
  * decoder layers used (the MTP layers past num_hidden_layers are never
- * loaded), f32 products and a dequantization where load_absorbed /
- * load_split_kv_b rebuild kv_b in f32, the embedding table's lookup, the
- * activation ops of MLA (both forms: model_set_attn switches between steps)
- * and MoE, and the conversion of every vector (norms, router bias) to f32. */
+ * loaded), f32 products and a dequantization where kv_b is rebuilt in f32,
+ * the embedding table's lookup, the activation ops of MLA (both forms:
+ * model_set_attn switches between steps) and MoE, and the conversion of
+ * every vector (norms, router bias) to f32. */
 static int deepseek_needs(const deepseek_model *m, msrc *src, model_needs *nd, ds_err *err)
 {
 	const mcfg *c = &m->cfg;
 	const char *embed = m->gg ? "token_embd.weight" : "model.embed_tokens.weight";
-	size_t n = msrc_tensor_count(src, err);
-	if (!n && err && err->code)
-		return err->code;
-	for (int pass = 0; pass < 2; pass++) { /* products first, then conversions */
-		for (size_t i = 0; i < n; i++) {
-			msrc_tensor t = msrc_tensor_at(src, i);
-			size_t len = strlen(t.name);
-			if (t.dtype == KB_DTYPE_COUNT || model_tensor_layer(t.name) >= c->num_hidden_layers ||
-			    strcmp(t.name, embed) == 0 ||
-			    (len > 10 && strcmp(t.name + len - 10, "_scale_inv") == 0))
-				continue;
-			if (pass == 1) {
-				if (t.n_dims == 1)
-					model_needs_add(nd, KB_OP_DEQUANT, t.dtype);
-				continue;
-			}
-			if (t.n_dims < 2)
-				continue;
-			model_needs_add(nd, KB_OP_MATMUL, t.dtype);
-			/* kv_b kept in f32 (see load_absorbed, load_split_kv_b) */
-			const char *kb = strstr(t.name, "attn_k_b."), *vb = strstr(t.name, "attn_v_b.");
-			int f32 = (strstr(t.name, "kv_b") || kb || vb) && kb_dtype_is_quant(t.dtype);
-			if ((kb || vb) && !f32) { /* split halves of different dense dtypes */
-				char other[256];
-				snprintf(other, sizeof other, "%.*s%s", (int)((kb ? kb : vb) - t.name), t.name,
-					 kb ? "attn_v_b.weight" : "attn_k_b.weight");
-				enum kb_dtype od = msrc_tensor_dtype(src, other);
-				f32 = od != KB_DTYPE_COUNT && od != t.dtype;
-			}
-			if (f32) {
-				model_needs_add(nd, KB_OP_MATMUL, KB_F32);
-				model_needs_add(nd, KB_OP_DEQUANT, t.dtype);
-			}
-		}
-		if (pass == 0) {
-			enum kb_dtype et = msrc_tensor_dtype(src, embed);
-			if (et != KB_DTYPE_COUNT)
-				model_needs_add(nd, KB_OP_EMBED, et);
-			static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_SILU_MUL,
-							   KB_OP_ATTN, KB_OP_MLA_ATTN};
-			for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
-				model_needs_add(nd, acts[i], KB_F32);
-			for (int L = 0; L < c->num_hidden_layers; L++) {
-				if (mcfg_is_moe_layer(c, L)) {
-					model_needs_add(nd, KB_OP_MOE_ROUTE, KB_F32);
-					model_needs_add(nd, KB_OP_AXPY, KB_F32);
-					break;
-				}
-			}
+	model_needs conv = {0};
+	int rc = model_needs_scan(src, c->num_hidden_layers, embed, nd, &conv, kv_b_needs, err);
+	if (rc)
+		return rc;
+	enum kb_dtype et = msrc_tensor_dtype(src, embed);
+	if (et != KB_DTYPE_COUNT)
+		model_needs_add(nd, KB_OP_EMBED, et);
+	static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_SILU_MUL, KB_OP_ATTN,
+					   KB_OP_MLA_ATTN};
+	for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
+		model_needs_add(nd, acts[i], KB_F32);
+	for (int L = 0; L < c->num_hidden_layers; L++) {
+		if (mcfg_is_moe_layer(c, L)) {
+			model_needs_add(nd, KB_OP_MOE_ROUTE, KB_F32);
+			model_needs_add(nd, KB_OP_AXPY, KB_F32);
+			break;
 		}
 	}
+	model_needs_append(nd, &conv);
 	return DS_OK;
 }
 

@@ -496,33 +496,20 @@ static int check_cfg(const lcfg *c, const char *what, ds_err *err)
 static int llama_needs(const llama_model *m, msrc *src, int gguf, model_needs *nd, ds_err *err)
 {
 	const char *embed = gguf ? "token_embd.weight" : "model.embed_tokens.weight";
-	size_t n = msrc_tensor_count(src, err);
-	if (!n && err && err->code)
-		return err->code;
+	model_needs conv = {0};
+	int rc = model_needs_scan(src, m->c.n_layers, embed, nd, &conv, NULL, err);
+	if (rc)
+		return rc;
 	enum kb_dtype et = msrc_tensor_dtype(src, embed);
-	for (int pass = 0; pass < 2; pass++) { /* products first, then conversions */
-		for (size_t i = 0; i < n; i++) {
-			msrc_tensor t = msrc_tensor_at(src, i);
-			if (t.dtype == KB_DTYPE_COUNT || model_tensor_layer(t.name) >= m->c.n_layers ||
-			    strcmp(t.name, embed) == 0)
-				continue;
-			if (pass == 0 && t.n_dims >= 2)
-				model_needs_add(nd, KB_OP_MATMUL, t.dtype);
-			if (pass == 1 && t.n_dims == 1)
-				model_needs_add(nd, KB_OP_DEQUANT, t.dtype);
-		}
-		if (pass == 0 && et != KB_DTYPE_COUNT) {
-			if (m->c.tied)
-				model_needs_add(nd, KB_OP_MATMUL, et);
-			model_needs_add(nd, KB_OP_EMBED, et);
-		}
-		if (pass == 0) {
-			static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_PAGED_ATTN,
-							   KB_OP_SILU_MUL};
-			for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
-				model_needs_add(nd, acts[i], KB_F32);
-		}
+	if (et != KB_DTYPE_COUNT) {
+		if (m->c.tied)
+			model_needs_add(nd, KB_OP_MATMUL, et);
+		model_needs_add(nd, KB_OP_EMBED, et);
 	}
+	static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_PAGED_ATTN, KB_OP_SILU_MUL};
+	for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
+		model_needs_add(nd, acts[i], KB_F32);
+	model_needs_append(nd, &conv);
 	return DS_OK;
 }
 

@@ -97,6 +97,36 @@ void model_needs_add(model_needs *nd, enum kb_op op, enum kb_dtype dtype)
 		nd->v[nd->n++] = (kb_op_need){.op = op, .dtype = dtype};
 }
 
+void model_needs_append(model_needs *nd, const model_needs *more)
+{
+	for (int i = 0; i < more->n; i++)
+		model_needs_add(nd, more->v[i].op, more->v[i].dtype);
+}
+
+int model_needs_scan(msrc *src, int n_layers, const char *embed, model_needs *nd,
+		     model_needs *conv,
+		     void (*extra)(msrc *src, const msrc_tensor *t, model_needs *nd), ds_err *err)
+{
+	size_t n = msrc_tensor_count(src, err);
+	if (!n && err && err->code)
+		return err->code;
+	for (size_t i = 0; i < n; i++) {
+		msrc_tensor t = msrc_tensor_at(src, i);
+		size_t len = strlen(t.name);
+		if (t.dtype == KB_DTYPE_COUNT || model_tensor_layer(t.name) >= n_layers ||
+		    strcmp(t.name, embed) == 0 || (len > 10 && strcmp(t.name + len - 10, "_scale_inv") == 0))
+			continue;
+		if (t.n_dims == 1) {
+			model_needs_add(conv, KB_OP_DEQUANT, t.dtype);
+		} else if (t.n_dims >= 2) {
+			model_needs_add(nd, KB_OP_MATMUL, t.dtype);
+			if (extra)
+				extra(src, &t, nd);
+		}
+	}
+	return DS_OK;
+}
+
 enum ds_map_mode model_weights_mode(const model_params *p, const kb_backend *be)
 {
 	if (p->weights == MODEL_WEIGHTS_HUGE)
@@ -134,8 +164,7 @@ const kb_backend *model_backend_choose(const model_params *p, const msrc *src, c
 	} else if (!(be = eng_backend_pick(p->backend, nd->v, nd->n, msrc_path(src), err))) {
 		return NULL;
 	}
-	if (be->set_threads)
-		kb_set_threads(be, p->threads);
+	(void)kb_set_threads(be, p->threads); /* DS_EUNSUPPORTED: a backend without threads */
 	return be;
 }
 

@@ -64,6 +64,17 @@ typedef struct model_needs {
 	kb_op_need v[KB_OP_COUNT * KB_DTYPE_COUNT];
 } model_needs;
 void model_needs_add(model_needs *nd, enum kb_op op, enum kb_dtype dtype);
+/* The weights' part of a graph's needs: for every tensor of src in the
+ * decoder layers below n_layers, other than the embedding table `embed` and
+ * FP8 scale grids (*_scale_inv), a product on each 2-D weight's dtype (then
+ * whatever extra(src, t, nd) adds for that weight, when extra is not NULL)
+ * into nd, and a conversion (dequant) of each vector into conv.  The caller
+ * adds its other ops to nd, then conv's (model_needs_append), so that
+ * products come first. */
+int model_needs_scan(msrc *src, int n_layers, const char *embed, model_needs *nd,
+		     model_needs *conv,
+		     void (*extra)(msrc *src, const msrc_tensor *t, model_needs *nd), ds_err *err);
+void model_needs_append(model_needs *nd, const model_needs *more);
 /* How to hold safetensors shards on backend be: p->weights, with AUTO meaning
  * huge-page copies on the cpu backend when the kernel offers them, else the
  * file mapping. */

@@ -87,7 +87,6 @@ static int open_into(kb_backend *be, const kb_backend_ops *ops, const kb_backend
 	*be = (kb_backend){
 		.name = ops->name,
 		.supports_op = ops->supports_op,
-		.set_threads = ops->set_threads,
 		.ops = ops,
 		.params = *p,
 	};
@@ -199,10 +198,8 @@ static int check_needs(const char *name, int (*supports)(enum kb_op, enum kb_dty
 /* The compiled-in backend's supports_op, or NULL for unknown names. */
 static int (*supports_of(const char *name))(enum kb_op, enum kb_dtype)
 {
-	for (int i = 0; i < N_COMPILED; i++)
-		if (strcmp(compiled[i].name, name) == 0)
-			return compiled[i].ops()->supports_op;
-	return NULL;
+	int i = find(name, NULL);
+	return i < 0 ? NULL : compiled[i].ops()->supports_op;
 }
 
 int kb_backend_supports(const char *name, enum kb_op op, enum kb_dtype dtype)

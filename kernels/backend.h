@@ -344,9 +344,9 @@ typedef struct kb_backend_ops {
 /* An open backend: its ops and what they need at run time (CUDA: the device
  * and its stream; CPU: the process's thread pool, which every CPU instance
  * shares because the kernels reach it through kc_parallel_for).
- * name, supports_op and set_threads are copies of the ops table's, so that
- * callers read be->name, call be->supports_op(op, dtype) and test
- * be->set_threads without knowing about ops; a test may build a fake
+ * name and supports_op are copies of the ops table's, so that callers read
+ * be->name and call be->supports_op(op, dtype) without knowing about ops;
+ * a test may build a fake
  * backend by copying an instance (*kb_backend_get("cpu", err)) and
  * replacing supports_op: the calls below go through that copy, which is
  * never closed (a copy of kb_backend_get's instance ignores close).
@@ -354,7 +354,6 @@ typedef struct kb_backend_ops {
 struct kb_backend {
 	const char *name;
 	int (*supports_op)(enum kb_op op, enum kb_dtype dtype);
-	int (*set_threads)(const kb_backend *be, int n);
 	const kb_backend_ops *ops;
 	kb_backend_params params; /* as opened */
 	void *priv;               /* the backend's own state (CUDA: device, stream) */
@@ -407,7 +406,7 @@ static inline int kb_upload(const kb_backend *be, void *dst, const void *src, si
 static inline int kb_download(const kb_backend *be, void *dst, const void *src, size_t n) { return be->ops->download(be, dst, src, n); }
 static inline int kb_sync(const kb_backend *be) { return be->ops->sync(be); }
 /* DS_EUNSUPPORTED for a backend without threads. */
-static inline int kb_set_threads(const kb_backend *be, int n) { return be->set_threads ? be->set_threads(be, n) : DS_EUNSUPPORTED; }
+static inline int kb_set_threads(const kb_backend *be, int n) { return be->ops->set_threads ? be->ops->set_threads(be, n) : DS_EUNSUPPORTED; }
 static inline int kb_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a) { return be->ops->rmsnorm(be, a); }
 static inline int kb_matmul(const kb_backend *be, const kb_matmul_args *a) { return be->ops->matmul(be, a); }
 static inline int kb_embed(const kb_backend *be, const kb_embed_args *a) { return be->ops->embed(be, a); }
