@@ -602,10 +602,7 @@ static int run(const struct run_cfg *c, ds_err *err)
 	mp.backend = c->backend;
 	mp.threads = c->threads;
 	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
-	mp.attn = strcmp(c->attn, "naive") == 0      ? MODEL_ATTN_NAIVE
-		  : strcmp(c->attn, "absorbed") == 0 ? MODEL_ATTN_ABSORBED
-						     : MODEL_ATTN_AUTO;
-	if (strcmp(c->attn, "auto") && mp.attn == MODEL_ATTN_AUTO) {
+	if (model_attn_parse(c->attn, &mp.attn) != DS_OK) {
 		rc = ds_err_set(err, DS_EINVAL, "--attn must be auto, naive or absorbed, got '%s'", c->attn);
 		goto out;
 	}

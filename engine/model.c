@@ -82,6 +82,24 @@ model *model_load(const model_params *p, ds_err *err)
 	return m;
 }
 
+int model_attn_parse(const char *s, enum model_attn *out)
+{
+	static const struct {
+		const char *name;
+		enum model_attn attn;
+	} forms[] = {
+		{.name = "auto", .attn = MODEL_ATTN_AUTO},
+		{.name = "naive", .attn = MODEL_ATTN_NAIVE},
+		{.name = "absorbed", .attn = MODEL_ATTN_ABSORBED},
+	};
+	for (size_t i = 0; s && i < sizeof forms / sizeof forms[0]; i++)
+		if (strcmp(s, forms[i].name) == 0) {
+			*out = forms[i].attn;
+			return DS_OK;
+		}
+	return DS_EINVAL;
+}
+
 void model_free(model *m)
 {
 	if (m)

@@ -90,6 +90,10 @@ void model_free(model *m);
 
 int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err);
 
+/* "auto", "naive" or "absorbed" into *out; DS_EINVAL for anything else
+ * (the --attn flag of dsrun and dsagent worker). */
+int model_attn_parse(const char *s, enum model_attn *out);
+
 /* Switches the MLA attention form between steps (tests compare them). */
 void model_set_attn(model *m, enum model_attn attn);
 

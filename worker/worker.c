@@ -361,9 +361,7 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	mp.max_seqs = c->max_seqs;
 	mp.page_size = c->page_size;
 	mp.n_pages = c->n_pages;
-	mp.attn = strcmp(c->attn, "naive") == 0      ? MODEL_ATTN_NAIVE
-		  : strcmp(c->attn, "absorbed") == 0 ? MODEL_ATTN_ABSORBED
-						     : MODEL_ATTN_AUTO;
+	(void)model_attn_parse(c->attn, &mp.attn); /* checked in worker_main */
 	if (!(w->m = model_load(&mp, err)))
 		return ds_err_wrap(err, "loading %s", c->model);
 	comm_params cp = comm_default_params();
@@ -455,7 +453,8 @@ int worker_main(int argc, char **argv)
 		goto out;
 	}
 	log_set_level(lv);
-	if (strcmp(cfg.attn, "auto") && strcmp(cfg.attn, "naive") && strcmp(cfg.attn, "absorbed")) {
+	enum model_attn attn;
+	if (model_attn_parse(cfg.attn, &attn) != DS_OK) {
 		fprintf(stderr, "dsagent worker: --attn must be auto, naive or absorbed, got '%s'\n", cfg.attn);
 		rc = 2;
 		goto out;
