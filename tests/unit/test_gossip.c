@@ -973,8 +973,12 @@ TEST(gossip_three_instances_loopback)
 		if (i == 0)
 			snprintf(seed, sizeof seed, "127.0.0.1:%d", gossip_port(g[0]));
 	}
-	for (int t = 0; t < 60; t++) {
-		if (count_alive(g[0]) == 3 && count_alive(g[1]) == 3 && count_alive(g[2]) == 3)
+	for (int t = 0; t < 300; t++) { /* up to 15 s: the events follow the table */
+		int done = 1;
+		for (int i = 0; i < 3; i++)
+			done &= count_alive(g[i]) == 3 &&
+				__atomic_load_n(&logs[i].joins, __ATOMIC_SEQ_CST) >= 2;
+		if (done)
 			break;
 		sleep_ms(50);
 	}
@@ -1026,7 +1030,7 @@ TEST(gossip_three_instances_loopback)
 	gossip_seal(&ring, self.id, 0, now_us(), plain, plen, pkt, sizeof pkt, &n);
 	send_udp(fd, port, pkt, n); /* our own id */
 	close(fd);
-	for (int t = 0; t < 40; t++) {
+	for (int t = 0; t < 400; t++) {
 		gossip_stats_get(g[0], &after);
 		if (drops(&after) - drops(&before) >= 11)
 			break;
@@ -1043,7 +1047,11 @@ TEST(gossip_three_instances_loopback)
 	CHECK_EQ(count_alive(g[0]), 3); /* the fake sender is no member */
 	/* g[2] leaves: the others mark it left */
 	gossip_leave(g[2], 0);
-	for (int t = 0; t < 40 && count_alive(g[0]) != 2; t++)
+	/* the member table changes before the event callback runs: wait for
+	 * both, generously (a loaded machine) */
+	for (int t = 0; t < 400 && (count_alive(g[0]) != 2 ||
+				    __atomic_load_n(&logs[0].lefts, __ATOMIC_SEQ_CST) < 1);
+	     t++)
 		sleep_ms(25);
 	gossip_member ms[4];
 	size_t nm = gossip_members(g[0], ms, 4);
