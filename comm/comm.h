@@ -138,6 +138,36 @@ typedef struct comm_group comm_group;
  * comm_default_params().  NULL with err filled on failure. */
 comm_group *comm_single_new(const comm_params *p, ds_err *err);
 
+/* ---- rendezvous store served over TCP (the launcher: dsrun's driver, later
+ * the agent) ---- */
+typedef struct comm_store_server comm_store_server;
+/* Serves a store on host:port (port 0: any free port) from a thread of this
+ * process until comm_store_server_stop.  NULL with err filled. */
+comm_store_server *comm_store_server_start(const char *host, int port, ds_err *err);
+/* "host:port" that clients connect to (borrowed until stop). */
+const char *comm_store_server_addr(const comm_store_server *s);
+void comm_store_server_stop(comm_store_server *s); /* NULL is a no-op */
+/* A client of a served store at addr ("host:port"): fills *st (its ctx
+ * owns the connection); connecting waits at most timeout_ms.  Released by
+ * comm_store_tcp_close. */
+int comm_store_tcp_open(comm_store *st, const char *addr, int timeout_ms, ds_err *err);
+void comm_store_tcp_close(comm_store *st);
+
+/* Gloo (CPU ranks over TCP, host buffers).  key_prefix scopes the
+ * rendezvous keys of this group ("<job>/<group>"); host is the address this
+ * rank listens on for its peers ("127.0.0.1" for local ranks).  Every rank
+ * of the group calls it with the same prefix and world_size.  NULL with
+ * err filled (DS_ETIMEOUT naming the ranks that never arrived). */
+comm_group *comm_gloo_new(const comm_params *p, const comm_store *store, const char *key_prefix,
+			  const char *host, ds_err *err);
+
+/* NCCL (GPU ranks, device buffers; built with CUDA=1, else DS_EUNSUPPORTED):
+ * rank 0 makes the unique id and publishes it through store under
+ * key_prefix; the communicator is created non-blocking and abandoned
+ * (ncclCommAbort) past the timeout.  device: the CUDA device index. */
+comm_group *comm_nccl_new(const comm_params *p, const comm_store *store, const char *key_prefix,
+			  int device, ds_err *err);
+
 /* Releases the group (NULL is a no-op).  No call may be in flight. */
 void comm_group_free(comm_group *g);
 

@@ -50,6 +50,50 @@ enum model_weights {
 
 struct msrc;
 struct kb_backend;
+struct comm_group;
+
+/*
+ * A parallel plan (docs/distributed.md).  world = tp * pp * ep ranks; world
+ * rank r sits at stage r / (tp*ep), and inside its stage at local index
+ * l = r % (tp*ep) = ep_rank * tp + tp_rank.
+ *   - pp stages hold contiguous layer ranges (model_stage_layers); the first
+ *     holds the embedding, the last the final norm and lm_head (its vocab
+ *     split over the stage's tp*ep ranks, gathered).
+ *   - inside a stage, attention and the dense / shared-expert MLPs are split
+ *     over the tp ranks (heads; gate/up rows, down columns) and replicated
+ *     over the ep index; the routed experts are split as whole experts over
+ *     all tp*ep ranks of the stage (model_split_range), combined with one
+ *     all-reduce over the stage group.
+ *   - every rank of a stage holds every token of the step (hidden states
+ *     are replicated after each all-reduce).
+ */
+typedef struct model_plan {
+	int tp, pp, ep; /* each >= 1 */
+} model_plan;
+
+/* This rank's place in a plan, with the groups it communicates over (made
+ * by the rank process; borrowed by the model, which never frees them). */
+typedef struct model_rank {
+	model_plan plan;
+	int rank;                     /* world rank */
+	int stage, tp_rank, ep_rank;  /* model_rank_coords(plan, rank) */
+	struct comm_group *world;     /* all ranks, world rank order */
+	struct comm_group *stage_grp; /* the tp*ep ranks of this stage, local index order */
+	struct comm_group *tp_grp;    /* the tp ranks of this stage with this ep_rank */
+} model_rank;
+
+/* DS_EINVAL naming the field unless tp, pp, ep >= 1 and the world fits an int. */
+int model_plan_check(const model_plan *p, ds_err *err);
+int model_plan_world(const model_plan *p);
+/* Stage, tp_rank, ep_rank of world rank r (layout above). */
+void model_rank_coords(const model_plan *p, int r, int *stage, int *tp_rank, int *ep_rank);
+/* Layers [*first, *end) of stage s of pp over n_layers: floor split, the
+ * remainder one each to the stages before the last (vLLM's rule: 61 over 2
+ * = 31 + 30; 5 over 3 = 2 + 2 + 1). */
+void model_stage_layers(int n_layers, int pp, int s, int *first, int *end);
+/* Part i of n items over `parts`: floor split, the remainder one each to the
+ * first parts.  Used for heads, rows, experts and vocab. */
+void model_split_range(int64_t n, int parts, int i, int64_t *first, int64_t *count);
 
 typedef struct model_params {
 	const char *path;     /* checkpoint directory or .gguf file (when source is NULL) */
@@ -74,6 +118,12 @@ typedef struct model_params {
 	size_t kv_bytes;      /* ... but at most this many bytes of KV cache (0 = no cap) */
 	enum model_attn attn;
 	enum model_weights weights; /* how safetensors shards are held */
+	/* NULL: the whole model on one rank.  Else this rank's slice of the
+	 * plan: only its weights are copied out of the checkpoint (never the
+	 * rest), and model_forward must be called by every rank of the plan
+	 * with the same step; the logits come out on world rank 0 only (other
+	 * ranks may pass logits = NULL). */
+	const model_rank *rank;
 } model_params;
 
 typedef struct model model;
@@ -107,5 +157,8 @@ const char *model_arch_name(const model *m);
 const char *model_backend_name(const model *m);
 size_t model_weight_bytes(const model *m);  /* bytes of the checkpoint's tensors used */
 size_t model_extra_bytes(const model *m);   /* bytes the engine allocated beside them */
+/* Seconds this rank spent inside collectives and stage transfers since
+ * load (0 on one rank): the comm_seconds of dsrun --bench --json. */
+double model_comm_seconds(const model *m);
 
 #endif

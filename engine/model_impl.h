@@ -14,8 +14,21 @@
 
 #define MODEL_MAX_EOS 8
 
+/* A graph gives embed, layers and head; model.c runs them as one step, or
+ * under a plan as a pipeline of micro-batches (model_forward).  A model that
+ * is not a local graph (the distributed driver) gives forward instead and
+ * leaves the three parts NULL. */
 typedef struct model_ops {
 	int (*forward)(model *m, const eng_batch *b, float *logits, ds_err *err);
+	/* first stage: x[t] = embedding of b->tokens[t] */
+	int (*embed)(model *m, const eng_batch *b, float *x, ds_err *err);
+	/* this rank's layers [first_layer, end_layer) on x [n_tok][D] in place
+	 * (the tp / stage all-reduces inside) */
+	int (*layers)(model *m, const eng_batch *b, float *x, ds_err *err);
+	/* last stage: logits of the tokens that want them, in batch order,
+	 * from x (which it may overwrite); under a plan the vocab slices are
+	 * gathered so that every rank of the last stage gets whole rows */
+	int (*head)(model *m, const eng_batch *b, float *x, float *logits, ds_err *err);
 	void (*set_attn)(model *m, enum model_attn attn); /* NULL: one attention form */
 	void (*free)(model *m);
 } model_ops;
@@ -32,6 +45,15 @@ struct model {
 	int eos_ids[MODEL_MAX_EOS];
 	size_t weight_bytes;       /* checkpoint tensor bytes */
 	size_t extra_bytes;        /* engine allocations beside them */
+	/* the plan (a one-rank plan, tp = pp = ep = 1 and NULL groups, when
+	 * model_params.rank is NULL) and what this rank holds of it */
+	model_rank rank;
+	int n_layers;              /* the model's decoder layers */
+	int first_layer, end_layer; /* this stage's [first, end) */
+	int64_t D;                 /* hidden size: rows of x passed between stages */
+	float *x;                  /* [bt][D] the graph's hidden states (stage transfers) */
+	float *mb_logits;          /* [bt][vocab] last stage under pp > 1 (model.c) */
+	double comm_seconds;       /* model_comm_time adds to it */
 };
 
 /* A Linear weight W [n][k] as the checkpoint stores it (borrowed from the
@@ -98,6 +120,31 @@ int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx);
  * reference to src in base.src. */
 model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err);
 model *llama_model_load(const model_params *p, msrc *src, ds_err *err);
+
+/* Under a plan: 1 when this rank has a part of the plan, so the graph
+ * communicates (tp > 1 or ep > 1 inside a stage). */
+int model_is_split(const model *m);
+/* The collectives a graph calls under a plan, timed into comm_seconds; a
+ * NULL group or a group of one rank is a no-op.  f32 sum in place. */
+int model_all_reduce(model *m, struct comm_group *g, float *buf, int64_t count, ds_err *err);
+int model_all_gather(model *m, struct comm_group *g, const float *send, float *recv, int64_t count,
+		     ds_err *err);
+
+/* An owned copy of a window of a weight as stored: rows [row0, row0+rows)
+ * and columns [col0, col0+cols) of w [n][k] (a graph's view into the
+ * checkpoint, which stays untouched outside the window: the copy reads the
+ * mapping in chunks and drops each chunk's pages from the process after it,
+ * so peak memory is the copy plus one chunk).  Block dtypes (GGUF) need col0
+ * and cols on the block; FP8 block-scaled weights copy their scale grid's
+ * matching window, and a window that does not start on a scale block is
+ * dequantized to f32 (exact: an e4m3 code times its f32 scale).  *out gets
+ * the copy, *owned what to free (free()), and *counter the bytes. */
+int model_weight_window(const kb_backend *be, const model_weight *w, int64_t row0, int64_t rows,
+			int64_t col0, int64_t cols, model_weight *out, void **owned,
+			size_t *counter, ds_err *err);
+/* An owned copy of n bytes at p (a replicated tensor under a plan), read the
+ * same way; NULL on allocation failure. */
+void *model_copy_bytes(const void *p, size_t n, size_t *counter);
 
 /* Shared checks of a step against the base (token ids, positions, block
  * tables); every forward calls it first. */
