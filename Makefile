@@ -194,6 +194,7 @@ bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_distributed.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_gossip.py
 
