@@ -1,23 +1,33 @@
 /*
- * worker.c - the rank process (`dsagent worker`): load the model, join the
- * group, run the launcher's steps.  Frames and exit statuses: worker.h.
+ * worker.c - the rank process (`dsagent worker`): join the plan's groups,
+ * load this rank's part of the model, run the launcher's requests.  Frames:
+ * engine/rankproto.h; options, behaviour and exit statuses: worker.h.
  *
  * Callers: agent/main.c dispatches `dsagent worker ARGS...` here before the
- * agent's own start-up; the launcher (agent/launch, planned) and
- * tests/integration/test_worker.py drive it over stdin/stdout.
- * Calls: engine/model.h (load, forward), comm/comm.h (the group),
- * common/config.h (options), common/log.h (stderr).
+ * agent's own start-up; engine/driver.c (dsrun --tp/--pp/--ep), the agent's
+ * launcher (planned) and tests/integration/test_worker.py drive it over
+ * stdin/stdout.
+ * Calls: engine/model.h (load, forward), engine/rankproto.h (frames),
+ * comm/comm.h (the store client and the groups), common/config.h
+ * (options), common/log.h (stderr).
  *
  * Lifecycle (each edge names the function that takes it):
  *
- *   start ──worker_open (model_load, comm_single_new)──> LOADED ──send_ready──> SERVING
- *     └── it fails: ERROR frame (id 0), exit 1
+ *   start ──groups_open (comm_store_tcp_open, comm_gloo_new x 3, or
+ *           comm_single_new for one rank)──> JOINED
+ *     ──worker_open (model_load with the model_rank, limits_agree)──> LOADED
+ *     ──send_ready (rank 0)──> SERVING
+ *     └── any of it fails: ERROR frame (rank 0, id 0), exit 1
  *
- *   SERVING ──serve (read_full, frame_share)──> one frame:
- *     STEP ──step_run──> LOGITS or ERROR reply ──────────────> SERVING
- *     another kind ──reply_error──> ERROR reply ─────────────> SERVING
- *     STOP, or the end of input between frames ──────────────> exit 0
- *     bad header, end of input inside a frame ──fatal──> ERROR frame, exit 1
+ *   SERVING ──frame_next: rank 0 reads a frame from stdin, frame_share
+ *            broadcasts header then payload over the world group──> one frame:
+ *     STEP  ──step_run (every rank: model_forward)──> LOGITS or ERROR (rank 0)
+ *     STATS ──stats_run (every rank: comm_all_gather)──> STATS_REPLY (rank 0)
+ *     another kind ──reply_error (rank 0)──> ERROR ──────────> SERVING
+ *     STOP, or the end of input between frames (rank 0 shares it as STOP) ──> exit 0
+ *     bad header, end of input inside a frame ──fatal (rank 0 shares a
+ *       STOP first)──> ERROR frame, exit 1
+ *     a collective fails (DS_EIO, DS_ETIMEOUT: the group is broken) ──fatal──> exit 1
  *     a reply that cannot be written ────────────────────────> exit 1
  *
  * Threading: one thread (the model's step rule: one step at a time); the
@@ -25,14 +35,19 @@
  *
  * Invariants:
  *   1. every buffer is sized in worker_open from the limits READY announces
- *      (max_payload bytes of frame, max_batch_tokens rows of logits); the
- *      step loop never allocates.
+ *      (max_payload bytes of frame, max_batch_tokens rows of logits on
+ *      rank 0 only); the step loop never allocates.
  *   2. a payload is read whole before it is decoded, and decoded only
  *      against its own length: counts are checked against the limits and
  *      the length before any array is touched.  What the model must check
- *      (token ids, positions, page ids) model_forward checks.
- *   3. stdout carries frames only: one fwrite sequence and one fflush per
- *      frame; everything else goes to the log on stderr.
+ *      (token ids, positions, page ids) model_forward checks.  Ranks other
+ *      than 0 check the shared header's length against the same limit.
+ *   3. stdout carries frames only, and only rank 0's: one fwrite sequence
+ *      and one fflush per frame; everything else goes to the log on stderr.
+ *   4. every rank handles the same frames in the same order (rank 0's), so
+ *      the collectives of a step or a STATS line up.  A step that is
+ *      refused is refused by every rank alike (the checks see the same
+ *      bytes), so nobody is left waiting.
  */
 #include "worker/worker.h"
 #include "comm/comm.h"
@@ -42,26 +57,23 @@
 #include "engine/engine.h"
 #include "engine/kv.h"
 #include "engine/model.h"
+#include "engine/rankproto.h"
 
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Frames are little-endian and copied with memcpy: this build assumes the
- * host is too (every machine dsagent targets). */
-#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "worker frames are little-endian; this host is not"
-#endif
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #define MAX_PAYLOAD_LIMIT ((uint64_t)1 << 30) /* a STEP frame larger than this is a config error */
-#define READY_FIELDS 10
+#define JOB_MAX 64
 
 struct worker_cfg {
-	char *model, *backend, *attn, *log_level;
-	int threads, rank, world_size, max_batch_tokens, max_ctx, max_seqs, page_size, n_pages;
-	int comm_timeout_ms, help;
+	char *model, *backend, *attn, *log_level, *store, *job, *host;
+	int threads, rank, world_size, tp, pp, ep, max_batch_tokens, max_ctx, max_seqs, page_size;
+	int n_pages, comm_timeout_ms, mmap_weights, parent_pid, help;
 };
 
 #define O(f) offsetof(struct worker_cfg, f)
@@ -69,9 +81,16 @@ static const cfg_opt opts[] = {
 	{"model", CFG_STR, O(model), NULL, 1, 0, "checkpoint directory or .gguf file", 'm'},
 	{"backend", CFG_STR, O(backend), "auto", 1, 0, "compute backend: auto, cpu or cuda"},
 	{"threads", CFG_INT, O(threads), "0", 0, 1024, "CPU threads (0 = one per core)", 't'},
+	{"tp", CFG_INT, O(tp), "1", 1, 65536, "tensor-parallel ranks per stage and expert group"},
+	{"pp", CFG_INT, O(pp), "1", 1, 65536, "pipeline stages"},
+	{"ep", CFG_INT, O(ep), "1", 1, 65536, "expert-parallel groups per stage"},
 	{"rank", CFG_INT, O(rank), "0", 0, 65535, "this worker's rank in the world group"},
-	{"world-size", CFG_INT, O(world_size), "1", 1, 65536,
-	 "ranks in the world group (only 1 until the distributed engine exists)"},
+	{"world-size", CFG_INT, O(world_size), "0", 0, 65536,
+	 "ranks in the world group: tp * pp * ep, which it must equal when given (0 = that)"},
+	{"store", CFG_STR, O(store), NULL, 1, 0,
+	 "HOST:PORT of the launcher's rendezvous store (needed for more than one rank)"},
+	{"job", CFG_STR, O(job), "job", 1, 0, "key prefix of this run's groups in the store"},
+	{"host", CFG_STR, O(host), "127.0.0.1", 1, 0, "address this rank listens on for its peers"},
 	{"max-batch-tokens", CFG_INT, O(max_batch_tokens), "512", 1, 1 << 20, "tokens per step"},
 	{"max-ctx", CFG_INT, O(max_ctx), "0", 0, 1 << 24,
 	 "longest sequence (0 = the model's, at most 4096)"},
@@ -82,8 +101,13 @@ static const cfg_opt opts[] = {
 	{"n-pages", CFG_INT, O(n_pages), "0", 0, 1 << 30,
 	 "KV pages (0 = enough for max-seqs sequences of max-ctx)"},
 	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
+	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
+	 "keep safetensors weights in the file mapping (as dsrun --mmap)"},
 	{"comm-timeout-ms", CFG_INT, O(comm_timeout_ms), "60000", 1, 1 << 30,
-	 "longest wait of one collective for its peers"},
+	 "longest wait of one collective (and of the rendezvous) for its peers"},
+	{"parent-pid", CFG_INT, O(parent_pid), "0", 0, 1 << 30,
+	 "exit at once unless the parent process is this pid (0 = no check): a launcher that "
+	 "died before this rank started"},
 	{"log-level", CFG_STR, O(log_level), "info", 1, 0, "debug, info, warn, error or off (stderr)"},
 	{"help", CFG_BOOL, O(help), "false", 1, 0, "this help", 'h'},
 	{0},
@@ -91,27 +115,36 @@ static const cfg_opt opts[] = {
 
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: dsagent worker --model PATH [options]\n\n"
-		   "The rank process: runs the steps framed on stdin, answers on stdout\n"
-		   "(protocol in worker/worker.h).  Options (each also DSWORKER_<NAME>):\n");
+	fprintf(f, "usage: dsagent worker --model PATH [--tp N --pp N --ep N --rank R --store HOST:PORT "
+		   "--job ID] [options]\n\n"
+		   "The rank process: rank 0 runs the requests framed on stdin and answers on\n"
+		   "stdout (protocol in engine/rankproto.h, behaviour in worker/worker.h); the\n"
+		   "other ranks follow it over the world group.  Options (each also DSWORKER_<NAME>):\n");
 	cfg_print_help(opts, "DSWORKER", f);
 }
 
 typedef struct worker {
 	model *m;
-	comm_group *g;
+	comm_store store;
+	int have_store;
+	comm_group *world, *stage, *tp;
+	model_rank mr;
+	int rank, W;
 	FILE *in, *out;
 	int vocab, bt, max_ctx, max_seqs, max_blocks, page_size, n_pages;
 	size_t max_payload;
 	uint8_t *payload; /* [max_payload] the frame being handled */
-	float *logits;    /* [bt][vocab] */
+	float *logits;    /* [bt][vocab] rank 0 only */
+	uint8_t *stats;   /* [W][RANKPROTO_STAT_BYTES] */
 } worker;
 
 /* ---- frames ---- */
 
-static void put_u32(uint8_t *p, uint32_t v)
+static int32_t get_i32(const uint8_t *p)
 {
-	memcpy(p, &v, 4);
+	int32_t v;
+	memcpy(&v, p, 4);
+	return v;
 }
 
 static uint32_t get_u32(const uint8_t *p)
@@ -121,31 +154,15 @@ static uint32_t get_u32(const uint8_t *p)
 	return v;
 }
 
-static int32_t get_i32(const uint8_t *p)
-{
-	int32_t v;
-	memcpy(&v, p, 4);
-	return v;
-}
-
-static uint16_t get_u16(const uint8_t *p)
-{
-	uint16_t v;
-	memcpy(&v, p, 2);
-	return v;
-}
-
-/* Writes one frame: header, then the payload in two parts (b may be NULL). */
-static int frame_write(worker *w, enum worker_kind kind, uint32_t id, const void *a, size_t na,
+/* Writes one frame (rank 0 only): header, then the payload in two parts
+ * (b may be NULL). */
+static int frame_write(worker *w, unsigned kind, uint32_t id, const void *a, size_t na,
 		       const void *b, size_t nb, ds_err *err)
 {
-	uint8_t h[WORKER_HEADER_BYTES];
-	uint16_t version = WORKER_PROTO_VERSION, k = (uint16_t)kind;
-	put_u32(h, WORKER_MAGIC);
-	memcpy(h + 4, &version, 2);
-	memcpy(h + 6, &k, 2);
-	put_u32(h + 8, id);
-	put_u32(h + 12, (uint32_t)(na + nb));
+	uint8_t h[RANKPROTO_HEADER_BYTES];
+	if (w->rank != 0)
+		return DS_OK;
+	rankproto_header_put(h, kind, id, (uint32_t)(na + nb));
 	if (fwrite(h, 1, sizeof h, w->out) != sizeof h || (na && fwrite(a, 1, na, w->out) != na) ||
 	    (nb && fwrite(b, 1, nb, w->out) != nb) || fflush(w->out) != 0)
 		return ds_err_set(err, DS_EIO, "writing a reply frame on stdout failed: %m");
@@ -157,7 +174,7 @@ static int reply_error(worker *w, uint32_t id, const ds_err *e, ds_err *err)
 	uint8_t code[4];
 	int32_t c = e->code ? e->code : DS_EINTERNAL;
 	memcpy(code, &c, 4);
-	return frame_write(w, WORKER_ERROR, id, code, 4, e->msg, strlen(e->msg), err);
+	return frame_write(w, RANKPROTO_ERROR, id, code, 4, e->msg, strlen(e->msg), err);
 }
 
 /* Reads up to n bytes; the count read (short only at the end of input or
@@ -172,28 +189,6 @@ static size_t read_full(FILE *f, void *buf, size_t n)
 		got += r;
 	}
 	return got;
-}
-
-static const char *kind_name(unsigned kind)
-{
-	switch (kind) {
-	case WORKER_STEP:
-		return "STEP";
-	case WORKER_STOP:
-		return "STOP";
-	case WORKER_READY:
-		return "READY";
-	case WORKER_LOGITS:
-		return "LOGITS";
-	case WORKER_ERROR:
-		return "ERROR";
-	}
-	return "unknown";
-}
-
-static size_t pad4(size_t n)
-{
-	return (n + 3) & ~(size_t)3;
 }
 
 /* Points b at the arrays of a STEP payload (invariant 2). */
@@ -214,22 +209,23 @@ static int step_decode(const worker *w, const uint8_t *p, size_t len, eng_batch 
 		return ds_err_set(err, DS_ERANGE, "STEP max_blocks %d: a block table has 1..%d entries "
 						  "(max-ctx %d / page-size %d)", mb, w->max_blocks, w->max_ctx,
 				  w->page_size);
-	if (flags & ~WORKER_STEP_WANT)
+	if (flags & ~RANKPROTO_STEP_WANT)
 		return ds_err_set(err, DS_EFORMAT, "STEP flags 0x%x: only 0x%x (want_logits present) is "
-						   "defined", flags, WORKER_STEP_WANT);
-	size_t nt = (size_t)n_tok, want_bytes = (flags & WORKER_STEP_WANT) ? pad4(nt) : 0;
-	size_t need = 16 + 12 * nt + want_bytes + 4 * (size_t)n_seq * (size_t)mb;
+						   "defined", flags, RANKPROTO_STEP_WANT);
+	const int want = (flags & RANKPROTO_STEP_WANT) != 0;
+	size_t nt = (size_t)n_tok, want_bytes = want ? (nt + 3) & ~(size_t)3 : 0;
+	uint64_t need = rankproto_step_bytes(n_tok, n_seq, mb, want);
 	if (len != need)
 		return ds_err_set(err, DS_EFORMAT, "STEP payload is %zu bytes but n_tok %d, n_seq %d, "
-						   "max_blocks %d%s need %zu", len, n_tok, n_seq, mb,
-				  want_bytes ? " with want_logits" : "", need);
+						   "max_blocks %d%s need %llu", len, n_tok, n_seq, mb,
+				  want ? " with want_logits" : "", (unsigned long long)need);
 	const uint8_t *q = p + 16;
 	*b = (eng_batch){
 		.n_tok = n_tok,
 		.tokens = (const int32_t *)q,
 		.pos = (const int32_t *)(q + 4 * nt),
 		.seq = (const int32_t *)(q + 8 * nt),
-		.want_logits = want_bytes ? q + 12 * nt : NULL,
+		.want_logits = want ? q + 12 * nt : NULL,
 		.n_seq = n_seq,
 		.block_tables = (const int32_t *)(q + 12 * nt + want_bytes),
 		.max_blocks = mb,
@@ -237,8 +233,15 @@ static int step_decode(const worker *w, const uint8_t *p, size_t len, eng_batch 
 	return DS_OK;
 }
 
-/* Runs one STEP and replies LOGITS or ERROR; only a failed reply is
- * returned (the step's own failure is the reply). */
+/* A failure of a collective: the group is broken (comm.h, contract 4). */
+static int is_comm_failure(int code)
+{
+	return code == DS_EIO || code == DS_ETIMEOUT;
+}
+
+/* Runs one STEP on every rank; rank 0 replies LOGITS or ERROR.  Returned:
+ * a failed reply, or (with more than one rank) a broken group, which ends
+ * the loop (rank 0 has replied ERROR with it first). */
 static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 {
 	eng_batch b;
@@ -247,96 +250,173 @@ static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 	if (!rc)
 		rc = model_forward(w->m, &b, w->logits, &e);
 	if (rc) {
-		log_warn("worker", "step refused", "id=%u error=\"%s\"", id, e.msg);
-		return reply_error(w, id, &e, err);
+		log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
+		int wrc = reply_error(w, id, &e, err);
+		if (!wrc && w->W > 1 && is_comm_failure(rc)) {
+			*err = e;
+			return rc;
+		}
+		return wrc;
 	}
 	int32_t rows = 0;
 	for (int i = 0; i < b.n_tok; i++)
 		rows += !b.want_logits || b.want_logits[i];
 	int32_t head[2] = {rows, w->vocab};
-	return frame_write(w, WORKER_LOGITS, id, head, sizeof head, w->logits,
+	return frame_write(w, RANKPROTO_LOGITS, id, head, sizeof head, w->logits,
 			   (size_t)rows * (size_t)w->vocab * sizeof(float), err);
 }
 
-/* A fatal protocol error: tell the launcher, then end the loop with it. */
+static uint64_t peak_rss_bytes(void)
+{
+	FILE *f = fopen("/proc/self/status", "r");
+	char line[256];
+	unsigned long long kb = 0;
+	while (f && fgets(line, sizeof line, f))
+		if (sscanf(line, "VmHWM: %llu kB", &kb) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return (uint64_t)kb * 1024;
+}
+
+/* Every rank's record, gathered over the world group; rank 0 replies. */
+static int stats_run(worker *w, uint32_t id, ds_err *err)
+{
+	rankproto_stat s = {.rank = w->rank,
+			    .weight_bytes = model_weight_bytes(w->m),
+			    .extra_bytes = model_extra_bytes(w->m),
+			    .peak_rss_bytes = peak_rss_bytes(),
+			    .comm_seconds = model_comm_seconds(w->m)};
+	uint8_t *mine = w->stats + (size_t)w->rank * RANKPROTO_STAT_BYTES;
+	rankproto_stat_put(&s, mine);
+	ds_err e = {0};
+	int rc = comm_all_gather(w->world, mine, w->stats, RANKPROTO_STAT_BYTES, COMM_U8, &e);
+	if (rc) {
+		int wrc = reply_error(w, id, &e, err);
+		if (!wrc)
+			*err = e;
+		return wrc ? wrc : rc;
+	}
+	int32_t head[2] = {w->W, RANKPROTO_STAT_BYTES};
+	return frame_write(w, RANKPROTO_STATS_REPLY, id, head, sizeof head, w->stats,
+			   (size_t)w->W * RANKPROTO_STAT_BYTES, err);
+}
+
+/* A fatal error: tell the launcher (rank 0), then end the loop with it. */
 static int fatal(worker *w, uint32_t id, ds_err *err)
 {
 	ds_err io = {0};
-	log_error("worker", "protocol error", "error=\"%s\"", err->msg);
+	log_error("worker", "fatal error", "rank=%d error=\"%s\"", w->rank, err->msg);
 	if (reply_error(w, id, err, &io))
 		log_error("worker", "cannot send the error", "error=\"%s\"", io.msg);
 	return err->code;
 }
 
-/* Rank 0 read the frame from its launcher; every other rank gets it here.
- * The one-rank group makes both broadcasts no-ops. */
-static int frame_share(worker *w, uint8_t *header, size_t len, ds_err *err)
+/* Rank 0 read the frame from its launcher; every rank gets it here: the
+ * header first, then as many payload bytes as the header says (the other
+ * ranks check that length against the limit too).  The one-rank group
+ * makes both broadcasts no-ops. */
+static int frame_share(worker *w, uint8_t *header, ds_err *err)
 {
-	int rc = comm_broadcast(w->g, header, WORKER_HEADER_BYTES, COMM_U8, 0, err);
-	if (!rc)
-		rc = comm_broadcast(w->g, w->payload, (int64_t)len, COMM_U8, 0, err);
-	return rc;
+	int rc = comm_broadcast(w->world, header, RANKPROTO_HEADER_BYTES, COMM_U8, 0, err);
+	if (rc)
+		return rc;
+	uint32_t len = get_u32(header + 12);
+	if (len > w->max_payload)
+		return ds_err_set(err, DS_ERANGE, "shared frame of %u payload bytes: the limit is %zu", len,
+				  w->max_payload);
+	return comm_broadcast(w->world, w->payload, (int64_t)len, COMM_U8, 0, err);
 }
 
-/* The step loop: DS_OK after STOP or a clean end of input, else the fatal
- * error (already reported on stdout when stdout still works). */
+/* Rank 0 ends the loop on its own (end of input, a bad frame): the other
+ * ranks wait in frame_share, so they get a STOP to exit on. */
+static void stop_peers(worker *w)
+{
+	if (w->W == 1)
+		return;
+	uint8_t h[RANKPROTO_HEADER_BYTES];
+	ds_err e = {0};
+	rankproto_header_put(h, RANKPROTO_STOP, 0, 0);
+	if (frame_share(w, h, &e))
+		log_warn("worker", "cannot stop the other ranks", "error=\"%s\"", e.msg);
+}
+
+/* Rank 0: the next frame from stdin into h and w->payload.  1 = a frame,
+ * 0 = the end of input between frames, < 0 = fatal (err filled, *id set). */
+static int frame_read(worker *w, uint8_t *h, uint32_t *id, ds_err *err)
+{
+	size_t got = read_full(w->in, h, RANKPROTO_HEADER_BYTES);
+	if (got == 0 && !ferror(w->in))
+		return 0;
+	if (got < RANKPROTO_HEADER_BYTES)
+		return ds_err_set(err, ferror(w->in) ? DS_EIO : DS_EFORMAT,
+				  "truncated frame header: %zu of %d bytes before the end of input", got,
+				  RANKPROTO_HEADER_BYTES);
+	rankproto_header hd;
+	rankproto_header_get(h, &hd);
+	*id = hd.id;
+	if (hd.magic != RANKPROTO_MAGIC)
+		return ds_err_set(err, DS_EFORMAT, "bad frame magic 0x%08x (want 0x%08x, \"DSWK\"): not a "
+						   "worker frame", hd.magic, RANKPROTO_MAGIC);
+	if (hd.version != RANKPROTO_VERSION)
+		return ds_err_set(err, DS_EFORMAT, "frame protocol version %u: this worker speaks version %d",
+				  hd.version, RANKPROTO_VERSION);
+	if (hd.length > w->max_payload)
+		return ds_err_set(err, DS_ERANGE, "%s frame of %u payload bytes: the limit is %zu",
+				  rankproto_kind_name(hd.kind), hd.length, w->max_payload);
+	got = read_full(w->in, w->payload, hd.length);
+	if (got < hd.length)
+		return ds_err_set(err, ferror(w->in) ? DS_EIO : DS_EFORMAT,
+				  "truncated %s frame: %zu of %u payload bytes before the end of input",
+				  rankproto_kind_name(hd.kind), got, hd.length);
+	return 1;
+}
+
+/* The request loop: DS_OK after STOP or a clean end of input, else the
+ * fatal error (already reported on stdout when stdout still works). */
 static int serve(worker *w, ds_err *err)
 {
 	for (uint64_t n_steps = 0;;) {
-		uint8_t h[WORKER_HEADER_BYTES];
-		size_t got = read_full(w->in, h, sizeof h);
-		if (got == 0 && !ferror(w->in)) {
-			log_info("worker", "end of input", "steps=%llu", (unsigned long long)n_steps);
-			return DS_OK;
+		uint8_t h[RANKPROTO_HEADER_BYTES];
+		uint32_t id = 0;
+		if (w->rank == 0) {
+			int got = frame_read(w, h, &id, err);
+			if (got == 0) {
+				log_info("worker", "end of input", "steps=%llu", (unsigned long long)n_steps);
+				stop_peers(w);
+				return DS_OK;
+			}
+			if (got < 0) {
+				stop_peers(w);
+				return fatal(w, id, err);
+			}
 		}
-		if (got < sizeof h) {
-			ds_err_set(err, ferror(w->in) ? DS_EIO : DS_EFORMAT,
-				   "truncated frame header: %zu of %d bytes before the end of input", got,
-				   WORKER_HEADER_BYTES);
-			return fatal(w, 0, err);
-		}
-		uint32_t magic = get_u32(h), id = get_u32(h + 8), len = get_u32(h + 12);
-		unsigned version = get_u16(h + 4), kind = get_u16(h + 6);
-		if (magic != WORKER_MAGIC) {
-			ds_err_set(err, DS_EFORMAT, "bad frame magic 0x%08x (want 0x%08x, \"DSWK\"): not a worker "
-						    "frame", magic, WORKER_MAGIC);
-			return fatal(w, id, err);
-		}
-		if (version != WORKER_PROTO_VERSION) {
-			ds_err_set(err, DS_EFORMAT, "frame protocol version %u: this worker speaks version %d",
-				   version, WORKER_PROTO_VERSION);
-			return fatal(w, id, err);
-		}
-		if (len > w->max_payload) {
-			ds_err_set(err, DS_ERANGE, "%s frame of %u payload bytes: the limit is %zu", kind_name(kind),
-				   len, w->max_payload);
-			return fatal(w, id, err);
-		}
-		got = read_full(w->in, w->payload, len);
-		if (got < len) {
-			ds_err_set(err, ferror(w->in) ? DS_EIO : DS_EFORMAT,
-				   "truncated %s frame: %zu of %u payload bytes before the end of input",
-				   kind_name(kind), got, len);
-			return fatal(w, id, err);
-		}
-		int rc = frame_share(w, h, len, err);
+		int rc = frame_share(w, h, err);
 		if (rc)
 			return fatal(w, id, err);
-		if (kind == WORKER_STOP) {
-			log_info("worker", "stop", "steps=%llu", (unsigned long long)n_steps);
+		rankproto_header hd;
+		rankproto_header_get(h, &hd);
+		id = hd.id;
+		if (hd.kind == RANKPROTO_STOP) {
+			log_info("worker", "stop", "rank=%d steps=%llu", w->rank, (unsigned long long)n_steps);
 			return DS_OK;
 		}
-		if (kind == WORKER_STEP) {
+		if (hd.kind == RANKPROTO_STEP) {
 			n_steps++;
-			rc = step_run(w, id, len, err);
+			rc = step_run(w, id, hd.length, err);
+		} else if (hd.kind == RANKPROTO_STATS) {
+			rc = stats_run(w, id, err);
 		} else {
 			ds_err e = {0};
 			ds_err_set(&e, DS_EFORMAT, "frame kind %u (%s) is not one a worker accepts: STEP = %d, "
-						   "STOP = %d", kind, kind_name(kind), WORKER_STEP, WORKER_STOP);
+						   "STOP = %d, STATS = %d", hd.kind, rankproto_kind_name(hd.kind),
+				   RANKPROTO_STEP, RANKPROTO_STOP, RANKPROTO_STATS);
 			rc = reply_error(w, id, &e, err);
 		}
-		if (rc) /* the reply could not be written: nobody is listening */
+		if (rc) { /* the reply could not be written, or the group broke */
+			log_error("worker", "stopping", "rank=%d error=\"%s\"", w->rank, err->msg);
 			return rc;
+		}
 	}
 }
 
@@ -344,14 +424,89 @@ static int serve(worker *w, ds_err *err)
 
 static void worker_close(worker *w)
 {
+	free(w->stats);
 	free(w->logits);
 	free(w->payload);
-	comm_group_free(w->g);
 	model_free(w->m);
+	comm_group_free(w->tp);
+	comm_group_free(w->stage);
+	comm_group_free(w->world);
+	if (w->have_store)
+		comm_store_tcp_close(&w->store);
+}
+
+/* One group of the plan: the one-rank group when it has one rank, else
+ * Gloo under "<job>/<name>". */
+static comm_group *group_new(worker *w, const struct worker_cfg *c, const char *name, int rank,
+			     int size, ds_err *err)
+{
+	comm_params cp = comm_default_params();
+	cp.rank = rank;
+	cp.world_size = size;
+	cp.timeout_ms = c->comm_timeout_ms;
+	cp.name = name;
+	if (size == 1)
+		return comm_single_new(&cp, err);
+	char prefix[JOB_MAX + 32];
+	snprintf(prefix, sizeof prefix, "%s/%s", c->job, name);
+	comm_group *g = comm_gloo_new(&cp, &w->store, prefix, c->host, err);
+	if (!g)
+		ds_err_wrap(err, "rank %d joining group %s", w->rank, prefix);
+	return g;
+}
+
+/* The world, stage and tp groups of this rank (model.h's layout). */
+static int groups_open(worker *w, const struct worker_cfg *c, ds_err *err)
+{
+	model_plan plan = {.tp = c->tp, .pp = c->pp, .ep = c->ep};
+	int stage, tp_rank, ep_rank;
+	model_rank_coords(&plan, w->rank, &stage, &tp_rank, &ep_rank);
+	if (w->W > 1) {
+		if (comm_store_tcp_open(&w->store, c->store, c->comm_timeout_ms, err))
+			return ds_err_wrap(err, "rank %d: the rendezvous store %s", w->rank, c->store);
+		w->have_store = 1;
+	}
+	char sname[32], tname[48];
+	snprintf(sname, sizeof sname, "stage%d", stage);
+	snprintf(tname, sizeof tname, "tp%d.%d", stage, ep_rank);
+	const int S = plan.tp * plan.ep;
+	if (!(w->world = group_new(w, c, "world", w->rank, w->W, err)) ||
+	    !(w->stage = group_new(w, c, sname, w->rank % S, S, err)) ||
+	    !(w->tp = group_new(w, c, tname, tp_rank, plan.tp, err)))
+		return err->code;
+	w->mr = (model_rank){.plan = plan, .rank = w->rank, .stage = stage, .tp_rank = tp_rank,
+			     .ep_rank = ep_rank, .world = w->world, .stage_grp = w->stage,
+			     .tp_grp = w->tp};
+	return DS_OK;
+}
+
+/* Every rank must announce the same limits (they came from the same
+ * options): rank 0's READY speaks for all. */
+static int limits_agree(worker *w, ds_err *err)
+{
+	if (w->W == 1)
+		return DS_OK;
+	int32_t mine[5] = {w->vocab, w->bt, w->max_ctx, w->page_size, w->n_pages};
+	int32_t *all = calloc((size_t)w->W * 5, sizeof *all);
+	if (!all)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	int rc = comm_all_gather(w->world, mine, all, 5, COMM_I32, err);
+	for (int r = 0; !rc && r < w->W; r++)
+		if (memcmp(all + 5 * r, mine, sizeof mine) != 0)
+			rc = ds_err_set(err, DS_EINVAL, "rank %d has vocab %d, max_batch_tokens %d, max_ctx %d, "
+					"page_size %d, n_pages %d; rank %d has %d, %d, %d, %d, %d", r,
+					all[5 * r], all[5 * r + 1], all[5 * r + 2], all[5 * r + 3],
+					all[5 * r + 4], w->rank, mine[0], mine[1], mine[2], mine[3],
+					mine[4]);
+	free(all);
+	return rc;
 }
 
 static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 {
+	int rc = groups_open(w, c, err);
+	if (rc)
+		return rc;
 	model_params mp = model_default_params();
 	mp.path = c->model;
 	mp.backend = c->backend;
@@ -361,16 +516,11 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	mp.max_seqs = c->max_seqs;
 	mp.page_size = c->page_size;
 	mp.n_pages = c->n_pages;
+	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
+	mp.rank = w->W > 1 ? &w->mr : NULL;
 	(void)model_attn_parse(c->attn, &mp.attn); /* checked in worker_main */
 	if (!(w->m = model_load(&mp, err)))
-		return ds_err_wrap(err, "loading %s", c->model);
-	comm_params cp = comm_default_params();
-	cp.rank = c->rank;
-	cp.world_size = c->world_size;
-	cp.timeout_ms = c->comm_timeout_ms;
-	cp.name = "world";
-	if (!(w->g = comm_single_new(&cp, err)))
-		return err->code;
+		return ds_err_wrap(err, "rank %d loading %s", w->rank, c->model);
 	const kv_params *kp = kv_cache_params(model_kv(w->m));
 	w->vocab = model_vocab_size(w->m);
 	w->bt = model_max_batch_tokens(w->m);
@@ -379,9 +529,7 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	w->page_size = kp->page_size;
 	w->n_pages = kp->n_pages;
 	w->max_blocks = (w->max_ctx + kp->page_size - 1) / kp->page_size;
-	uint64_t bt = (uint64_t)w->bt;
-	uint64_t maxp = 16 + 12 * bt + pad4((size_t)bt) +
-			4 * (uint64_t)w->max_seqs * (uint64_t)w->max_blocks;
+	uint64_t maxp = rankproto_step_bytes(w->bt, w->max_seqs, w->max_blocks, 1);
 	if (maxp > MAX_PAYLOAD_LIMIT)
 		return ds_err_set(err, DS_ERANGE, "a STEP frame could take %llu bytes (max-batch-tokens %d, "
 						  "max-seqs %d, %d blocks): lower them below %llu bytes",
@@ -389,18 +537,78 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 				  (unsigned long long)MAX_PAYLOAD_LIMIT);
 	w->max_payload = (size_t)maxp;
 	w->payload = malloc(w->max_payload);
-	w->logits = malloc((size_t)w->bt * (size_t)w->vocab * sizeof(float));
-	if (!w->payload || !w->logits)
+	w->stats = calloc((size_t)w->W, RANKPROTO_STAT_BYTES);
+	if (w->rank == 0)
+		w->logits = malloc((size_t)w->bt * (size_t)w->vocab * sizeof(float));
+	if (!w->payload || !w->stats || (w->rank == 0 && !w->logits))
 		return ds_err_set(err, DS_ENOMEM, "out of memory for %d rows of %d logits", w->bt, w->vocab);
-	return DS_OK;
+	return limits_agree(w, err);
 }
 
 static int send_ready(worker *w, ds_err *err)
 {
-	int32_t f[READY_FIELDS] = {comm_group_rank(w->g), comm_group_size(w->g), w->vocab, w->bt,
-				   w->max_ctx, w->page_size, w->n_pages, w->max_seqs, w->max_blocks,
-				   (int32_t)w->max_payload};
-	return frame_write(w, WORKER_READY, 0, f, sizeof f, NULL, 0, err);
+	rankproto_ready r = {.rank = w->rank, .world_size = w->W, .vocab_size = w->vocab,
+			     .max_batch_tokens = w->bt, .max_ctx = w->max_ctx,
+			     .page_size = w->page_size, .n_pages = w->n_pages,
+			     .max_seqs = w->max_seqs, .max_blocks = w->max_blocks,
+			     .max_payload = (int32_t)w->max_payload};
+	const int *eos;
+	int n = model_eos_ids(w->m, &eos);
+	r.n_eos = n < RANKPROTO_MAX_EOS ? n : RANKPROTO_MAX_EOS;
+	for (int i = 0; i < r.n_eos; i++)
+		r.eos[i] = eos[i];
+	snprintf(r.arch, sizeof r.arch, "%s", model_arch_name(w->m));
+	snprintf(r.backend, sizeof r.backend, "%s", model_backend_name(w->m));
+	uint8_t p[RANKPROTO_READY_BYTES];
+	rankproto_ready_put(&r, p);
+	return frame_write(w, RANKPROTO_READY, 0, p, sizeof p, NULL, 0, err);
+}
+
+/* The options that make sense together; 2 with a message on stderr else. */
+static int cfg_check(struct worker_cfg *c)
+{
+	model_plan plan = {.tp = c->tp, .pp = c->pp, .ep = c->ep};
+	ds_err e = {0};
+	enum log_level lv;
+	enum model_attn attn;
+	if (model_plan_check(&plan, &e) != DS_OK) {
+		fprintf(stderr, "dsagent worker: %s\n", e.msg);
+		return 2;
+	}
+	int W = model_plan_world(&plan);
+	if (c->world_size != 0 && c->world_size != W) {
+		fprintf(stderr, "dsagent worker: --world-size %d does not match the plan: --tp %d x --pp %d "
+				"x --ep %d = %d ranks (leave --world-size out)\n", c->world_size, c->tp, c->pp,
+			c->ep, W);
+		return 2;
+	}
+	c->world_size = W;
+	if (c->rank >= W) {
+		fprintf(stderr, "dsagent worker: --rank %d is outside 0..%d (%d ranks)\n", c->rank, W - 1, W);
+		return 2;
+	}
+	if (W > 1 && !c->store) {
+		fprintf(stderr, "dsagent worker: %d ranks need --store HOST:PORT (the launcher's rendezvous "
+				"store)\n", W);
+		return 2;
+	}
+	if (strlen(c->job) > JOB_MAX) {
+		fprintf(stderr, "dsagent worker: --job is longer than %d bytes\n", JOB_MAX);
+		return 2;
+	}
+	/* set explicitly, as the agent does: the log's own default is not
+	 * relied on */
+	if (log_level_parse(c->log_level, &lv) != DS_OK) {
+		fprintf(stderr, "dsagent worker: --log-level must be debug, info, warn, error or off, "
+				"got '%s'\n", c->log_level);
+		return 2;
+	}
+	log_set_level(lv);
+	if (model_attn_parse(c->attn, &attn) != DS_OK) {
+		fprintf(stderr, "dsagent worker: --attn must be auto, naive or absorbed, got '%s'\n", c->attn);
+		return 2;
+	}
+	return 0;
 }
 
 int worker_main(int argc, char **argv)
@@ -410,6 +618,11 @@ int worker_main(int argc, char **argv)
 	worker w = {.in = stdin, .out = stdout};
 	int next = 0, rc = 0;
 
+	/* a rank whose launcher dies goes with it (PR_SET_PDEATHSIG); the
+	 * launcher may have died before that took effect, which --parent-pid
+	 * catches (checked once the options are read) */
+	if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+		return 1;
 	/* a launcher that went away makes writes fail (DS_EIO), not kill us */
 	signal(SIGPIPE, SIG_IGN);
 	if (cfg_load(opts, &cfg, "DSWORKER", argc, argv, 1, &next, &err) != DS_OK) {
@@ -426,39 +639,20 @@ int worker_main(int argc, char **argv)
 		usage(stdout);
 		goto out;
 	}
+	if (cfg.parent_pid && getppid() != (pid_t)cfg.parent_pid) {
+		fprintf(stderr, "dsagent worker: the launcher (pid %d) is gone\n", cfg.parent_pid);
+		rc = 1;
+		goto out;
+	}
 	if (!cfg.model) {
 		fprintf(stderr, "dsagent worker: --model PATH is required (see --help)\n");
 		rc = 2;
 		goto out;
 	}
-	if (cfg.world_size != 1) {
-		fprintf(stderr, "dsagent worker: --world-size %d: running more than one rank needs the "
-				"distributed engine (not built yet); use --world-size 1\n", cfg.world_size);
-		rc = 2;
+	if ((rc = cfg_check(&cfg)))
 		goto out;
-	}
-	if (cfg.rank >= cfg.world_size) {
-		fprintf(stderr, "dsagent worker: --rank %d is outside 0..%d (--world-size %d)\n", cfg.rank,
-			cfg.world_size - 1, cfg.world_size);
-		rc = 2;
-		goto out;
-	}
-	/* set explicitly, as the agent does: the log's own default is not
-	 * relied on */
-	enum log_level lv;
-	if (log_level_parse(cfg.log_level, &lv) != DS_OK) {
-		fprintf(stderr, "dsagent worker: --log-level must be debug, info, warn, error or off, "
-				"got '%s'\n", cfg.log_level);
-		rc = 2;
-		goto out;
-	}
-	log_set_level(lv);
-	enum model_attn attn;
-	if (model_attn_parse(cfg.attn, &attn) != DS_OK) {
-		fprintf(stderr, "dsagent worker: --attn must be auto, naive or absorbed, got '%s'\n", cfg.attn);
-		rc = 2;
-		goto out;
-	}
+	w.rank = cfg.rank;
+	w.W = cfg.world_size;
 	if (worker_open(&w, &cfg, &err) != DS_OK) {
 		rc = 1;
 		log_error("worker", "cannot start", "rank=%d error=\"%s\"", cfg.rank, err.msg);
@@ -466,10 +660,10 @@ int worker_main(int argc, char **argv)
 		reply_error(&w, 0, &err, &io);
 		goto out;
 	}
-	log_info("worker", "ready", "rank=%d world_size=%d model=%s backend=%s arch=%s comm=%s vocab=%d "
-		 "max_batch_tokens=%d max_ctx=%d page_size=%d n_pages=%d", comm_group_rank(w.g),
-		 comm_group_size(w.g), cfg.model, model_backend_name(w.m), model_arch_name(w.m),
-		 comm_group_backend(w.g), w.vocab, w.bt, w.max_ctx, w.page_size, w.n_pages);
+	log_info("worker", "ready", "rank=%d world_size=%d tp=%d pp=%d ep=%d model=%s backend=%s arch=%s "
+		 "comm=%s vocab=%d max_batch_tokens=%d max_ctx=%d page_size=%d n_pages=%d", w.rank, w.W,
+		 cfg.tp, cfg.pp, cfg.ep, cfg.model, model_backend_name(w.m), model_arch_name(w.m),
+		 comm_group_backend(w.world), w.vocab, w.bt, w.max_ctx, w.page_size, w.n_pages);
 	if (send_ready(&w, &err) != DS_OK || serve(&w, &err) != DS_OK) {
 		log_error("worker", "stopped on an error", "rank=%d error=\"%s\"", cfg.rank, err.msg);
 		rc = 1;

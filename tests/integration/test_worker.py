@@ -1,5 +1,5 @@
 """`dsagent worker`, the rank process, driven as a real process over its
-framed stdin/stdout protocol (worker/worker.h).
+framed stdin/stdout protocol (engine/rankproto.h, worker/worker.h).
 
 The test is the launcher: it lays out the KV pages of each sequence itself
 (block tables with pages out of order, so the worker must follow them),
@@ -14,7 +14,9 @@ real difference.
 
 Also: malformed frames get an ERROR reply naming the problem and the worker
 goes on; a bad header or a frame cut by the end of input is fatal (exit 1);
-STOP and a clean end of input exit 0; --world-size 2 is refused.
+STOP and a clean end of input exit 0; STATS answers with this rank's
+record; --world-size that disagrees with the plan is refused, and so is a
+plan of more ranks without --store.
 """
 import pathlib
 import struct
@@ -31,8 +33,8 @@ from tests.fixtures import tiny_models  # noqa: E402
 from tests.fixtures.tiny_llama import write_hf  # noqa: E402
 
 MAGIC = 0x4B575344  # "DSWK"
-VERSION = 1
-STEP, STOP, READY, LOGITS, ERROR = 1, 2, 3, 4, 5
+VERSION = 2
+STEP, STOP, READY, LOGITS, ERROR, STATS, STATS_REPLY = 1, 2, 3, 4, 5, 6, 7
 WANT = 1
 TIMEOUT = 300  # the machine is shared and loaded: generous
 DECODE_RTOL = 1e-5
@@ -101,7 +103,12 @@ class Worker:
         assert kind == READY, f"first frame is kind {kind}: {payload!r}; log:\n{self.log()}"
         names = ("rank", "world_size", "vocab", "max_batch_tokens", "max_ctx", "page_size",
                  "n_pages", "max_seqs", "max_blocks", "max_payload")
-        self.ready = dict(zip(names, struct.unpack("<10i", payload)))
+        assert len(payload) == 124, len(payload)
+        self.ready = dict(zip(names, struct.unpack("<10i", payload[:40])))
+        n_eos = struct.unpack("<i", payload[40:44])[0]
+        self.ready["eos"] = list(struct.unpack("<8i", payload[44:76])[:n_eos])
+        self.ready["arch"] = payload[76:108].rstrip(b"\0").decode()
+        self.ready["backend"] = payload[108:124].rstrip(b"\0").decode()
         return self.ready
 
     def send(self, data):
@@ -301,12 +308,32 @@ def test_clean_end_of_input_exits_zero(worker):
     assert rc == 0 and rest == b"", w.log()
 
 
-def test_world_size_two_is_refused(models):
-    r = subprocess.run([binary("dsagent"), "worker", "--model", str(models["llama"]),
-                        "--world-size", "2", "--rank", "1"], capture_output=True, text=True,
-                       timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+def test_stats_answers_with_this_ranks_record(worker):
+    w = worker("llama")
+    info = w.wait_ready()
+    assert info["backend"] == "cpu" and info["arch"] == "llama" and info["eos"], info
+    w.send(header(STATS, 0, 21))
+    kind, ident, payload = w.read_frame()
+    assert kind == STATS_REPLY and ident == 21, payload
+    n, rec = struct.unpack("<ii", payload[:8])
+    assert n == 1 and rec == 40 and len(payload) == 8 + 40
+    rank, _, wb, xb, rss, comm = struct.unpack("<iiQQQd", payload[8:])
+    assert rank == 0 and wb > 0 and xb > 0 and rss >= wb // 2 and comm == 0.0
+    rc, _ = w.finish()
+    assert rc == 0, w.log()
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--world-size", "2", "--rank", "1"], "--world-size 2 does not match the plan"),
+    (["--tp", "2", "--world-size", "3"], "--tp 2 x --pp 1 x --ep 1 = 2 ranks"),
+    (["--tp", "2", "--rank", "2"], "--rank 2 is outside 0..1"),
+    (["--pp", "2"], "need --store HOST:PORT"),
+])
+def test_bad_plans_are_refused(models, args, want):
+    r = subprocess.run([binary("dsagent"), "worker", "--model", str(models["llama"]), *args],
+                       capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and r.stdout == ""
-    assert "needs the distributed engine (not built yet)" in r.stderr, r.stderr
+    assert want in r.stderr, r.stderr
 
 
 def test_missing_model_is_an_error_frame(tmp_path):
@@ -323,6 +350,7 @@ def test_help_lists_the_options():
     r = subprocess.run([binary("dsagent"), "worker", "--help"], capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 0
-    for opt in ("--model", "--backend", "--threads", "--rank", "--world-size",
+    for opt in ("--model", "--backend", "--threads", "--rank", "--world-size", "--tp", "--pp",
+                "--ep", "--store", "--job", "--host", "--comm-timeout-ms",
                 "--max-batch-tokens", "--max-ctx", "--page-size", "--n-pages"):
         assert opt in r.stdout
