@@ -11,6 +11,12 @@
  *   dsrun -m DIR --tokenize TEXT | --detokenize 1,2,3
  *   dsrun -m DIR --bench [--prompt-len 512] [-n 128] [--batch B] [--json] [--membw]
  *
+ * Any of them (but --tokenize, --detokenize and --membw) runs under a
+ * parallel plan with --tp N --pp N --ep N (any > 1, or --driver for the
+ * one-rank plan): the model is then engine/driver.c's, whose ranks are
+ * `dsagent worker` processes (the dsagent next to this executable, or
+ * $DSRUN_DSAGENT); --threads is threads per rank (default cores / ranks).
+ *
  * Options come from one table (common/config.h), so each is also DSRUN_<NAME>
  * in the environment.  Errors go to stderr with a non-zero exit: 2 for bad
  * usage, 1 for everything else (missing files, bad checkpoints, bad ids).
@@ -20,6 +26,7 @@
 #include "common/log.h"
 #include "common/strutil.h"
 #include "engine/chat.h"
+#include "engine/driver.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
@@ -28,11 +35,14 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/membw.h"
 
+#include <limits.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #define MAX_PROMPT_TOKENS (1 << 20)
 
@@ -40,7 +50,7 @@ struct run_cfg {
 	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn;
 	char *system, *stop_ids;
 	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos, membw;
-	int mmap_weights;
+	int mmap_weights, tp, pp, ep, driver;
 	int version, backends, help, show_prompt;
 	double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;
 	int64_t seed;
@@ -85,6 +95,11 @@ static const cfg_opt opts[] = {
 	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
 	 "keep safetensors weights in the file mapping (the cpu backend otherwise copies them "
 	 "into huge pages)"},
+	{"tp", CFG_INT, O(tp), "1", 1, 4096, "tensor-parallel ranks (rank processes; see --driver)"},
+	{"pp", CFG_INT, O(pp), "1", 1, 4096, "pipeline stages (rank processes)"},
+	{"ep", CFG_INT, O(ep), "1", 1, 4096, "expert-parallel groups (rank processes)"},
+	{"driver", CFG_BOOL, O(driver), "false", 1, 0,
+	 "run the model in rank processes (dsagent worker) even when tp = pp = ep = 1"},
 	{"backends", CFG_BOOL, O(backends), "false", 1, 0, "list compute backends and exit"},
 	{"version", CFG_BOOL, O(version), "false", 1, 0, "print the version"},
 	{"help", CFG_BOOL, O(help), "false", 1, 0, "this help", 'h'},
@@ -363,7 +378,24 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	bw_stretch bw = {0};
 	if (c->membw && (rc = bench_membw(c, r, ss, next, &bw, err)))
 		goto out;
-	if (c->json && c->membw)
+	if (c->json && driver_is_model(m)) {
+		driver_rank_stat st[DRIVER_MAX_RANKS];
+		int n = driver_rank_stats(m, st, DRIVER_MAX_RANKS, err);
+		if (n < 0) {
+			rc = n;
+			goto out;
+		}
+		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld,"
+		       "\"plan\":{\"tp\":%d,\"pp\":%d,\"ep\":%d},\"ranks\":[",
+		       pf, dc, rss, c->tp, c->pp, c->ep);
+		for (int i = 0; i < n; i++)
+			printf("%s{\"rank\":%d,\"pid\":%d,\"weight_bytes\":%llu,\"extra_bytes\":%llu,"
+			       "\"peak_rss_bytes\":%llu,\"comm_seconds\":%.6f}", i ? "," : "", st[i].rank,
+			       st[i].pid, (unsigned long long)st[i].weight_bytes,
+			       (unsigned long long)st[i].extra_bytes,
+			       (unsigned long long)st[i].peak_rss_bytes, st[i].comm_seconds);
+		printf("]}\n");
+	} else if (c->json && c->membw)
 		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld,"
 		       "\"membw\":{\"steps\":%d,\"decode_tok_s\":%.3f,\"read_bytes_s\":%.0f,"
 		       "\"triad_bytes_s\":%.0f}}\n",
@@ -484,6 +516,62 @@ out:
 	free(out);
 	free(last);
 	return rc;
+}
+
+/* The rank command: the dsagent next to this executable, or $DSRUN_DSAGENT. */
+static int dsagent_path(char *out, size_t cap, ds_err *err)
+{
+	const char *env = getenv("DSRUN_DSAGENT");
+	if (env && *env) {
+		snprintf(out, cap, "%s", env);
+	} else {
+		char self[PATH_MAX];
+		ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+		if (n <= 0)
+			return ds_err_set(err, DS_EIO, "cannot read /proc/self/exe: %m");
+		self[n] = 0;
+		char *slash = strrchr(self, '/');
+		if (slash)
+			*slash = 0;
+		snprintf(out, cap, "%s/dsagent", slash ? self : ".");
+	}
+	if (access(out, X_OK) != 0)
+		return ds_err_set(err, DS_ENOTFOUND, "the rank processes need %s (dsagent worker): %m; "
+				  "set DSRUN_DSAGENT to its path", out);
+	return DS_OK;
+}
+
+static void on_signal(int sig)
+{
+	driver_signal_teardown();
+	signal(sig, SIG_DFL);
+	raise(sig);
+}
+
+/* The model under --tp/--pp/--ep/--driver: rank processes (engine/driver.h);
+ * threads per rank default to the cores shared out. */
+static model *plan_load(const struct run_cfg *c, model_params *mp, ds_err *err)
+{
+	static char exe[PATH_MAX];
+	if (dsagent_path(exe, sizeof exe, err))
+		return NULL;
+	const char *argv[] = {exe, "worker", NULL};
+	driver_launch l = driver_default_launch();
+	l.argv = argv;
+	l.plan = (model_plan){.tp = c->tp, .pp = c->pp, .ep = c->ep};
+	if (model_plan_check(&l.plan, err))
+		return NULL;
+	if (mp->threads == 0) {
+		long cores = sysconf(_SC_NPROCESSORS_ONLN);
+		long per = cores / model_plan_world(&l.plan);
+		mp->threads = per < 1 ? 1 : (int)per;
+	}
+	struct sigaction sa = {0};
+	sa.sa_handler = on_signal;
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+	return driver_model_load(mp, &l, err);
 }
 
 static int run(const struct run_cfg *c, ds_err *err)
@@ -624,7 +712,17 @@ static int run(const struct run_cfg *c, ds_err *err)
 		mp.max_batch_tokens = (int)n_prompt;
 	if (c->bench && c->batch > mp.max_batch_tokens)
 		mp.max_batch_tokens = c->batch;
-	if (!(m = model_load(&mp, err))) {
+	if (c->tp * c->pp * c->ep > 1 || c->driver) {
+		if (c->membw) {
+			rc = ds_err_set(err, DS_EINVAL, "--membw probes this process's memory: it does not "
+							"apply under a plan of rank processes");
+			goto out;
+		}
+		m = plan_load(c, &mp, err);
+	} else {
+		m = model_load(&mp, err);
+	}
+	if (!m) {
 		rc = err->code;
 		goto out;
 	}
