@@ -1,0 +1,181 @@
+"""dsrun under a plan of rank processes (engine/driver.c driving
+`dsagent worker` processes, docs/distributed.md "Driver and rank processes").
+
+- The one-rank plan forced through the driver (--driver) gives byte-identical
+  --dump-logits and the same --ids as plain dsrun, on the default GGUF model
+  and on a tiny DeepSeek-V3 checkpoint: the rank runs the same code on the
+  same steps, only across a process boundary.  --chat and --bench --json
+  (with the per-rank stats) run through it too.
+- Failures: a rank killed with SIGKILL mid-generation makes dsrun exit
+  non-zero within 5 s with a message naming that rank, and no process of the
+  run is left; dsrun itself killed with SIGKILL takes its ranks with it
+  within a few seconds (PR_SET_PDEATHSIG).  These run on the one-rank plan,
+  and on --tp 2 once the Gloo groups exist (skipped before).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, binary
+
+sys.path.insert(0, str(ROOT))
+from tests.fixtures import tiny_models  # noqa: E402
+
+TIMEOUT = 300
+GGUF = ROOT / "models" / "default.gguf"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("driver_models")
+    out = {"v3": tiny_models.write_model("v3", d / "v3")}
+    if GGUF.exists():
+        out["gguf"] = GGUF
+    return out
+
+
+def dsrun(*args, check=True):
+    r = subprocess.run([binary("dsrun"), *map(str, args)], capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def prompt(kind):
+    return "1,2,3,4,5,6,7" if kind == "gguf" else "3,17,5,9,22,41,8"
+
+
+@pytest.mark.parametrize("kind", ["gguf", "v3"])
+def test_one_rank_plan_matches_plain_dsrun(models, kind, tmp_path):
+    if kind not in models:
+        pytest.skip("models/default.gguf is missing (make model)")
+    m, ids = models[kind], prompt(kind)
+    dsrun("-m", m, "--threads", "2", "--tokens", ids, "--dump-logits", tmp_path / "plain.f32")
+    dsrun("-m", m, "--threads", "2", "--tokens", ids, "--dump-logits", tmp_path / "drv.f32",
+          "--driver")
+    a = np.fromfile(tmp_path / "plain.f32", dtype="<f4")
+    b = np.fromfile(tmp_path / "drv.f32", dtype="<f4")
+    assert a.size > 0 and np.array_equal(a, b)
+
+    gen = ("-m", m, "--threads", "2", "--tokens", ids, "-n", "12", "--temp", "0", "--ids",
+           "--ignore-eos")
+    plain = json.loads(dsrun(*gen).stdout)
+    drv = json.loads(dsrun(*gen, "--driver").stdout)
+    assert len(plain) == 12 and drv == plain
+
+
+def test_chat_and_bench_through_the_driver(models):
+    if "gguf" not in models:
+        pytest.skip("models/default.gguf is missing (make model)")
+    m = models["gguf"]
+    chat = ("-m", m, "--threads", "2", "--chat", "Hi", "-n", "8", "--temp", "0")
+    assert dsrun(*chat, "--driver").stdout == dsrun(*chat).stdout
+    r = dsrun("-m", m, "--threads", "2", "--bench", "--prompt-len", "8", "-n", "4", "--json",
+              "--driver")
+    j = json.loads(r.stdout.strip().splitlines()[-1])
+    assert j["plan"] == {"tp": 1, "pp": 1, "ep": 1}
+    assert j["decode_tok_s"] > 0 and len(j["ranks"]) == 1
+    rk = j["ranks"][0]
+    assert rk["rank"] == 0 and rk["weight_bytes"] > 0 and rk["comm_seconds"] == 0.0
+    assert rk["peak_rss_bytes"] >= rk["weight_bytes"] // 2
+
+
+def test_missing_rank_command_is_named(models, tmp_path):
+    env = dict(os.environ, DSRUN_DSAGENT=str(tmp_path / "no-dsagent"))
+    r = subprocess.run([binary("dsrun"), "-m", str(models["v3"]), "--tokens", "1,2", "-n", "1",
+                        "--driver"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert r.returncode == 1 and "no-dsagent" in r.stderr and "DSRUN_DSAGENT" in r.stderr
+
+
+# ---- failures ----
+
+def children(pid):
+    out = []
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def alive(pid):
+    """Running (a zombie has exited: only its parent's reaping is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+PLANS = {"one": ["--driver"], "tp2": ["--tp", "2"]}
+
+
+def start_generation(plan):
+    """A long greedy generation under the plan; returns (proc, rank pids)."""
+    if not GGUF.exists():
+        pytest.skip("models/default.gguf is missing (make model)")
+    cmd = [binary("dsrun"), "-m", str(GGUF), "--threads", "1", "--tokens", "1,2,3", "-n",
+           "3000", "--ctx", "3100", "--ignore-eos", "--temp", "0", "--ids", *PLANS[plan]]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT)
+    want = 2 if plan == "tp2" else 1
+    deadline = time.monotonic() + 60
+    pids = []
+    while time.monotonic() < deadline and p.poll() is None:
+        pids = children(p.pid)
+        if len(pids) == want:
+            break
+        time.sleep(0.05)
+    if p.poll() is not None:
+        err = p.stderr.read()
+        if plan == "tp2" and "not built yet" in err:
+            pytest.skip("multi-rank plans need the Gloo groups (comm)")
+        pytest.fail(f"dsrun ended early ({p.returncode}): {err}")
+    assert len(pids) == want, pids
+    time.sleep(1.5)  # loaded and generating
+    if p.poll() is not None:
+        err = p.stderr.read()
+        if plan == "tp2" and ("not built yet" in err or "not supported" in err):
+            pytest.skip(f"the plan does not run here yet: {err[-300:]}")
+        pytest.fail(f"dsrun ended early ({p.returncode}): {err}")
+    return p, pids
+
+
+@pytest.mark.parametrize("plan", ["one", "tp2"])
+def test_killed_rank_fails_the_run_and_leaves_nothing(plan):
+    p, pids = start_generation(plan)
+    victim = len(pids) - 1  # rank order is fork order
+    t0 = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    try:
+        rc = p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        pytest.fail("dsrun did not exit within 5 s of a rank's death")
+    took = time.monotonic() - t0
+    err = p.stderr.read()
+    assert rc != 0, err
+    assert f"rank {victim} (pid {pids[victim]}) was killed by signal 9" in err, err
+    assert took < 5
+    assert not [q for q in pids if alive(q)], "ranks left behind"
+
+
+@pytest.mark.parametrize("plan", ["one", "tp2"])
+def test_ranks_exit_when_dsrun_is_killed(plan):
+    p, pids = start_generation(plan)
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and [q for q in pids if alive(q)]:
+        time.sleep(0.05)
+    assert not [q for q in pids if alive(q)], "ranks outlived dsrun"
