@@ -136,6 +136,7 @@ typedef struct worker {
 	uint8_t *payload; /* [max_payload] the frame being handled */
 	float *logits;    /* [bt][vocab] rank 0 only */
 	uint8_t *stats;   /* [W][RANKPROTO_STAT_BYTES] */
+	int32_t *codes;   /* [W] every rank's status of the last step */
 } worker;
 
 /* ---- frames ---- */
@@ -239,6 +240,28 @@ static int is_comm_failure(int code)
 	return code == DS_EIO || code == DS_ETIMEOUT;
 }
 
+/* With more ranks, every rank learns every rank's status of the step (one
+ * small all-gather), so that a step that failed on any rank fails on all:
+ * rank 0 never replies logits that a failed rank did not help make.  A
+ * broken group is returned as it is (the caller ends the loop). */
+static int step_agree(worker *w, int rc, ds_err *e)
+{
+	if (w->W == 1 || is_comm_failure(rc))
+		return rc;
+	int32_t mine = rc;
+	ds_err ce = {0};
+	int crc = comm_all_gather(w->world, &mine, w->codes, 1, COMM_I32, &ce);
+	if (crc) {
+		*e = ce;
+		return crc;
+	}
+	for (int r = 0; !rc && r < w->W; r++)
+		if (w->codes[r] != 0)
+			rc = ds_err_set(e, w->codes[r], "rank %d: the step failed (%s; its log on stderr "
+					"says why)", r, ds_status_name(w->codes[r]));
+	return rc;
+}
+
 /* Runs one STEP on every rank; rank 0 replies LOGITS or ERROR.  Returned:
  * a failed reply, or (with more than one rank) a broken group, which ends
  * the loop (rank 0 has replied ERROR with it first). */
@@ -249,6 +272,7 @@ static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 	int rc = step_decode(w, w->payload, len, &b, &e);
 	if (!rc)
 		rc = model_forward(w->m, &b, w->logits, &e);
+	rc = step_agree(w, rc, &e);
 	if (rc) {
 		log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
 		int wrc = reply_error(w, id, &e, err);
@@ -424,6 +448,7 @@ static int serve(worker *w, ds_err *err)
 
 static void worker_close(worker *w)
 {
+	free(w->codes);
 	free(w->stats);
 	free(w->logits);
 	free(w->payload);
@@ -538,9 +563,10 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	w->max_payload = (size_t)maxp;
 	w->payload = malloc(w->max_payload);
 	w->stats = calloc((size_t)w->W, RANKPROTO_STAT_BYTES);
+	w->codes = calloc((size_t)w->W, sizeof *w->codes);
 	if (w->rank == 0)
 		w->logits = malloc((size_t)w->bt * (size_t)w->vocab * sizeof(float));
-	if (!w->payload || !w->stats || (w->rank == 0 && !w->logits))
+	if (!w->payload || !w->stats || !w->codes || (w->rank == 0 && !w->logits))
 		return ds_err_set(err, DS_ENOMEM, "out of memory for %d rows of %d logits", w->bt, w->vocab);
 	return limits_agree(w, err);
 }
