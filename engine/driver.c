@@ -217,6 +217,26 @@ static int fd_wait(driver *d, short events, double deadline_ms, const char *what
 	}
 }
 
+/* Rank 0's socket closed or reset under us: rank 0 is ending (or ended).
+ * Waits up to BLAME_WAIT_MS for a rank to be seen ending, to name it; else
+ * the socket's own error (errno of the failed call, 0 for the end of input). */
+static int rank0_gone(driver *d, int errnum, const char *what, ds_err *err)
+{
+	double until = now_ms() + BLAME_WAIT_MS;
+	while (now_ms() < until) {
+		int rc = ranks_check(d, what, err);
+		if (rc)
+			return rc;
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+	if (!errnum)
+		return ds_err_set(err, DS_EIO, "rank 0 (pid %d) closed its socket%s", (int)d->ranks[0].pid,
+				  what);
+	return ds_err_set(err, DS_EIO, "rank 0 (pid %d): the socket failed%s: %s", (int)d->ranks[0].pid,
+			  what, strerror(errnum));
+}
+
 static int read_exact(driver *d, void *buf, size_t n, double deadline_ms, const char *what,
 		      ds_err *err)
 {
@@ -227,22 +247,12 @@ static int read_exact(driver *d, void *buf, size_t n, double deadline_ms, const 
 			got += (size_t)r;
 			continue;
 		}
-		if (r == 0) { /* rank 0 closed: it is exiting; name why */
-			double until = now_ms() + BLAME_WAIT_MS;
-			while (now_ms() < until) {
-				int rc = ranks_check(d, what, err);
-				if (rc)
-					return rc;
-				struct timespec ts = {0, 10 * 1000 * 1000};
-				nanosleep(&ts, NULL);
-			}
-			return ds_err_set(err, DS_EIO, "rank 0 (pid %d) closed its output%s",
-					  (int)d->ranks[0].pid, what);
-		}
+		if (r == 0) /* rank 0 closed: it is exiting; name why */
+			return rank0_gone(d, 0, what, err);
 		if (errno == EINTR)
 			continue;
 		if (errno != EAGAIN && errno != EWOULDBLOCK)
-			return ds_err_set(err, DS_EIO, "reading from rank 0: %m");
+			return rank0_gone(d, errno, what, err);
 		int rc = fd_wait(d, POLLIN, deadline_ms, what, err);
 		if (rc)
 			return rc;
@@ -274,10 +284,8 @@ static int write_all(driver *d, const void *buf, size_t n, ds_err *err)
 		}
 		if (w < 0 && errno == EINTR)
 			continue;
-		if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-			int rc = ranks_check(d, "", err);
-			return rc ? rc : ds_err_set(err, DS_EIO, "writing to rank 0: %m");
-		}
+		if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+			return rank0_gone(d, errno, "", err);
 		int rc = fd_wait(d, POLLOUT, 0, "", err);
 		if (rc)
 			return rc;
