@@ -35,6 +35,10 @@
  *                    "busy": {"codes": each submission's status, stats while
  *                    held before and after, "finish": each one's finish}
  *
+ * Environment: DS_SCHED_PLAN="TP,PP,EP" runs the model through the distributed
+ * driver (engine/driver.h) with that plan, its ranks `$DS_DSAGENT worker`:
+ * the scheduler must run unchanged over it.
+ *
  * Output: {"results": [{"tokens", "finish" (stop|length|abort|error|
  * released|rejected), "error", "logprobs", "top": [[[id, lp], ..], ..]}],
  * "alone": [...], "trace": [[step, n_tok, admitted, preempted, pages_used,
@@ -44,6 +48,7 @@
  */
 #include "common/jsonx.h"
 #include "common/strutil.h"
+#include "engine/driver.h"
 #include "engine/model.h"
 #include "engine/sched.h"
 
@@ -528,7 +533,20 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	ds_err err = {0};
-	model *m = model_load(&mp, &err);
+	const char *plan = getenv("DS_SCHED_PLAN");
+	model *m;
+	if (plan && *plan) {
+		const char *argvr[] = {getenv("DS_DSAGENT"), "worker", NULL};
+		driver_launch l = driver_default_launch();
+		l.argv = argvr;
+		if (!argvr[0] || sscanf(plan, "%d,%d,%d", &l.plan.tp, &l.plan.pp, &l.plan.ep) != 3) {
+			fprintf(stderr, "sched_check: DS_SCHED_PLAN=TP,PP,EP needs DS_DSAGENT too\n");
+			return 2;
+		}
+		m = driver_model_load(&mp, &l, &err);
+	} else {
+		m = model_load(&mp, &err);
+	}
 	if (!m)
 		die("load", err.msg);
 	static req reqs[MAX_REQ];
