@@ -45,8 +45,10 @@
  * message and exits 1, and every other rank exits 1 when its own call
  * fails.  A rank that cannot join or load exits 1 (rank 0 after an ERROR
  * frame with id 0).  Each rank asks for SIGKILL when its parent dies
- * (PR_SET_PDEATHSIG) and, given --parent-pid, exits at once when its
- * parent is already another process.
+ * (PR_SET_PDEATHSIG; strictly, when the parent's thread that forked it
+ * ends, so a launcher forks from a thread that outlives its ranks) and,
+ * given --parent-pid, exits at once when its parent is already another
+ * process.
  *
  * Exit status: 0 after STOP or a clean end of input, 1 after a fatal error
  * (load, join, protocol, I/O, a broken group), 2 for bad options (nothing
