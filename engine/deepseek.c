@@ -42,6 +42,23 @@
  *
  * Buffers: allocated once in model_load from max_batch_tokens (bt) and
  * max_ctx; model_forward never allocates.  Thread rule: one step at a time.
+ *
+ * Under a plan (model_params.rank; docs/distributed.md "DeepSeek under a
+ * plan") model.c runs the three ops below on every rank: embed on the first
+ * stage, layers [first_layer, end_layer) on each stage's x rows (a whole
+ * step or one of its micro-batches), head on the last.  Invariants:
+ *   1. a rank holds its share only, each weight an owned window copied out
+ *      of the mapping (take): heads [h0, h0 + H) of attention, rows [i0,
+ *      i0 + ic) / [s0, s0 + sc) of the dense and shared MLPs, experts [e0,
+ *      e0 + ec), lm_head rows [v0, v0 + vc); everything else whole.  On one
+ *      rank those ranges are everything and the weights stay the mapping.
+ *   2. after every layer x is the same on every rank of a stage: each split
+ *      block ends in one all-reduce (tp after o_proj and the dense MLP, the
+ *      stage after the MoE), which adds the partial sums (part) to x.
+ *   3. the KV cache holds this stage's layers (cache index L - first_layer)
+ *      and the pages of the whole model, so block tables agree everywhere.
+ *   4. nothing depends on where b's tokens sit in the step: a micro-batch is
+ *      a step of its own with the same block tables.
  */
 #include "engine/gguf.h"
 #include "engine/mconfig.h"
