@@ -4,8 +4,9 @@ Each case runs tests/tools/plan_check (build/tests/plan_check): it forks the
 plan's ranks, which load the checkpoint with their model_rank (owned windows
 of their weights only) and run the same steps as a one-rank model in the
 parent: a prefill of 9 tokens of 2 sequences, a step mixing a 3-token
-prefill with a decode (logits of the last rows only), then decodes, over
-fixed page tables.  The ranks talk through the tool's shared-memory comm
+prefill, a decode and a third sequence's 2-token prefill (logits of the last
+rows only; PP=3 cuts it into 3 micro-batches), then decodes, over fixed page
+tables.  The ranks talk through the tool's shared-memory comm
 backend.  Pass: max |a - b| / max |b| per row <= 1e-5 on every row of every
 step, and the same argmax (greedy id) on every row.
 
@@ -36,7 +37,7 @@ from tests.fixtures import tiny_models  # noqa: E402
 PLANS = {
     "tp2": (2, 1, 1), "tp4": (4, 1, 1), "pp2": (1, 2, 1), "pp3": (1, 3, 1),
     "ep2": (1, 1, 2), "ep4": (1, 1, 4), "tp2pp2": (2, 2, 1), "tp2ep2": (2, 1, 2),
-    "pp2ep2": (1, 2, 2),
+    "pp2ep2": (1, 2, 2), "one": (1, 1, 1),
 }
 TOL = 1e-5
 Q8_TOL = 1e-3
@@ -58,7 +59,14 @@ def plan_check(model, plan, *extra, tol=TOL):
     return r.stdout
 
 
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("kind", tiny_models.KINDS)
+def test_one_rank_plan_is_bit_identical(models, kind):
+    """A plan of one rank runs on owned copies of every weight instead of the
+    mapping: the same bytes, so the same bits."""
+    plan_check(models[kind], "one", tol=0)
+
+
+@pytest.mark.parametrize("plan", [p for p in PLANS if p != "one"])
 @pytest.mark.parametrize("kind", tiny_models.KINDS)
 def test_plan_logits_equal_one_rank(models, kind, plan):
     out = plan_check(models[kind], plan)

@@ -11,9 +11,11 @@
  * loads the model on one rank.  All of them run the same steps:
  *
  *   step 0   a prefill of 9 tokens of 2 sequences (5 + 4), every row's logits
- *   step 1   a prefill of 3 more tokens of sequence 0 beside 1 decode of
- *            sequence 1, logits of the last row of each sequence only
- *   step 2.. decodes of both sequences (2 tokens a step)
+ *   step 1   a prefill of 3 more tokens of sequence 0, 1 decode of sequence
+ *            1 and the 2-token prefill of a third sequence, logits of the
+ *            last row of each sequence only (3 sequences: pp = 3 gets 3
+ *            micro-batches)
+ *   step 2.. decodes of the three sequences (3 tokens a step)
  *
  * with fixed page tables (sequence s owns pages s * MAXB ...).  World rank
  * 0 hands its logits to the parent through shared memory; the parent prints
@@ -47,7 +49,7 @@
 
 #define MAXW 16                 /* ranks */
 #define SLOT ((size_t)256 << 10) /* bytes a rank's slot / a mailbox holds at once */
-#define NSEQ 2
+#define NSEQ 3
 #define MAXB 8                  /* blocks per sequence */
 #define PAGE 4                  /* positions per page: prefills cross pages */
 #define NSTEP 6
@@ -284,7 +286,7 @@ static void make_steps(void)
 	int len[NSEQ] = {0};
 	for (int k = 0; k < NSTEP; k++) {
 		step_def *s = &steps[k];
-		int per[NSEQ] = {k == 0 ? 5 : k == 1 ? 3 : 1, k == 0 ? 4 : 1};
+		int per[NSEQ] = {k == 0 ? 5 : k == 1 ? 3 : 1, k == 0 ? 4 : 1, k == 0 ? 0 : k == 1 ? 2 : 1};
 		for (int q = 0; q < NSEQ; q++)
 			for (int i = 0; i < per[q]; i++) {
 				x ^= x << 13, x ^= x >> 7, x ^= x << 17;
