@@ -3,7 +3,7 @@
  * Run by tests/integration/test_plan_numerics.py over plans x checkpoints.
  *
  * Usage: plan_check -m MODEL [--tp N] [--pp N] [--ep N] [--attn FORM]
- *                   [--comm shm] [--tol T]
+ *                   [--comm gloo|shm] [--tol T]
  *
  * Forks tp * pp * ep rank processes first (before anything starts a
  * kernel thread pool, which a fork would not carry), each makes its world,
@@ -23,14 +23,19 @@
  * row) and whether every row's argmax (the greedy id) agrees, then
  * "plan_check: ok" or "plan_check: FAIL" (exit 1); 2 on a setup error.
  *
- * Transport: --comm shm (the default, and until the Gloo backend is built
- * the only one): a small comm backend of this file over shared memory
- * between the forked ranks (comm/comm_impl.h), so the check needs no
- * network.  Collectives copy through one slot per rank and sum in rank
- * order, so every rank gets the same bits; send/recv go through one
- * mailbox per ordered pair.  Waits spin with short sleeps and give up after
- * the group's timeout (DS_ETIMEOUT), so a dead rank ends the run instead of
- * hanging it.
+ * Transport (--comm):
+ *   gloo  (the default) the product's CPU transport: the parent serves the
+ *         rendezvous store on loopback (comm_store_server_start), each rank
+ *         connects to it and makes its groups with comm_gloo_new (keys
+ *         "plan<pid>/world", "plan<pid>/stage<s>", "plan<pid>/tp<s>.<e>");
+ *         a group of one rank is comm_single_new.
+ *   shm   a small comm backend of this file over shared memory between the
+ *         forked ranks (comm/comm_impl.h): no sockets, so a failure here and
+ *         not there points at the transport.  Collectives copy through one
+ *         slot per rank and sum in rank order, so every rank gets the same
+ *         bits; send/recv go through one mailbox per ordered pair.  Waits
+ *         spin with short sleeps and give up after the group's timeout
+ *         (DS_ETIMEOUT), so a dead rank ends the run instead of hanging it.
  */
 #include "comm/comm_impl.h"
 #include "common/strutil.h"
@@ -267,6 +272,24 @@ static void *shared_map(size_t bytes)
 	return p == MAP_FAILED ? NULL : p;
 }
 
+/* ---- Gloo groups through the parent's store ---- */
+
+static const char *store_addr; /* --comm gloo: the parent's store server */
+
+static comm_group *gloo_group(const comm_store *st, const char *key, int rank, int size, const char *name,
+			      ds_err *err)
+{
+	comm_params p = comm_default_params();
+	p.rank = rank;
+	p.world_size = size;
+	p.name = name;
+	if (size == 1)
+		return comm_single_new(&p, err);
+	char prefix[96];
+	snprintf(prefix, sizeof prefix, "plan%ld/%s", (long)getppid(), key);
+	return comm_gloo_new(&p, st, prefix, "127.0.0.1", err);
+}
+
 /* ---- the steps ---- */
 
 typedef struct step_def {
@@ -353,11 +376,19 @@ static int rank_main(int r, const model_plan *plan, const char *path, enum model
 	char sname[32], tname[32];
 	snprintf(sname, sizeof sname, "stage%d", mr.stage);
 	snprintf(tname, sizeof tname, "tp%d.%d", mr.stage, mr.ep_rank);
-	mr.world = shm_group_new(world_r, r, W, "world", &err);
-	mr.stage_grp = mr.world ? shm_group_new(stage_r + mr.stage, r % S, S, sname, &err) : NULL;
-	mr.tp_grp = mr.stage_grp ? shm_group_new(tp_r + mr.stage * plan->ep + mr.ep_rank, mr.tp_rank,
-						 plan->tp, tname, &err)
-				 : NULL;
+	comm_store st = {0};
+	if (store_addr) { /* every rank makes the groups in the same order: world, stage, tp */
+		if (comm_store_tcp_open(&st, store_addr, 30000, &err) == DS_OK &&
+		    (mr.world = gloo_group(&st, "world", r, W, "world", &err)) &&
+		    (mr.stage_grp = gloo_group(&st, sname, r % S, S, sname, &err)))
+			mr.tp_grp = gloo_group(&st, tname, mr.tp_rank, plan->tp, tname, &err);
+	} else {
+		mr.world = shm_group_new(world_r, r, W, "world", &err);
+		mr.stage_grp = mr.world ? shm_group_new(stage_r + mr.stage, r % S, S, sname, &err) : NULL;
+		mr.tp_grp = mr.stage_grp ? shm_group_new(tp_r + mr.stage * plan->ep + mr.ep_rank, mr.tp_rank,
+							 plan->tp, tname, &err)
+					 : NULL;
+	}
 	model *m = NULL;
 	int rc = mr.tp_grp ? DS_OK : DS_EINTERNAL;
 	model_params p = base_params(path, attn);
@@ -379,6 +410,8 @@ static int rank_main(int r, const model_plan *plan, const char *path, enum model
 	comm_group_free(mr.tp_grp);
 	comm_group_free(mr.stage_grp);
 	comm_group_free(mr.world);
+	if (store_addr)
+		comm_store_tcp_close(&st);
 	return rc ? 1 : 0;
 }
 
@@ -393,13 +426,13 @@ static int argmax(const float *l)
 static int usage(void)
 {
 	fprintf(stderr, "usage: plan_check -m MODEL [--tp N] [--pp N] [--ep N] [--attn auto|naive|absorbed]"
-			" [--comm shm] [--tol T]\n");
+			" [--comm gloo|shm] [--tol T]\n");
 	return 2;
 }
 
 int main(int argc, char **argv)
 {
-	const char *path = NULL, *comm = "shm";
+	const char *path = NULL, *comm = "gloo";
 	model_plan plan = {.tp = 1, .pp = 1, .ep = 1};
 	enum model_attn attn = MODEL_ATTN_AUTO;
 	double tol = 1e-5;
@@ -427,7 +460,7 @@ int main(int argc, char **argv)
 		i++;
 	}
 	ds_err err = {0};
-	if (!path || strcmp(comm, "shm") != 0 || model_plan_check(&plan, &err) || model_plan_world(&plan) > MAXW)
+	if (!path || (strcmp(comm, "shm") != 0 && strcmp(comm, "gloo") != 0) || model_plan_check(&plan, &err) || model_plan_world(&plan) > MAXW)
 		return usage();
 	const int W = model_plan_world(&plan), S = plan.tp * plan.ep;
 
@@ -462,6 +495,14 @@ int main(int argc, char **argv)
 	shared_out *out = shared_map(sizeof(shared_out) + (size_t)offset[NSTEP] * sizeof(float));
 	if (!world_r || !stage_r || !tp_r || !out)
 		return 2;
+	comm_store_server *server = NULL;
+	if (strcmp(comm, "gloo") == 0) {
+		if (!(server = comm_store_server_start("127.0.0.1", 0, &err))) {
+			fprintf(stderr, "plan_check: store: %s\n", err.msg);
+			return 2;
+		}
+		store_addr = comm_store_server_addr(server);
+	}
 	pid_t pids[MAXW];
 	for (int r = 0; r < W; r++) {
 		pids[r] = fork();
@@ -475,6 +516,7 @@ int main(int argc, char **argv)
 		if (waitpid(pids[r], &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
 			failed_ranks++;
 	}
+	comm_store_server_stop(server);
 	if (failed_ranks || atomic_load(&out->done) != 1) {
 		fprintf(stderr, "plan_check: %d of %d ranks failed%s%s\n", failed_ranks, W,
 			out->msg[0] ? ": " : "", out->msg);
