@@ -12,9 +12,9 @@
  *
  *   step 0   a prefill of 9 tokens of 2 sequences (5 + 4), every row's logits
  *   step 1   a prefill of 3 more tokens of sequence 0, 1 decode of sequence
- *            1 and the 2-token prefill of a third sequence, logits of the
- *            last row of each sequence only (3 sequences: pp = 3 gets 3
- *            micro-batches)
+ *            1 and the 2-token prefill of a third sequence; logits of the
+ *            last row of sequences 0 and 1 only, none of the third (3
+ *            sequences: pp = 3 gets 3 micro-batches, one without logits)
  *   step 2.. decodes of the three sequences (3 tokens a step)
  *
  * with fixed page tables (sequence s owns pages s * MAXB ...).  World rank
@@ -316,8 +316,10 @@ static void make_steps(void)
 				s->tok[s->n] = (int32_t)(x % (uint64_t)V);
 				s->seq[s->n] = q;
 				s->pos[s->n] = len[q]++;
-				/* step 1 wants the last row of each sequence only */
-				s->want[s->n] = k != 1 || i == per[q] - 1;
+				/* step 1 wants the last row of sequences 0 and 1 only:
+				 * sequence 2's rows are a prefill chunk without logits
+				 * (a micro-batch of it gathers no rows) */
+				s->want[s->n] = k != 1 || (q < 2 && i == per[q] - 1);
 				s->n_want += s->want[s->n];
 				s->n++;
 			}
