@@ -783,7 +783,7 @@ static void kv_b_needs(msrc *src, const msrc_tensor *t, model_needs *nd)
 	}
 }
 
-/* The ops deepseek_forward (and the load-time conversions) call, with the
+/* The ops embed / layers / head (and the load-time conversions) call, with the
  * dtypes this checkpoint holds: a product on every weight dtype of the
  * decoder layers used (the MTP layers past num_hidden_layers are never
  * loaded), f32 products and a dequantization where kv_b is rebuilt in f32,
