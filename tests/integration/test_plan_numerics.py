@@ -77,6 +77,26 @@ def test_plan_logits_equal_one_rank(models, kind, plan):
     assert all(0 < b < one for b in per_rank), line
 
 
+@pytest.mark.parametrize("tp,pp,ep", [(3, 1, 1), (3, 3, 1), (4, 1, 4), (2, 3, 2), (1, 2, 8)],
+                         ids=["tp3-uneven-heads", "tp3pp3", "tp4ep4-ranks-without-experts",
+                              "tp2pp3ep2", "pp2ep8"])
+@pytest.mark.parametrize("kind", ["v3-fp8", "v2-lite"])
+def test_uneven_and_larger_plans(models, kind, tp, pp, ep):
+    """Heads split 2 + 1 + 1, stages with one layer, 16 ranks for 12 experts
+    (four ranks hold none and add zeros), all three kinds at once; over the
+    shared-memory transport (up to 16 rank processes)."""
+    r = subprocess.run([binary("tests/plan_check"), "-m", str(models[kind]), "--tp", str(tp), "--pp", str(pp),
+                        "--ep", str(ep), "--comm", "shm"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "plan_check: ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_more_tp_ranks_than_heads_is_refused(models):
+    r = subprocess.run([binary("tests/plan_check"), "-m", str(models["v3"]), "--tp", "8", "--comm", "shm"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "tp 8 is more than the model's 4 attention heads" in r.stderr
+
+
 @pytest.mark.parametrize("plan", ["tp2ep2", "pp2ep2", "tp2pp2"])
 def test_shared_memory_transport(models, plan):
     plan_check(models["v3"], plan, "--comm", "shm")
