@@ -450,8 +450,7 @@ int main(int argc, char **argv)
 		else if (strcmp(a, "--tol") == 0) {
 			if (ds_parse_double(v, 0, 1, &tol))
 				return usage();
-		}
-		else if (strcmp(a, "--attn") == 0) {
+		} else if (strcmp(a, "--attn") == 0) {
 			if (model_attn_parse(v, &attn))
 				return usage();
 		} else if ((strcmp(a, "--tp") == 0 || strcmp(a, "--pp") == 0 || strcmp(a, "--ep") == 0) &&
@@ -462,7 +461,9 @@ int main(int argc, char **argv)
 		i++;
 	}
 	ds_err err = {0};
-	if (!path || (strcmp(comm, "shm") != 0 && strcmp(comm, "gloo") != 0) || model_plan_check(&plan, &err) || model_plan_world(&plan) > MAXW)
+	const int shm = strcmp(comm, "shm") == 0;
+	if (!path || (!shm && strcmp(comm, "gloo") != 0) || model_plan_check(&plan, &err) ||
+	    model_plan_world(&plan) > MAXW)
 		return usage();
 	const int W = model_plan_world(&plan), S = plan.tp * plan.ep;
 
@@ -491,14 +492,17 @@ int main(int argc, char **argv)
 	for (int k = 0; k < NSTEP; k++)
 		offset[k + 1] = offset[k] + (int64_t)steps[k].n_want * V;
 
-	shm_region *world_r = shared_map(sizeof(shm_region));
-	shm_region *stage_r = shared_map(sizeof(shm_region) * (size_t)plan.pp);
-	shm_region *tp_r = shared_map(sizeof(shm_region) * (size_t)(plan.pp * plan.ep));
 	shared_out *out = shared_map(sizeof(shared_out) + (size_t)offset[NSTEP] * sizeof(float));
-	if (!world_r || !stage_r || !tp_r || !out)
+	shm_region *world_r = NULL, *stage_r = NULL, *tp_r = NULL;
+	if (shm) { /* one region per group: the world, each stage, each tp group */
+		world_r = shared_map(sizeof(shm_region));
+		stage_r = shared_map(sizeof(shm_region) * (size_t)plan.pp);
+		tp_r = shared_map(sizeof(shm_region) * (size_t)(plan.pp * plan.ep));
+	}
+	if (!out || (shm && (!world_r || !stage_r || !tp_r)))
 		return 2;
 	comm_store_server *server = NULL;
-	if (strcmp(comm, "gloo") == 0) {
+	if (!shm) {
 		if (!(server = comm_store_server_start("127.0.0.1", 0, &err))) {
 			fprintf(stderr, "plan_check: store: %s\n", err.msg);
 			return 2;
