@@ -22,12 +22,16 @@
  * Callers: dsrun, the agent's serve module, tests/tools.  Thread rule: as
  * model.h (one step at a time per model).
  */
+#include "comm/comm.h"
+#include "common/strutil.h"
 #include "engine/engine.h"
 #include "engine/model_impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 model_params model_default_params(void)
 {
@@ -79,6 +83,17 @@ model *model_load(const model_params *p, ds_err *err)
 	int llama = msrc_kind(src) == MSRC_GGUF ? strcmp(arch, "deepseek2") != 0 : arch_is_llama(arch);
 	model *m = llama ? llama_model_load(p, src, err) : deepseek_model_load(p, src, err);
 	msrc_unref(src); /* the model holds its own reference */
+	/* logit rows of a rank that is not world rank 0 but runs the head: the
+	 * last stage of a pipeline, or any rank of a one-stage plan */
+	if (m && p->rank && m->rank.stage == m->rank.plan.pp - 1 && m->rank.rank != 0) {
+		m->mb_logits = malloc((size_t)m->bt * (size_t)m->vocab_size * sizeof(float));
+		if (!m->mb_logits) {
+			ds_err_set(err, DS_ENOMEM, "out of memory for the logit rows of rank %d", m->rank.rank);
+			model_free(m);
+			return NULL;
+		}
+		m->extra_bytes += (size_t)m->bt * (size_t)m->vocab_size * sizeof(float);
+	}
 	return m;
 }
 
@@ -102,8 +117,11 @@ int model_attn_parse(const char *s, enum model_attn *out)
 
 void model_free(model *m)
 {
-	if (m)
-		m->ops->free(m);
+	if (!m)
+		return;
+	free(m->mb_logits);
+	m->mb_logits = NULL;
+	m->ops->free(m);
 }
 
 void model_needs_add(model_needs *nd, enum kb_op op, enum kb_dtype dtype)
@@ -147,6 +165,10 @@ int model_needs_scan(msrc *src, int n_layers, const char *embed, model_needs *nd
 
 enum ds_map_mode model_weights_mode(const model_params *p, const kb_backend *be)
 {
+	/* under a plan the graph copies its windows out of the file mapping
+	 * (model_weight_window), which must stay the page cache's */
+	if (p->rank)
+		return DS_MAP_FILE;
 	if (p->weights == MODEL_WEIGHTS_HUGE)
 		return DS_MAP_HUGE_COPY;
 	if (p->weights == MODEL_WEIGHTS_AUTO && strcmp(be->name, "cpu") == 0 && ds_thp_usable())
@@ -186,9 +208,406 @@ const kb_backend *model_backend_choose(const model_params *p, const msrc *src, c
 	return be;
 }
 
+/* ---- plans ---- */
+
+int model_plan_check(const model_plan *p, ds_err *err)
+{
+	if (p->tp < 1 || p->pp < 1 || p->ep < 1)
+		return ds_err_set(err, DS_EINVAL, "plan tp=%d pp=%d ep=%d: every size must be at least 1",
+				  p->tp, p->pp, p->ep);
+	if ((int64_t)p->tp * p->pp * p->ep > 65536)
+		return ds_err_set(err, DS_EINVAL, "plan tp=%d pp=%d ep=%d: more than 65536 ranks", p->tp,
+				  p->pp, p->ep);
+	return DS_OK;
+}
+
+int model_plan_world(const model_plan *p)
+{
+	return p->tp * p->pp * p->ep;
+}
+
+void model_rank_coords(const model_plan *p, int r, int *stage, int *tp_rank, int *ep_rank)
+{
+	const int S = p->tp * p->ep;
+	*stage = r / S;
+	*tp_rank = (r % S) % p->tp;
+	*ep_rank = (r % S) / p->tp;
+}
+
+void model_split_range(int64_t n, int parts, int i, int64_t *first, int64_t *count)
+{
+	const int64_t q = n / parts, rem = n % parts;
+	*count = q + (i < rem ? 1 : 0);
+	*first = i * q + (i < rem ? i : rem);
+}
+
+void model_stage_layers(int n_layers, int pp, int s, int *first, int *end)
+{
+	/* floor split; the remainder one each to the stages before the last */
+	const int q = n_layers / pp, rem = n_layers % pp;
+	int f = 0;
+	for (int i = 0; i < s; i++)
+		f += q + (i < rem && i < pp - 1 ? 1 : 0);
+	*first = f;
+	*end = f + q + (s < rem && s < pp - 1 ? 1 : 0);
+	if (s == pp - 1)
+		*end = n_layers;
+}
+
+int model_base_plan(model *m, const model_params *p, int n_layers, int64_t D, ds_err *err)
+{
+	m->n_layers = n_layers;
+	m->D = D;
+	if (!p->rank) {
+		m->rank = (model_rank){.plan = {.tp = 1, .pp = 1, .ep = 1}};
+		m->first_layer = 0;
+		m->end_layer = n_layers;
+		return DS_OK;
+	}
+	const model_rank *r = p->rank;
+	int rc = model_plan_check(&r->plan, err);
+	if (rc)
+		return rc;
+	const int W = model_plan_world(&r->plan);
+	int stage, tp_rank, ep_rank;
+	if (r->rank < 0 || r->rank >= W)
+		return ds_err_set(err, DS_EINVAL, "rank %d is outside the plan's %d ranks", r->rank, W);
+	model_rank_coords(&r->plan, r->rank, &stage, &tp_rank, &ep_rank);
+	if (stage != r->stage || tp_rank != r->tp_rank || ep_rank != r->ep_rank)
+		return ds_err_set(err, DS_EINVAL, "rank %d: stage %d, tp rank %d, ep rank %d do not match "
+				  "the plan's layout (%d, %d, %d)", r->rank, r->stage, r->tp_rank,
+				  r->ep_rank, stage, tp_rank, ep_rank);
+	if (r->plan.pp > n_layers)
+		return ds_err_set(err, DS_EINVAL, "%d pipeline stages for %d layers: each stage needs a layer",
+				  r->plan.pp, n_layers);
+	struct {
+		comm_group *g;
+		int size, rank;
+		const char *what;
+	} groups[] = {
+		{r->world, W, r->rank, "world"},
+		{r->stage_grp, r->plan.tp * r->plan.ep, r->rank % (r->plan.tp * r->plan.ep), "stage"},
+		{r->tp_grp, r->plan.tp, tp_rank, "tp"},
+	};
+	for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {
+		int have = groups[i].g ? comm_group_size(groups[i].g) : 1;
+		int me = groups[i].g ? comm_group_rank(groups[i].g) : 0;
+		if (have != groups[i].size || (groups[i].size > 1 && me != groups[i].rank))
+			return ds_err_set(err, DS_EINVAL, "the %s group has %d ranks (this one %d); the plan "
+					  "needs %d (this one %d)", groups[i].what, have, me,
+					  groups[i].size, groups[i].rank);
+	}
+	m->rank = *r;
+	model_stage_layers(n_layers, r->plan.pp, stage, &m->first_layer, &m->end_layer);
+	return DS_OK;
+}
+
+int model_is_split(const model *m)
+{
+	return m->rank.plan.tp * m->rank.plan.ep > 1;
+}
+
+static int is_first_stage(const model *m)
+{
+	return m->rank.stage == 0;
+}
+
+static int is_last_stage(const model *m)
+{
+	return m->rank.stage == m->rank.plan.pp - 1;
+}
+
+int model_all_reduce(model *m, comm_group *g, float *buf, int64_t count, ds_err *err)
+{
+	if (!g || comm_group_size(g) == 1 || count == 0)
+		return DS_OK;
+	double t0 = ds_now_s();
+	int rc = comm_all_reduce(g, buf, buf, count, COMM_F32, COMM_SUM, err);
+	m->comm_seconds += ds_now_s() - t0;
+	return rc;
+}
+
+int model_all_gather(model *m, comm_group *g, const float *send, float *recv, int64_t count,
+		     ds_err *err)
+{
+	if (!g || comm_group_size(g) == 1) {
+		if (recv != send && count)
+			memmove(recv, send, (size_t)count * sizeof(float));
+		return DS_OK;
+	}
+	double t0 = ds_now_s();
+	int rc = comm_all_gather(g, send, recv, count, COMM_F32, err);
+	m->comm_seconds += ds_now_s() - t0;
+	return rc;
+}
+
+static int stage_xfer(model *m, int send, float *buf, int64_t count, int peer, ds_err *err)
+{
+	if (count == 0)
+		return DS_OK;
+	double t0 = ds_now_s();
+	int rc = send ? comm_send(m->rank.world, buf, count, COMM_F32, peer, err)
+		      : comm_recv(m->rank.world, buf, count, COMM_F32, peer, err);
+	m->comm_seconds += ds_now_s() - t0;
+	return rc;
+}
+
+double model_comm_seconds(const model *m)
+{
+	return m->comm_seconds;
+}
+
+/* One part of a step: tokens [t0, t0 + n) as a step of its own (same
+ * sequences and block tables). */
+static eng_batch sub_batch(const eng_batch *b, int t0, int n)
+{
+	eng_batch s = *b;
+	s.n_tok = n;
+	s.tokens = b->tokens + t0;
+	s.pos = b->pos + t0;
+	s.seq = b->seq + t0;
+	s.want_logits = b->want_logits ? b->want_logits + t0 : NULL;
+	return s;
+}
+
+static int want_count(const eng_batch *b)
+{
+	int n = 0;
+	for (int t = 0; t < b->n_tok; t++)
+		n += !b->want_logits || b->want_logits[t];
+	return n;
+}
+
+/* Micro-batch boundaries of a step for pp stages: at most pp parts, cut
+ * only where the sequence changes (a sequence's tokens of one step attend
+ * to each other, so they stay in one part), about equal in tokens.  When a
+ * sequence's tokens are not contiguous the step stays whole.  Returns the
+ * count; cut[i] is the first token of part i, cut[count] = n_tok. */
+static int micro_batches(const eng_batch *b, int pp, int *cut, int max_parts)
+{
+	int parts = pp < max_parts ? pp : max_parts;
+	cut[0] = 0;
+	/* contiguity: a sequence seen again after another one keeps it whole */
+	for (int t = 1; t < b->n_tok; t++)
+		for (int u = 0; u < t - 1 && b->seq[t] != b->seq[t - 1]; u++)
+			if (b->seq[u] == b->seq[t]) {
+				cut[1] = b->n_tok;
+				return 1;
+			}
+	int n = 1;
+	for (int i = 1; i < parts; i++) {
+		int target = (int)((int64_t)b->n_tok * i / parts), t = target;
+		while (t > cut[n - 1] && t < b->n_tok && b->seq[t] == b->seq[t - 1])
+			t++; /* move the cut forward to the next sequence edge */
+		if (t <= cut[n - 1] || t >= b->n_tok)
+			continue;
+		cut[n++] = t;
+	}
+	cut[n] = b->n_tok;
+	return n;
+}
+
+#define MODEL_MAX_MICRO 64
+
+/* The pipeline (pp > 1): every stage runs the micro-batches in order:
+ * receive x rows from the same local rank of the stage before (or embed on
+ * the first), its layers, send them on (or, on the last stage, the head into
+ * mb_logits).  A stage works on part i + 1 while the next one works on part
+ * i.  The last stage's local rank 0 sends all logit rows to world rank 0 in
+ * one transfer at the end (a transfer per part would hold the last stage
+ * until world rank 0 had finished its own parts). */
+static int forward_pipeline(model *m, const eng_batch *b, float *logits, ds_err *err)
+{
+	const int S = m->rank.plan.tp * m->rank.plan.ep, local = m->rank.rank % S;
+	const int prev = m->rank.rank - S, next = m->rank.rank + S;
+	int cut[MODEL_MAX_MICRO + 1];
+	const int parts = micro_batches(b, m->rank.plan.pp, cut, MODEL_MAX_MICRO);
+	int rows = 0, rc = DS_OK;
+	for (int i = 0; i < parts && !rc; i++) {
+		eng_batch s = sub_batch(b, cut[i], cut[i + 1] - cut[i]);
+		float *x = m->x + (int64_t)cut[i] * m->D;
+		if (is_first_stage(m))
+			rc = m->ops->embed(m, &s, x, err);
+		else
+			rc = stage_xfer(m, 0, x, (int64_t)s.n_tok * m->D, prev, err);
+		if (!rc)
+			rc = m->ops->layers(m, &s, x, err);
+		if (rc)
+			break;
+		if (!is_last_stage(m)) {
+			rc = stage_xfer(m, 1, x, (int64_t)s.n_tok * m->D, next, err);
+		} else {
+			rc = m->ops->head(m, &s, x, m->mb_logits + (int64_t)rows * m->vocab_size, err);
+			rows += want_count(&s);
+		}
+	}
+	if (rc)
+		return rc;
+	const int64_t count = (int64_t)want_count(b) * m->vocab_size;
+	const int last0 = (m->rank.plan.pp - 1) * S;
+	if (is_last_stage(m) && local == 0)
+		return stage_xfer(m, 1, m->mb_logits, count, 0, err);
+	if (m->rank.rank == 0 && logits)
+		return stage_xfer(m, 0, logits, count, last0, err);
+	return DS_OK;
+}
+
 int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err)
 {
-	return m->ops->forward(m, b, logits, err);
+	if (m->ops->forward)
+		return m->ops->forward(m, b, logits, err);
+	int rc = model_check_batch(m, b, err);
+	if (rc)
+		return rc;
+	if (m->rank.plan.pp > 1) {
+		rc = forward_pipeline(m, b, logits, err);
+	} else {
+		/* one stage: a rank other than world rank 0 may pass logits = NULL */
+		float *out = logits ? logits : m->mb_logits;
+		if (!(rc = m->ops->embed(m, b, m->x, err)) && !(rc = m->ops->layers(m, b, m->x, err)))
+			rc = m->ops->head(m, b, m->x, out, err);
+	}
+	if (rc && err && err->code == DS_OK)
+		ds_err_set(err, rc, "forward step failed in the %s backend (%s)", m->be->name,
+			   ds_status_name(rc));
+	return rc;
+}
+
+/* ---- owned copies of weight windows (under a plan) ---- */
+
+#define COPY_CHUNK ((size_t)8 << 20)
+
+/* Drops the pages of [p, p + n) of a read-only file mapping from the process
+ * (they stay in the page cache); a later read faults them in again. */
+static void drop_pages(const void *p, size_t n)
+{
+	const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+	uintptr_t a = (uintptr_t)p & ~(pg - 1), e = ((uintptr_t)p + n + pg - 1) & ~(pg - 1);
+	if (e > a)
+		(void)madvise((void *)a, e - a, MADV_DONTNEED);
+}
+
+/* rows x row_bytes at src (rows src_stride bytes apart) into dst (packed),
+ * dropping the source pages every COPY_CHUNK bytes of source span. */
+static void copy_rows(void *dst, const uint8_t *src, int64_t rows, size_t row_bytes, size_t src_stride)
+{
+	const uint8_t *span = src;
+	for (int64_t r = 0; r < rows; r++) {
+		memcpy((uint8_t *)dst + (size_t)r * row_bytes, src + (size_t)r * src_stride, row_bytes);
+		const uint8_t *end = src + (size_t)r * src_stride + row_bytes;
+		if ((size_t)(end - span) >= COPY_CHUNK || r == rows - 1) {
+			drop_pages(span, (size_t)(end - span));
+			span = end;
+		}
+	}
+}
+
+static void *owned_alloc(size_t bytes)
+{
+	void *p = NULL;
+	if (posix_memalign(&p, 64, bytes ? bytes : 1))
+		return NULL;
+	return p;
+}
+
+void *model_copy_bytes(const void *p, size_t n, size_t *counter)
+{
+	void *q = owned_alloc(n);
+	if (!q)
+		return NULL;
+	copy_rows(q, p, 1, n, n);
+	*counter += n;
+	return q;
+}
+
+static int64_t gcd_i64(int64_t a, int64_t b)
+{
+	while (b) {
+		int64_t t = a % b;
+		a = b;
+		b = t;
+	}
+	return a;
+}
+
+/* FP8 window: the codes, and a scale grid of block g = gcd(block, row0,
+ * col0) in which every g x g block lies inside one block of the original
+ * grid and takes its scale (the values are unchanged).  A g below 16 would
+ * blow the grid up: then the window is dequantized to f32 instead. */
+static int fp8_window(const kb_backend *be, const model_weight *w, int64_t row0, int64_t rows,
+		      int64_t col0, int64_t cols, model_weight *out, void **owned, size_t *counter,
+		      ds_err *err)
+{
+	const int64_t B = w->block, g = gcd_i64(gcd_i64(B, row0), col0);
+	if (g < 16) {
+		float *f = owned_alloc((size_t)rows * (size_t)cols * sizeof(float));
+		if (!f)
+			return ds_err_set(err, DS_ENOMEM, "out of memory copying a weight window");
+		kb_dequant_args a = {.out = f, .w = (const uint8_t *)w->w + (size_t)row0 * (size_t)w->k + (size_t)col0,
+					.w_scale = w->scale, .wtype = KB_F8_E4M3, .rows = rows,
+					.cols = cols, .out_stride = cols, .w_stride = w->k,
+					.scale_stride = w->scale_stride, .block = B, .row0 = row0,
+					.col0 = col0};
+		int rc = kb_dequant(be, &a);
+		drop_pages((const uint8_t *)w->w + (size_t)row0 * (size_t)w->k, (size_t)rows * (size_t)w->k);
+		if (rc) {
+			free(f);
+			return ds_err_set(err, rc, "dequantizing an FP8 weight window failed");
+		}
+		*out = (model_weight){.w = f, .type = KB_F32, .n = rows, .k = cols};
+		*owned = f;
+		*counter += (size_t)rows * (size_t)cols * sizeof(float);
+		return DS_OK;
+	}
+	const int64_t gr = (rows + g - 1) / g, gc = (cols + g - 1) / g;
+	const size_t code_bytes = (size_t)rows * (size_t)cols, scale_bytes = (size_t)(gr * gc) * sizeof(float);
+	const size_t scale_off = (code_bytes + 63) & ~(size_t)63;
+	uint8_t *mem = owned_alloc(scale_off + scale_bytes);
+	if (!mem)
+		return ds_err_set(err, DS_ENOMEM, "out of memory copying a weight window");
+	copy_rows(mem, (const uint8_t *)w->w + (size_t)row0 * (size_t)w->k + (size_t)col0, rows,
+		  (size_t)cols, (size_t)w->k);
+	float *sc = (float *)(mem + scale_off);
+	for (int64_t i = 0; i < gr; i++)
+		for (int64_t j = 0; j < gc; j++)
+			sc[i * gc + j] = w->scale[((row0 + i * g) / B) * w->scale_stride + (col0 + j * g) / B];
+	*out = (model_weight){.w = mem, .scale = sc, .type = KB_F8_E4M3, .n = rows, .k = cols,
+			      .scale_stride = gc, .block = g};
+	*owned = mem;
+	*counter += scale_off + scale_bytes;
+	return DS_OK;
+}
+
+int model_weight_window(const kb_backend *be, const model_weight *w, int64_t row0, int64_t rows,
+			int64_t col0, int64_t cols, model_weight *out, void **owned,
+			size_t *counter, ds_err *err)
+{
+	*owned = NULL;
+	if (row0 < 0 || rows < 0 || col0 < 0 || cols < 0 || row0 + rows > w->n || col0 + cols > w->k)
+		return ds_err_set(err, DS_EINVAL, "window rows %lld+%lld, columns %lld+%lld is outside a "
+				  "[%lld][%lld] weight", (long long)row0, (long long)rows,
+				  (long long)col0, (long long)cols, (long long)w->n, (long long)w->k);
+	if (rows == 0 || cols == 0) {
+		*out = (model_weight){.type = w->type, .n = rows, .k = cols};
+		return DS_OK;
+	}
+	if (w->type == KB_F8_E4M3 && w->scale)
+		return fp8_window(be, w, row0, rows, col0, cols, out, owned, counter, err);
+	const int64_t blk = kb_dtype_block(w->type);
+	if (col0 % blk || cols % blk)
+		return ds_err_set(err, DS_EINVAL, "a %s weight splits only on its %lld-element blocks: "
+				  "columns %lld+%lld", kb_dtype_name(w->type), (long long)blk,
+				  (long long)col0, (long long)cols);
+	const size_t row_bytes = kb_dtype_bytes(w->type, w->k), win_bytes = kb_dtype_bytes(w->type, cols);
+	void *mem = owned_alloc((size_t)rows * win_bytes);
+	if (!mem)
+		return ds_err_set(err, DS_ENOMEM, "out of memory copying a weight window");
+	copy_rows(mem, (const uint8_t *)w->w + (size_t)row0 * row_bytes + kb_dtype_bytes(w->type, col0),
+		  rows, win_bytes, row_bytes);
+	*out = (model_weight){.w = mem, .type = w->type, .n = rows, .k = cols};
+	*owned = mem;
+	*counter += (size_t)rows * win_bytes;
+	return DS_OK;
 }
 
 void model_set_attn(model *m, enum model_attn attn)

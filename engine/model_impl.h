@@ -121,6 +121,12 @@ int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx);
 model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err);
 model *llama_model_load(const model_params *p, msrc *src, ds_err *err);
 
+/* Fills m's plan fields from p (p->rank, or the one-rank plan when NULL):
+ * rank, n_layers, first_layer / end_layer of this stage, D.  DS_EINVAL when
+ * the rank's coordinates or its groups' sizes disagree with the plan, or
+ * when the plan has more stages than layers. */
+int model_base_plan(model *m, const model_params *p, int n_layers, int64_t D, ds_err *err);
+
 /* Under a plan: 1 when this rank has a part of the plan, so the graph
  * communicates (tp > 1 or ep > 1 inside a stage). */
 int model_is_split(const model *m);
