@@ -729,32 +729,9 @@ static int llama_needs(const llama_model *m, msrc *src, int gguf, model_needs *n
 	return DS_OK;
 }
 
-/* The plan's fields of the base: this rank's place (a one-rank plan when p->rank
- * is NULL), the layer range of its stage and the hidden size.  A stage
- * without layers (pp > the model's layers) is refused. */
-static int plan_fill(model *b, const model_params *p, int n_layers, int64_t D, const char *what, ds_err *err)
-{
-	b->n_layers = n_layers;
-	b->D = D;
-	b->first_layer = 0;
-	b->end_layer = n_layers;
-	b->rank = (model_rank){.plan = {.tp = 1, .pp = 1, .ep = 1}};
-	if (!p->rank)
-		return DS_OK;
-	int rc = model_plan_check(&p->rank->plan, err);
-	if (rc)
-		return rc;
-	b->rank = *p->rank;
-	if (b->rank.plan.pp > n_layers)
-		return ds_err_set(err, DS_EINVAL, "%s: pp %d is more than the model's %d layers (a stage needs one)",
-				  what, b->rank.plan.pp, n_layers);
-	model_stage_layers(n_layers, b->rank.plan.pp, b->rank.stage, &b->first_layer, &b->end_layer);
-	return DS_OK;
-}
-
 /*
  * Load, one rank or under a plan:
- *   config --plan_fill, plan_split--> this rank's layers and windows
+ *   config --model_base_plan, plan_split--> this rank's layers and windows
  *   --llama_needs, model_backend_choose--> backend
  *   --msrc_hold_weights (one rank only; a planned rank copies windows out of
  *     the mapping instead)--> load_weights (get_part: the mapped weight, or
@@ -790,7 +767,7 @@ model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 	}
 	lcfg *c = &m->c;
 	c->interleaved = gguf; /* see the file comment */
-	if ((rc = check_cfg(c, what, err)) || (rc = plan_fill(base, p, c->n_layers, c->dim, what, err)) ||
+	if ((rc = check_cfg(c, what, err)) || (rc = model_base_plan(base, p, c->n_layers, c->dim, err)) ||
 	    (rc = plan_split(m, p->rank, src, gguf, err)))
 		goto fail;
 	m->planned = p->rank != NULL;
