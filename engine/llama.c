@@ -54,24 +54,34 @@ typedef struct llayer {
 
 /*
  * This rank's share of the model (the whole model on one rank).  Under a plan
- * (docs/distributed.md, "Llama-family models under a plan"):
+ * (docs/distributed.md, "Llama-family models under a plan"), inside a stage:
  *   - attention by kv-head groups: kv heads [g0, g0 + gc) (model_split_range
- *     over n_kv and tp), their query heads [g0 * grp, (g0 + gc) * grp) with
- *     grp = n_heads / n_kv; q, k, v rows and o columns of those heads.  A
- *     rank may get gc = 0 (tp > n_kv): it runs no attention and adds zero to
- *     the all-reduce after o.
- *   - MLP: ffn columns [f0, f0 + fc), whole blocks of the down projection's
- *     quant block (fblock) so that its column window sits on blocks.
- *   - head: vocab rows [v0, v0 + vc) over the stage's tp * ep ranks, gathered
- *     as vmax (the largest part) rows each.
+ *     over n_kv and tp) and their query heads [g0 * grp, (g0 + gc) * grp),
+ *     grp = n_heads / n_kv: the q, k, v rows of those heads.  A rank may get
+ *     gc = 0 (tp > n_kv): it runs no attention.
+ *   - MLP: gate and up rows [f0, f0 + fc) (model_split_range over ffn).
+ *   - o and down: output rows [d0, d0 + dc) (model_split_range over dim),
+ *     every column.
+ *   - head: vocab rows [v0, v0 + vc) over the stage's tp * ep ranks, sent as
+ *     vmax (the largest part) rows each.
  *   - the ep index only replicates (a dense model has no experts).
+ * Every output element is computed by exactly one rank, by the same kernel
+ * call over the same whole input row as on one rank, and the parts are
+ * all-gathered (attention outputs, gate*up, x after o and after down,
+ * logits).  No partial sums: the plan's logits are the one-rank logits bit
+ * for bit.  The usual split (o and down by columns, all-reduce of partial
+ * sums) changes the order of the f32 sums, and the CPU backend's quantized
+ * products turn such last-bit changes into 8-bit activation steps: 3e-4 off
+ * one rank on the default Q4_1 model after 30 layers.
  */
 typedef struct lsplit {
-	int64_t g0, gc;         /* kv heads */
-	int64_t f0, fc, fblock; /* ffn columns; their block */
-	int64_t v0, vc, vmax;   /* vocab rows; rows each rank sends */
-	int stage_ranks;        /* tp * ep: the vocab parts */
-	int tp_split;           /* tp > 1: partial sums all-reduced over tp_grp */
+	int64_t g0, gc;       /* kv heads */
+	int64_t f0, fc;       /* ffn rows of gate and up */
+	int64_t d0, dc;       /* dim rows of o and down (x columns this rank computes) */
+	int64_t v0, vc, vmax; /* vocab rows; rows each rank sends */
+	int64_t part_max;     /* widest part of a tp gather (attention, ffn or dim) */
+	int stage_ranks;      /* tp * ep: the vocab parts */
+	int tp;               /* > 1: the parts are gathered over tp_grp */
 } lsplit;
 
 typedef struct llama_model {
@@ -94,6 +104,7 @@ typedef struct llama_model {
 	 * kb_release); the cache-row copies and the logits staging below are C
 	 * memcpy, as for deepseek.c */
 	float *x, *h, *q, *kvb, *o, *g, *u, *lg;
+	float *ts, *tr; /* tp gathers: [bt][part_max] sent, [tp][bt][part_max] gathered */
 	float *hs, *hr; /* head under a vocab split: [bt][vmax] sent, [parts][bt][vmax] gathered */
 } llama_model;
 
@@ -383,13 +394,6 @@ static int get_part(llama_model *m, const char *name, int64_t n, int64_t k, int6
 		*out = (lw){.type = whole.type, .n = rows, .k = cols};
 		return DS_OK;
 	}
-	int64_t blk = kb_dtype_block(whole.type);
-	if (col0 % blk || cols % blk)
-		return ds_err_set(err, DS_EUNSUPPORTED,
-				  "tensor %s: this rank's columns [%lld, %lld) do not sit on the %lld-element blocks of %s; "
-				  "choose a tp that splits it on whole blocks",
-				  name, (long long)col0, (long long)(col0 + cols), (long long)blk,
-				  kb_dtype_name(whole.type));
 	if (m->n_owned == m->cap_owned)
 		return ds_err_set(err, DS_EINTERNAL, "tensor %s: more weight windows than counted", name);
 	void *own = NULL;
@@ -399,41 +403,49 @@ static int get_part(llama_model *m, const char *name, int64_t n, int64_t k, int6
 	return DS_OK;
 }
 
-/* This rank's share (lsplit above) from the plan; the whole model when
- * rank is NULL.  The ffn block is the largest quant block of the stage's
- * down projections (32 or 256; 1 for dense dtypes), so that every part of
- * the ffn dimension is whole blocks of each of them. */
-static int plan_split(llama_model *m, const model_rank *r, msrc *src, int gguf, ds_err *err)
+/* The columns tp rank i computes of a [rows][n] activation that the tp
+ * ranks gather: attention outputs (query heads of its kv groups), gate*up
+ * (ffn) or x (dim). */
+enum lpart { PART_ATTN, PART_FFN, PART_DIM };
+
+static void part_cols(const llama_model *m, enum lpart what, int i, int64_t *c0, int64_t *cn)
 {
 	const lcfg *c = &m->c;
-	const model *b = &m->base;
-	lsplit *sp = &m->sp;
-	*sp = (lsplit){.gc = c->n_kv, .fc = c->ffn, .fblock = 1, .vc = c->vocab, .vmax = c->vocab,
-		       .stage_ranks = 1};
-	if (!r)
-		return DS_OK;
-	const int tp = r->plan.tp;
-	char name[256];
-	for (int L = b->first_layer; L < b->end_layer; L++) {
-		snprintf(name, sizeof name, gguf ? "blk.%d.ffn_down.weight" : "model.layers.%d.mlp.down_proj.weight", L);
-		enum kb_dtype t = msrc_tensor_dtype(src, name);
-		int64_t blk = t == KB_DTYPE_COUNT ? 1 : kb_dtype_block(t);
-		if (blk > sp->fblock)
-			sp->fblock = blk;
+	const int tp = m->sp.tp;
+	if (what == PART_ATTN) {
+		const int64_t w = (int64_t)(c->n_heads / c->n_kv) * c->head_dim;
+		model_split_range(c->n_kv, tp, i, c0, cn);
+		*c0 *= w;
+		*cn *= w;
+	} else {
+		model_split_range(what == PART_FFN ? c->ffn : c->dim, tp, i, c0, cn);
 	}
-	if (c->ffn % sp->fblock)
-		return ds_err_set(err, DS_EFORMAT, "%s: ffn size %d is not whole %lld-element blocks",
-				  msrc_path(src), c->ffn, (long long)sp->fblock);
+}
+
+/* This rank's share (lsplit above) from the plan; the whole model when
+ * rank is NULL. */
+static void plan_split(llama_model *m, const model_rank *r)
+{
+	const lcfg *c = &m->c;
+	lsplit *sp = &m->sp;
+	*sp = (lsplit){.gc = c->n_kv, .fc = c->ffn, .dc = c->dim, .vc = c->vocab, .vmax = c->vocab,
+		       .stage_ranks = 1, .tp = 1};
+	if (!r)
+		return;
+	const int tp = r->plan.tp;
+	sp->tp = tp;
 	model_split_range(c->n_kv, tp, r->tp_rank, &sp->g0, &sp->gc);
-	model_split_range(c->ffn / sp->fblock, tp, r->tp_rank, &sp->f0, &sp->fc);
-	sp->f0 *= sp->fblock;
-	sp->fc *= sp->fblock;
+	model_split_range(c->ffn, tp, r->tp_rank, &sp->f0, &sp->fc);
+	model_split_range(c->dim, tp, r->tp_rank, &sp->d0, &sp->dc);
+	for (int what = PART_ATTN; what <= PART_DIM; what++) {
+		int64_t c0, cn;
+		part_cols(m, (enum lpart)what, 0, &c0, &cn); /* part 0 is the widest */
+		sp->part_max = cn > sp->part_max ? cn : sp->part_max;
+	}
 	sp->stage_ranks = r->plan.tp * r->plan.ep;
 	model_split_range(c->vocab, sp->stage_ranks, r->ep_rank * tp + r->tp_rank, &sp->v0, &sp->vc);
 	int64_t v0_first;
-	model_split_range(c->vocab, sp->stage_ranks, 0, &v0_first, &sp->vmax); /* part 0 is the largest */
-	sp->tp_split = tp > 1;
-	return DS_OK;
+	model_split_range(c->vocab, sp->stage_ranks, 0, &v0_first, &sp->vmax);
 }
 
 /* The weights this rank uses: the embedding on the first stage, the layers
@@ -448,7 +460,7 @@ static int load_weights(llama_model *m, int gguf, ds_err *err)
 	const lsplit *sp = &m->sp;
 	const int first_stage = b->rank.stage == 0, last_stage = b->rank.stage == b->rank.plan.pp - 1;
 	const int64_t hd = c->head_dim, grp = c->n_heads / c->n_kv, D = c->dim;
-	const int64_t h0 = sp->g0 * grp * hd, nq = sp->gc * grp * hd; /* q rows, o columns */
+	const int64_t h0 = sp->g0 * grp * hd, nq = sp->gc * grp * hd; /* q rows */
 	const int64_t k0 = sp->g0 * hd, nk = sp->gc * hd;
 	const char *embed_name = gguf ? "token_embd.weight" : "model.embed_tokens.weight";
 	char n1[256];
@@ -476,10 +488,10 @@ static int load_weights(llama_model *m, int gguf, ds_err *err)
 		    (rc = get_part(m, NM("model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight"), m->qd_full, D, h0, nq, 0, D, &ly->q, err)) ||
 		    (rc = get_part(m, NM("model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight"), m->kvd_full, D, k0, nk, 0, D, &ly->k, err)) ||
 		    (rc = get_part(m, NM("model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight"), m->kvd_full, D, k0, nk, 0, D, &ly->v, err)) ||
-		    (rc = get_part(m, NM("model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight"), D, m->qd_full, 0, D, h0, nq, &ly->o, err)) ||
+		    (rc = get_part(m, NM("model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight"), D, m->qd_full, sp->d0, sp->dc, 0, m->qd_full, &ly->o, err)) ||
 		    (rc = get_part(m, NM("model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight"), c->ffn, D, sp->f0, sp->fc, 0, D, &ly->gate, err)) ||
 		    (rc = get_part(m, NM("model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight"), c->ffn, D, sp->f0, sp->fc, 0, D, &ly->up, err)) ||
-		    (rc = get_part(m, NM("model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight"), D, c->ffn, 0, D, sp->f0, sp->fc, &ly->down, err)))
+		    (rc = get_part(m, NM("model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight"), D, c->ffn, sp->d0, sp->dc, 0, c->ffn, &ly->down, err)))
 			return rc;
 	}
 #undef NM
@@ -519,33 +531,55 @@ static int llama_embed(model *base, const eng_batch *b, float *x, ds_err *err)
 	return step_failed(m, kb_embed(m->be, &e), err);
 }
 
-/* x += y after y is summed over the tp group: the attention output and the
- * MLP output of a tp split, each rank's part in y (zeros from a rank that
- * holds none of it). */
-static int add_reduced(llama_model *m, float *x, float *y, int64_t n, ds_err *err)
+/* Under tp: every rank's columns of buf [n][stride] (part_cols of what) to
+ * every rank: this rank's go out packed as part_max columns per row (the
+ * tail unused), are gathered over tp_grp into [part][n][part_max] and
+ * unpacked into buf.  One rank: nothing to do. */
+static int gather_cols(llama_model *m, enum lpart what, float *buf, int64_t stride, int64_t n, ds_err *err)
 {
-	int rc = model_all_reduce(&m->base, m->base.rank.tp_grp, y, n * m->c.dim, err);
-	if (rc)
-		return rc;
-	kb_axpy_args a = {.y = x, .x = y, .n = n * m->c.dim, .alpha = 1.0f};
-	return kb_axpy(m->be, &a);
+	const int64_t pm = m->sp.part_max;
+	int64_t c0, cn;
+	if (m->sp.tp == 1)
+		return DS_OK;
+	part_cols(m, what, m->base.rank.tp_rank, &c0, &cn);
+	for (int64_t t = 0; t < n; t++)
+		memcpy(m->ts + t * pm, buf + t * stride + c0, (size_t)cn * sizeof(float));
+	int rc = model_all_gather(&m->base, m->base.rank.tp_grp, m->ts, m->tr, n * pm, err);
+	for (int i = 0; !rc && i < m->sp.tp; i++) {
+		part_cols(m, what, i, &c0, &cn);
+		const float *part = m->tr + (int64_t)i * n * pm;
+		for (int64_t t = 0; t < n; t++)
+			memcpy(buf + t * stride + c0, part + t * pm, (size_t)cn * sizeof(float));
+	}
+	return rc;
+}
+
+/* x[:, d0:d0+dc] += in W^T (W: this rank's output rows of o or down, every
+ * column of in [n][k]), then the x columns of every rank gathered.  On one
+ * rank the product of today's whole weight into x. */
+static int add_rows(llama_model *m, const lw *w, const float *in, int64_t k, float *x, int64_t n,
+		    ds_err *err)
+{
+	const int64_t D = m->c.dim;
+	int rc = w->n ? linear(m, w, in, k, x + m->sp.d0, D, n, 1) : DS_OK;
+	return rc ? rc : gather_cols(m, PART_DIM, x, D, n, err);
 }
 
 /* The attention of layer L for the b->n_tok tokens of the step (or of a
- * micro-batch of it) on x: x += Wo attn(...) over this rank's heads. */
+ * micro-batch of it) on x: x += Wo attn(...).  This rank's heads write their
+ * columns of o [n][qd_full]; o is gathered, then add_rows. */
 static int attention(llama_model *m, const llayer *ly, float *cache, const eng_batch *b, float *x,
 		     ds_err *err)
 {
 	const lcfg *c = &m->c;
 	const kv_params *kp = kv_cache_params(m->base.kv);
-	const int64_t n = b->n_tok, D = c->dim, qd = m->qd, kvd = m->kvd;
+	const int64_t n = b->n_tok, D = c->dim, qd = m->qd, kvd = m->kvd, qdf = m->qd_full;
 	const int64_t n_heads = m->sp.gc * (c->n_heads / c->n_kv), n_kv = m->sp.gc;
-	const int split = m->sp.tp_split;
+	int64_t oc0, ocn;
 	int rc;
-	if (n_kv == 0) { /* a tp rank past the kv heads: adds nothing */
-		memset(m->h, 0, (size_t)(n * D) * sizeof(float));
-		return add_reduced(m, x, m->h, n, err);
-	}
+	part_cols(m, PART_ATTN, m->base.rank.tp_rank, &oc0, &ocn);
+	if (n_kv == 0) /* a tp rank past the kv heads: only its rows of o */
+		goto project;
 	if ((rc = rmsnorm(m, m->h, x, ly->attn_norm, n)) ||
 	    (rc = linear(m, &ly->q, m->h, D, m->q, qd, n, 0)) ||
 	    (rc = linear(m, &ly->k, m->h, D, m->kvb, 2 * kvd, n, 0)) ||
@@ -567,9 +601,9 @@ static int attention(llama_model *m, const llayer *ly, float *cache, const eng_b
 		int64_t slot = (int64_t)page * kp->page_size + b->pos[t] % kp->page_size;
 		memcpy(cache + slot * kp->row_floats, m->kvb + t * 2 * kvd, (size_t)(2 * kvd) * sizeof(float));
 	}
-	kb_paged_attn_args pa = {.out = m->o, .q = m->q, .n_tok = n, .n_heads = n_heads,
+	kb_paged_attn_args pa = {.out = m->o + oc0, .q = m->q, .n_tok = n, .n_heads = n_heads,
 				.n_kv_heads = n_kv, .head_dim = c->head_dim,
-				.q_stride = qd, .out_stride = qd, .cache = cache,
+				.q_stride = qd, .out_stride = qdf, .cache = cache,
 				.page_size = kp->page_size, .row_stride = kp->row_floats,
 				.v_off = kvd, .block_tables = b->block_tables,
 				.max_blocks = b->max_blocks, .tok_seq = b->seq,
@@ -577,35 +611,31 @@ static int attention(llama_model *m, const llayer *ly, float *cache, const eng_b
 				.scale = (float)(1.0 / sqrt((double)c->head_dim))};
 	if ((rc = kb_paged_attn(m->be, &pa)))
 		return rc;
-	if (!split) /* one rank (or ep replicas): accumulate straight into x */
-		return linear(m, &ly->o, m->o, qd, x, D, n, 1);
-	if ((rc = linear(m, &ly->o, m->o, qd, m->h, D, n, 0)))
+project:
+	if ((rc = gather_cols(m, PART_ATTN, m->o, qdf, n, err)))
 		return rc;
-	return add_reduced(m, x, m->h, n, err);
+	return add_rows(m, &ly->o, m->o, qdf, x, n, err);
 }
 
-/* x += Wd (silu(Wg h) * Wu h), h = rmsnorm(x), over this rank's ffn columns. */
+/* x += Wd (silu(Wg h) * Wu h), h = rmsnorm(x): this rank's ffn columns of
+ * g [n][ffn] (u holds only them), g gathered, then add_rows. */
 static int mlp(llama_model *m, const llayer *ly, int64_t n, float *x, ds_err *err)
 {
-	const int64_t D = m->c.dim, F = m->sp.fc;
+	const int64_t D = m->c.dim, F = m->c.ffn, f0 = m->sp.f0, fc = m->sp.fc;
 	int rc;
-	if (F == 0) { /* a tp rank past the ffn blocks: adds nothing */
-		memset(m->h, 0, (size_t)(n * D) * sizeof(float));
-		return add_reduced(m, x, m->h, n, err);
+	if (fc > 0) {
+		if ((rc = rmsnorm(m, m->h, x, ly->ffn_norm, n)) ||
+		    (rc = linear(m, &ly->gate, m->h, D, m->g + f0, F, n, 0)) ||
+		    (rc = linear(m, &ly->up, m->h, D, m->u, fc, n, 0)))
+			return rc;
+		kb_silu_mul_args sm = {.out = m->g + f0, .gate = m->g + f0, .up = m->u, .rows = n, .dim = fc,
+					.out_stride = F, .gate_stride = F, .up_stride = fc};
+		if ((rc = kb_silu_mul(m->be, &sm)))
+			return rc;
 	}
-	if ((rc = rmsnorm(m, m->h, x, ly->ffn_norm, n)) ||
-	    (rc = linear(m, &ly->gate, m->h, D, m->g, F, n, 0)) ||
-	    (rc = linear(m, &ly->up, m->h, D, m->u, F, n, 0)))
+	if ((rc = gather_cols(m, PART_FFN, m->g, F, n, err)))
 		return rc;
-	kb_silu_mul_args sm = {.out = m->g, .gate = m->g, .up = m->u, .rows = n, .dim = F,
-				.out_stride = F, .gate_stride = F, .up_stride = F};
-	if ((rc = kb_silu_mul(m->be, &sm)))
-		return rc;
-	if (!m->sp.tp_split)
-		return linear(m, &ly->down, m->g, F, x, D, n, 1);
-	if ((rc = linear(m, &ly->down, m->g, F, m->h, D, n, 0)))
-		return rc;
-	return add_reduced(m, x, m->h, n, err);
+	return add_rows(m, &ly->down, m->g, F, x, n, err);
 }
 
 /* This stage's layers on x [n_tok][D] in place.  b may be a micro-batch of
@@ -676,7 +706,7 @@ static void llama_free(model *base)
 	for (int i = 0; i < m->n_owned; i++)
 		free(m->owned[i]);
 	free(m->owned);
-	void *acts[] = {m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg, m->hs, m->hr};
+	void *acts[] = {m->x, m->h, m->q, m->kvb, m->o, m->g, m->u, m->lg, m->ts, m->tr, m->hs, m->hr};
 	for (size_t i = 0; m->be && i < sizeof acts / sizeof acts[0]; i++)
 		if (acts[i])
 			kb_release(m->be, acts[i]);
@@ -704,9 +734,8 @@ static int check_cfg(const lcfg *c, const char *what, ds_err *err)
 
 /* The ops the step calls, with the dtypes this checkpoint holds: a
  * product on every 2-D weight dtype (the embedding table's too when the
- * head is tied to it), the table's lookup, the activation ops (and the sum
- * of a tp split's all-reduced parts), and the conversion of the norm vectors
- * to f32 at load. */
+ * head is tied to it), the table's lookup, the activation ops, and the
+ * conversion of the norm vectors to f32 at load. */
 static int llama_needs(const llama_model *m, msrc *src, int gguf, model_needs *nd, ds_err *err)
 {
 	const char *embed = gguf ? "token_embd.weight" : "model.embed_tokens.weight";
@@ -723,8 +752,6 @@ static int llama_needs(const llama_model *m, msrc *src, int gguf, model_needs *n
 	static const enum kb_op acts[] = {KB_OP_RMSNORM, KB_OP_ROPE, KB_OP_PAGED_ATTN, KB_OP_SILU_MUL};
 	for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
 		model_needs_add(nd, acts[i], KB_F32);
-	if (m->sp.tp_split)
-		model_needs_add(nd, KB_OP_AXPY, KB_F32);
 	model_needs_append(nd, &conv);
 	return DS_OK;
 }
@@ -767,9 +794,9 @@ model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 	}
 	lcfg *c = &m->c;
 	c->interleaved = gguf; /* see the file comment */
-	if ((rc = check_cfg(c, what, err)) || (rc = model_base_plan(base, p, c->n_layers, c->dim, err)) ||
-	    (rc = plan_split(m, p->rank, src, gguf, err)))
+	if ((rc = check_cfg(c, what, err)) || (rc = model_base_plan(base, p, c->n_layers, c->dim, err)))
 		goto fail;
+	plan_split(m, p->rank);
 	m->planned = p->rank != NULL;
 	model_needs nd = {0};
 	if ((rc = llama_needs(m, src, gguf, &nd, err)))
@@ -807,13 +834,22 @@ model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 	m->h = model_act_alloc(be, &m->extra, bt * (size_t)c->dim, 4);
 	m->lg = model_act_alloc(be, &m->extra, bt * (size_t)c->dim, 4);
 	m->q = model_act_alloc(be, &m->extra, bt * (size_t)m->qd, 4);
-	m->o = model_act_alloc(be, &m->extra, bt * (size_t)m->qd, 4);
+	m->o = model_act_alloc(be, &m->extra, bt * (size_t)m->qd_full, 4);
 	m->kvb = model_act_alloc(be, &m->extra, bt * 2 * (size_t)m->kvd, 4);
-	m->g = model_act_alloc(be, &m->extra, bt * (size_t)m->sp.fc, 4);
+	m->g = model_act_alloc(be, &m->extra, bt * (size_t)c->ffn, 4);
 	m->u = model_act_alloc(be, &m->extra, bt * (size_t)m->sp.fc, 4);
 	if (!m->x || !m->h || !m->lg || !m->q || !m->o || !m->kvb || !m->g || !m->u) {
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory for the activation buffers");
 		goto fail;
+	}
+	if (m->sp.tp > 1) {
+		size_t part = bt * (size_t)m->sp.part_max;
+		m->ts = model_act_alloc(be, &m->extra, part, 4);
+		m->tr = model_act_alloc(be, &m->extra, part * (size_t)m->sp.tp, 4);
+		if (!m->ts || !m->tr) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory for the tp gather buffers");
+			goto fail;
+		}
 	}
 	if (m->sp.stage_ranks > 1 && base->rank.stage == base->rank.plan.pp - 1) {
 		size_t part = bt * (size_t)m->sp.vmax;
