@@ -16,11 +16,20 @@
  * GGUF files use interleaved pairs.  Frequencies: theta^(-2i/d), with the
  * "llama3" or "linear" rope_scaling of the config applied.
  *
+ * Under a plan (model_params.rank; docs/distributed.md, "Llama-family models
+ * under a plan"): the stage's layers only, the embedding on the first stage,
+ * the final norm and head on the last; inside a stage every output element
+ * is computed by one tp rank and the parts are all-gathered (lsplit below),
+ * so that the logits are the one-rank logits bit for bit.  Every weight a
+ * planned rank uses is its own copy of its window (model_weight_window).
+ *
  * Called through engine/model.h with the model source model_load opened
  * (config and tensors come from it; the path is never reopened); lists the
  * ops it needs (llama_needs) so that model_backend_choose picks a backend
- * that has them all; computes only through that kb_backend.
- * Buffers are sized at load; forward never allocates.  One step at a time.
+ * that has them all; computes only through that kb_backend.  model.c runs
+ * the step as embed, layers, head (a pipeline stage runs layers on
+ * micro-batches of the step).  Buffers are sized at load; a step never
+ * allocates.  One step at a time.
  */
 #include "common/jsonx.h"
 #include "engine/gguf.h"
@@ -104,7 +113,7 @@ typedef struct llama_model {
 	 * kb_release); the cache-row copies and the logits staging below are C
 	 * memcpy, as for deepseek.c */
 	float *x, *h, *q, *kvb, *o, *g, *u, *lg;
-	float *ts, *tr; /* tp gathers: [bt][part_max] sent, [tp][bt][part_max] gathered */
+	float *ts, *tr; /* tp gathers: [bt][<= part_max] sent, [tp][bt][<= part_max] gathered */
 	float *hs, *hr; /* head under a vocab split: [bt][vmax] sent, [parts][bt][vmax] gathered */
 } llama_model;
 
@@ -532,15 +541,15 @@ static int llama_embed(model *base, const eng_batch *b, float *x, ds_err *err)
 }
 
 /* Under tp: every rank's columns of buf [n][stride] (part_cols of what) to
- * every rank: this rank's go out packed as part_max columns per row (the
- * tail unused), are gathered over tp_grp into [part][n][part_max] and
- * unpacked into buf.  One rank: nothing to do. */
+ * every rank: this rank's go out packed as pm columns per row (pm: part 0's,
+ * the widest of this kind; the tail unused), are gathered over tp_grp into
+ * [part][n][pm] and unpacked into buf.  One rank: nothing to do. */
 static int gather_cols(llama_model *m, enum lpart what, float *buf, int64_t stride, int64_t n, ds_err *err)
 {
-	const int64_t pm = m->sp.part_max;
-	int64_t c0, cn;
+	int64_t c0, cn, pm;
 	if (m->sp.tp == 1)
 		return DS_OK;
+	part_cols(m, what, 0, &c0, &pm);
 	part_cols(m, what, m->base.rank.tp_rank, &c0, &cn);
 	for (int64_t t = 0; t < n; t++)
 		memcpy(m->ts + t * pm, buf + t * stride + c0, (size_t)cn * sizeof(float));
