@@ -53,6 +53,10 @@ ifeq ($(SAN),1)
   SANLD := -fsanitize=address,undefined
 endif
 CFLAGS_ALL := $(CFLAGS_BASE) $(OPT) $(CFLAGS)
+# C++ only where a library is C++ (comm/comm_gloo.cc wraps Gloo behind a C interface)
+CXX      ?= g++
+CXXFLAGS_ALL := -std=c++17 -D_GNU_SOURCE -pthread -fno-strict-aliasing -I. -Wall -Wextra -Werror \
+            -Wno-unused-parameter -MMD -MP $(OPT) $(CXXFLAGS)
 LDLIBS_SYS := -lm -lpthread
 
 # CUDA: one arch list for every .cu; sm_90a only where a kernel needs Hopper-only
@@ -62,6 +66,8 @@ NVFLAGS   := -std=c++17 -O2 -I. $(CUDA_ARCH) -Werror all-warnings \
              -Xcompiler -Wall,-Wextra,-Werror,-Wno-unused-parameter,-Wno-format-truncation -MMD -MP
 ifeq ($(HAVE_CUDA),1)
   CFLAGS_ALL += -DDS_HAVE_CUDA=1
+  # comm/comm_nccl.c: the CUDA runtime and NCCL from C
+  CFLAGS_ALL += -I$(CUDA_HOME)/include
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
 endif
 
@@ -70,6 +76,7 @@ COMMON_SRC := $(wildcard common/*.c)
 KERNEL_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
 CUDA_SRC   := $(if $(filter 1,$(HAVE_CUDA)),$(wildcard kernels/cuda/*.cu))
 COMM_SRC   := $(wildcard comm/*.c)
+COMM_CXX_SRC := $(wildcard comm/*.cc)
 ENGINE_SRC := $(filter-out engine/dsrun.c,$(wildcard engine/*.c))
 WORKER_SRC := $(wildcard worker/*.c)
 AGENT_SRC  := $(filter-out agent/main.c,$(wildcard agent/*.c agent/*/*.c))
@@ -82,7 +89,7 @@ TOOL_SRC   := $(wildcard tests/tools/*.c)
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 COMMON_OBJ := $(call obj,$(COMMON_SRC))
 KERNEL_OBJ := $(call obj,$(KERNEL_SRC)) $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
-COMM_OBJ   := $(call obj,$(COMM_SRC))
+COMM_OBJ   := $(call obj,$(COMM_SRC)) $(patsubst %.cc,$(BUILD)/obj/%.cc.o,$(COMM_CXX_SRC))
 ENGINE_OBJ := $(call obj,$(ENGINE_SRC))
 WORKER_OBJ := $(call obj,$(WORKER_SRC))
 AGENT_OBJ  := $(call obj,$(AGENT_SRC))
@@ -98,7 +105,12 @@ LIB_CTL    := $(BUILD)/libdsctl.a
 
 PKG_LIBS_AGENT := -lmicrohttpd -lsqlite3 -lsodium -ljansson -lsystemd
 PKG_LIBS_CTL   := -lcurl -ljansson -lsystemd
-ENGINE_LIBS    := $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON) -ljansson -lsystemd $(CUDA_LIBS)
+# libdscomm: Gloo (C++, so the C++ runtime); NCCL with CUDA
+COMM_LIBS      := -lgloo -lstdc++
+ifeq ($(HAVE_CUDA),1)
+  COMM_LIBS += -lnccl
+endif
+ENGINE_LIBS    := $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON) -ljansson -lsystemd $(COMM_LIBS) $(CUDA_LIBS)
 # C++ runtime for the CUDA objects (nvcc-compiled host code)
 ifeq ($(HAVE_CUDA),1)
   ENGINE_LIBS += -lstdc++
@@ -118,6 +130,10 @@ tests-bin: $(TEST_BINS) $(BENCH_BINS)
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -c $< -o $@
+
+$(BUILD)/obj/%.cc.o: %.cc
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS_ALL) -c $< -o $@
 
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
@@ -194,6 +210,7 @@ bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_distributed.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_gossip.py
 

@@ -6,7 +6,7 @@
 #  2. include direction: common <- kernels <- comm <- engine <- worker, agent;
 #     rooms inside agent/ by the table below; ctl may include common/ and
 #     ctl/ only; tests may include anything
-#  3. every .c/.cu file opens with a comment saying what it is for
+#  3. every .c/.cc/.cu file opens with a comment saying what it is for
 #  4. every repository path that README.md or docs/*.md names exists: tokens
 #     that start with a top-level directory of the tree (common/ ... docs/)
 #     or are Makefile / README.md; a brace form a/b.{c,h} names both, a glob
@@ -16,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bad=0
-src=$(git ls-files -co --exclude-standard -- '*.c' '*.h' '*.cu' '*.cuh' 2>/dev/null)
+src=$(git ls-files -co --exclude-standard -- '*.c' '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
 
 banned='\b(strcpy|strcat|sprintf|vsprintf|gets|atoi|atol|atoll|atof|strtok|tmpnam)[[:space:]]*\('
 while IFS= read -r hit; do
@@ -65,7 +65,7 @@ for f in $src; do
 	done < <(grep -nE '^#include "[a-z_]+/' "$f" | sed -E 's/^([0-9]+):#include "([^"]+)".*/\1:\2/')
 done
 
-for f in $(grep -E '\.(c|cu)$' <<<"$src"); do
+for f in $(grep -E '\.(c|cc|cu)$' <<<"$src"); do
 	head -1 "$f" | grep -q '^/\*' || { echo "$f:1: file does not open with a comment saying what it is for"; bad=1; }
 done
 

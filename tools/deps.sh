@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 PKGS=(build-essential pkg-config ca-certificates curl
       libsqlite3-dev libmicrohttpd-dev libcurl4-openssl-dev libsodium-dev
-      libjansson-dev libsystemd-dev python3 python3-venv python3-pip)
+      libjansson-dev libsystemd-dev libgloo-dev python3 python3-venv python3-pip)
 
 missing=()
 for p in "${PKGS[@]}"; do

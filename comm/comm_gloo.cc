@@ -1,0 +1,762 @@
+/*
+ * comm_gloo.cc - the Gloo backend of comm.h: CPU ranks over TCP, host
+ * buffers.  The one C++ file of comm/: a C constructor (comm_gloo_new) and
+ * a comm_ops table; no exception ever leaves it.
+ *
+ * Callers: through comm.c only (comm_gloo_new is the constructor).
+ * Calls: Gloo's own algorithms (gloo::allreduce ring, allgather,
+ * broadcast, alltoallv, barrier, unbound-buffer send/recv) over its TCP
+ * transport, rendezvous through the caller's comm_store (StoreAdapter).
+ *
+ * Threading: a group is used by one thread at a time (comm.h); Gloo's TCP
+ * device runs one background loop thread per group.
+ *
+ * Rendezvous (keys under "<prefix>/", comm.h's scheme):
+ *   <rank>/host      this rank's listening host (set before connecting; the
+ *                    keys that are missing name the ranks that never came)
+ *   gloo/...         Gloo's own keys (its pair addresses, one value per
+ *                    rank; values longer than COMM_STORE_VALUE_MAX are cut
+ *                    into parts "<key>#<i>" behind a header "<key>")
+ *   <rank>/ready     set once connected: line i is the local address of
+ *                    this rank's connection to rank i, so that a peer's
+ *                    error message ("... [127.0.0.1]:40312") names a rank
+ *
+ * Reductions (the order is fixed so results never depend on timing):
+ *   all_reduce      gloo::allreduce, ring algorithm chosen explicitly.  The
+ *                   ring cuts the buffer into segments and each segment is
+ *                   summed along the ring starting from a rank fixed by its
+ *                   position; which rank adds when depends only on W and
+ *                   the byte count, never on arrival times, and the second
+ *                   phase copies the finished segments, so every rank gets
+ *                   the same bits and a rerun gets the same bits.
+ *   reduce_scatter  the same all_reduce over the whole W * count buffer
+ *                   (into the group's scratch), then this rank's slice: one
+ *                   order for both calls; W times the traffic of a true
+ *                   reduce-scatter, acceptable for the small tensors of CPU
+ *                   groups (Gloo's ReduceScatterHalvingDoubling is an older
+ *                   pair-based algorithm without per-call timeouts).
+ *   bf16 / f16      widened to f32 in scratch, reduced in f32 as above,
+ *                   rounded once to nearest-even.
+ *   i32 / u8        wrapping sums (two's complement), exact in any order.
+ *
+ * Failures: every Gloo call runs inside guarded(), which catches every
+ * exception: a message with "Timed out" is DS_ETIMEOUT, anything else
+ * DS_EIO, naming the peer rank when the message holds one of the
+ * addresses in <rank>/ready.  Gloo's TCP loop thread cannot report
+ * everything to the caller: a malformed frame on an established connection
+ * fails a GLOO_ENFORCE on that thread, and the exception ends the process
+ * (std::terminate).  We install a terminate handler that logs what Gloo
+ * said before the abort (docs/distributed.md: the transport is for a
+ * trusted network; the peers see the process die as DS_EIO).  Gloo writes
+ * with writev (no MSG_NOSIGNAL), so the constructor ignores SIGPIPE when
+ * the process still has the default action, else a peer's death would
+ * kill this rank.
+ */
+extern "C" {
+#include "comm/comm_impl.h"
+#include "common/log.h"
+#include "common/strutil.h"
+}
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoallv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using ms = std::chrono::milliseconds;
+
+/* A failure of the C store, carried through Gloo's rendezvous. */
+struct StoreError : std::runtime_error {
+	int code;
+	StoreError(int c, const std::string &m) : std::runtime_error(m), code(c) {}
+};
+
+/* gloo::rendezvous::Store over a comm_store: keys under "<prefix>/gloo/",
+ * gets wait at most the deadline set by the constructor. */
+class StoreAdapter : public gloo::rendezvous::Store {
+public:
+	StoreAdapter(const comm_store *st, const std::string &prefix, int timeout_ms)
+		: st_(st), prefix_(prefix + "/gloo/"), timeout_ms_(timeout_ms)
+	{
+	}
+
+	void set(const std::string &key, const std::vector<char> &data) override
+	{
+		const size_t part = COMM_STORE_VALUE_MAX;
+		size_t parts = (data.size() + part - 1) / part;
+		char hdr[32];
+		/* header: the number of parts and the total length */
+		int n = snprintf(hdr, sizeof hdr, "%zu %zu", parts, data.size());
+		for (size_t i = 0; i < parts; i++) {
+			size_t off = i * part, len = std::min(part, data.size() - off);
+			put(prefix_ + key + "#" + std::to_string(i), data.data() + off, len);
+		}
+		put(prefix_ + key, hdr, (size_t)n);
+	}
+
+	std::vector<char> get(const std::string &key) override
+	{
+		char buf[COMM_STORE_VALUE_MAX];
+		size_t len = fetch(prefix_ + key, buf, sizeof buf - 1, timeout_ms_);
+		buf[len] = '\0';
+		unsigned long long parts = 0, total = 0;
+		if (sscanf(buf, "%llu %llu", &parts, &total) != 2 || total > (1u << 20) ||
+		    parts != (total + COMM_STORE_VALUE_MAX - 1) / COMM_STORE_VALUE_MAX)
+			throw StoreError(DS_EFORMAT, "comm store: gloo key " + key +
+							     ": malformed part header");
+		std::vector<char> out;
+		out.reserve(total);
+		for (unsigned long long i = 0; i < parts; i++) {
+			size_t got = fetch(prefix_ + key + "#" + std::to_string(i), buf, sizeof buf,
+					   timeout_ms_);
+			out.insert(out.end(), buf, buf + got);
+		}
+		if (out.size() != total)
+			throw StoreError(DS_EFORMAT, "comm store: gloo key " + key +
+							     ": parts do not add up to the header's length");
+		return out;
+	}
+
+	void wait(const std::vector<std::string> &keys) override
+	{
+		wait(keys, ms(timeout_ms_));
+	}
+
+	void wait(const std::vector<std::string> &keys, const ms &timeout) override
+	{
+		char buf[COMM_STORE_VALUE_MAX];
+		auto deadline = std::chrono::steady_clock::now() + timeout;
+		for (const auto &k : keys) {
+			auto left = std::chrono::duration_cast<ms>(deadline -
+								   std::chrono::steady_clock::now());
+			fetch(prefix_ + k, buf, sizeof buf, left.count() > 0 ? (int)left.count() : 0);
+		}
+	}
+
+private:
+	void put(const std::string &key, const void *p, size_t n)
+	{
+		ds_err e = {};
+		int rc = st_->set(st_->ctx, key.c_str(), p, n, &e);
+		if (rc)
+			throw StoreError(rc, e.msg);
+	}
+
+	size_t fetch(const std::string &key, char *buf, size_t cap, int timeout_ms)
+	{
+		ds_err e = {};
+		size_t len = 0;
+		int rc = st_->get(st_->ctx, key.c_str(), buf, cap, &len, timeout_ms, &e);
+		if (rc)
+			throw StoreError(rc, e.msg);
+		return len;
+	}
+
+	const comm_store *st_;
+	std::string prefix_;
+	int timeout_ms_;
+};
+
+/* What the C struct points at (C++ members stay out of the C layout). */
+struct Impl {
+	std::shared_ptr<gloo::transport::Device> dev;
+	std::shared_ptr<gloo::rendezvous::Context> ctx;
+	std::vector<std::string> peer_addr; /* [rank]: its end of our connection */
+	std::vector<char> scratch;          /* widening, reduce_scatter, all_to_allv */
+	std::vector<char> scratch2;
+	std::string prefix;
+};
+
+/* Slot of point-to-point messages: a prefix no Gloo collective uses
+ * (theirs are small), so sends and recvs match per pair in call order. */
+const uint64_t P2P_SLOT = (uint64_t)0xD5 << 56;
+
+std::once_flag process_setup;
+std::terminate_handler prev_terminate;
+
+/* Logs what ended the process (an exception on Gloo's loop thread), then
+ * lets the previous handler abort. */
+void on_terminate()
+{
+	const char *what = "unknown";
+	try {
+		if (auto ex = std::current_exception())
+			std::rethrow_exception(ex);
+	} catch (const std::exception &e) {
+		what = e.what();
+	} catch (...) {
+	}
+	log_error("comm_gloo", "unrecoverable failure inside Gloo's transport thread: the process "
+		  "aborts (peers see it as a dead rank)", "what=\"%s\"", what);
+	if (prev_terminate)
+		prev_terminate();
+	std::abort();
+}
+
+void setup_process()
+{
+	struct sigaction sa = {};
+	if (sigaction(SIGPIPE, nullptr, &sa) == 0 && sa.sa_handler == SIG_DFL) {
+		signal(SIGPIPE, SIG_IGN);
+		log_info("comm_gloo", "ignoring SIGPIPE (Gloo writes without MSG_NOSIGNAL)", "%s", "");
+	}
+	prev_terminate = std::set_terminate(on_terminate);
+}
+
+} // namespace
+
+struct gloo_group {
+	comm_group g; /* first: comm.c sees only this */
+	Impl *impl;
+};
+
+static gloo_group *gg(comm_group *g)
+{
+	return reinterpret_cast<gloo_group *>(g);
+}
+
+/* Turns an exception out of Gloo into DS_ETIMEOUT / DS_EIO with a message
+ * that names the call, the group and (when found) the peer. */
+static int failure(comm_group *g, const char *call, const char *what, ds_err *err)
+{
+	Impl *im = gg(g)->impl;
+	std::string w = what ? what : "";
+	int peer = -1;
+	for (size_t r = 0; r < im->peer_addr.size(); r++) {
+		if (!im->peer_addr[r].empty() && w.find(im->peer_addr[r]) != std::string::npos) {
+			peer = (int)r;
+			break;
+		}
+	}
+	bool timeout = w.find("Timed out") != std::string::npos ||
+		       w.find("timeout") != std::string::npos;
+	if (timeout)
+		return ds_err_set(err, DS_ETIMEOUT, "comm %s (group %s, gloo, rank %d of %d): no answer "
+			"within %d ms%s%s (%s)", call, g->name, g->rank, g->size, g->timeout_ms,
+			peer >= 0 ? " from rank " : "", peer >= 0 ? std::to_string(peer).c_str() : "",
+			w.c_str());
+	if (peer >= 0)
+		return ds_err_set(err, DS_EIO, "comm %s (group %s, gloo, rank %d of %d): rank %d is dead "
+			"or unreachable (%s)", call, g->name, g->rank, g->size, peer, w.c_str());
+	return ds_err_set(err, DS_EIO, "comm %s (group %s, gloo, rank %d of %d): transport failure "
+		"(%s)", call, g->name, g->rank, g->size, w.c_str());
+}
+
+/* Runs f (Gloo calls) and converts every exception (invariant: none leaves
+ * this file). */
+template <class F>
+static int guarded(comm_group *g, const char *call, ds_err *err, F f)
+{
+	try {
+		f();
+		return DS_OK;
+	} catch (const gloo::IoException &e) {
+		return failure(g, call, e.what(), err);
+	} catch (const gloo::EnforceNotMet &e) {
+		return failure(g, call, e.what(), err);
+	} catch (const std::bad_alloc &) {
+		return failure(g, call, "out of memory inside the collective", err);
+	} catch (const std::exception &e) {
+		return failure(g, call, e.what(), err);
+	} catch (...) {
+		return failure(g, call, "unknown exception", err);
+	}
+}
+
+/* Scratch of at least n bytes (kept for the group's life: no allocation
+ * per call once warm); NULL when it cannot grow. */
+static char *scratch(std::vector<char> &v, size_t n)
+{
+	try {
+		if (v.size() < n)
+			v.resize(n);
+	} catch (...) {
+		return nullptr;
+	}
+	return v.data();
+}
+
+/* ---- element types ---- */
+
+static float bf16_to_f32(uint16_t h)
+{
+	uint32_t u = (uint32_t)h << 16;
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+static uint16_t f32_to_bf16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+		return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+	u += 0x7FFFu + ((u >> 16) & 1u);    /* round to nearest even */
+	return (uint16_t)(u >> 16);
+}
+
+static float f16_to_f32(uint16_t h)
+{
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FFu, u;
+	if (exp == 0x1F) {
+		u = sign | 0x7F800000u | (mant << 13);
+	} else if (exp) {
+		u = sign | ((exp + 112) << 23) | (mant << 13);
+	} else if (!mant) {
+		u = sign;
+	} else { /* subnormal: normalise */
+		int e = 113;
+		while (!(mant & 0x400u)) {
+			mant <<= 1;
+			e--;
+		}
+		u = sign | ((uint32_t)e << 23) | ((mant & 0x3FFu) << 13);
+	}
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+static uint16_t f32_to_f16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	uint32_t sign = (u >> 16) & 0x8000u, mant = u & 0x7FFFFFu;
+	int exp = (int)((u >> 23) & 0xFF);
+	if (exp == 0xFF)
+		return (uint16_t)(sign | 0x7C00u | (mant ? 0x200u : 0));
+	exp = exp - 127 + 15;
+	if (exp >= 31)
+		return (uint16_t)(sign | 0x7C00u);
+	if (exp <= 0) {
+		if (exp < -10)
+			return (uint16_t)sign;
+		mant |= 0x800000u;
+		int shift = 14 - exp;
+		uint32_t h = mant >> shift, rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+		if (rem > half || (rem == half && (h & 1)))
+			h++;
+		return (uint16_t)(sign | h);
+	}
+	uint32_t h = ((uint32_t)exp << 10) | (mant >> 13), rem = mant & 0x1FFFu;
+	if (rem > 0x1000u || (rem == 0x1000u && (h & 1)))
+		h++; /* a carry into the exponent is the right rounding, up to inf */
+	return (uint16_t)(sign | h);
+}
+
+/* The reductions: out[i] = a[i] op b[i]; a is the local partial, b what
+ * came from the ring.  Sums of integers wrap. */
+template <class T> static T op_apply(comm_op op, T a, T b)
+{
+	switch (op) {
+	case COMM_MAX:
+		return b > a ? b : a;
+	case COMM_MIN:
+		return b < a ? b : a;
+	default:
+		return a + b;
+	}
+}
+
+template <> int32_t op_apply<int32_t>(comm_op op, int32_t a, int32_t b)
+{
+	if (op == COMM_SUM)
+		return (int32_t)((uint32_t)a + (uint32_t)b);
+	return op == COMM_MAX ? (b > a ? b : a) : (b < a ? b : a);
+}
+
+template <> uint8_t op_apply<uint8_t>(comm_op op, uint8_t a, uint8_t b)
+{
+	if (op == COMM_SUM)
+		return (uint8_t)(a + b);
+	return op == COMM_MAX ? (b > a ? b : a) : (b < a ? b : a);
+}
+
+template <class T> static gloo::AllreduceOptions::Func reducer(comm_op op)
+{
+	return [op](void *o, const void *a, const void *b, size_t n) {
+		T *out = static_cast<T *>(o);
+		const T *x = static_cast<const T *>(a), *y = static_cast<const T *>(b);
+		for (size_t i = 0; i < n; i++)
+			out[i] = op_apply<T>(op, x[i], y[i]);
+	};
+}
+
+/* In-place ring all-reduce of n elements of T at buf (may throw). */
+template <class T>
+static void ring_all_reduce(comm_group *g, T *buf, size_t n, comm_op op)
+{
+	gloo::AllreduceOptions opts(gg(g)->impl->ctx);
+	opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+	opts.setOutput(buf, n);
+	opts.setReduceFunction(reducer<T>(op));
+	opts.setTimeout(ms(g->timeout_ms));
+	gloo::allreduce(opts);
+}
+
+/* recv = op over ranks of send (n elements; send may equal recv), every
+ * dtype, by the order of the file's note. */
+static int reduce_into(comm_group *g, const char *call, const void *send, void *recv, size_t n,
+		       comm_dtype dt, comm_op op, ds_err *err)
+{
+	size_t es = comm_dtype_size(dt);
+	if (dt == COMM_BF16 || dt == COMM_F16) {
+		float *w = (float *)scratch(gg(g)->impl->scratch2, n * sizeof(float));
+		if (!w)
+			return ds_err_set(err, DS_ENOMEM, "comm %s (group %s): no memory for %zu f32 "
+				"elements", call, g->name, n);
+		const uint16_t *s = static_cast<const uint16_t *>(send);
+		for (size_t i = 0; i < n; i++) {
+			uint16_t h;
+			memcpy(&h, s + i, 2);
+			w[i] = dt == COMM_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+		}
+		int rc = guarded(g, call, err, [&] { ring_all_reduce<float>(g, w, n, op); });
+		if (rc)
+			return rc;
+		uint16_t *r = static_cast<uint16_t *>(recv);
+		for (size_t i = 0; i < n; i++) {
+			uint16_t h = dt == COMM_BF16 ? f32_to_bf16(w[i]) : f32_to_f16(w[i]);
+			memcpy(r + i, &h, 2);
+		}
+		return DS_OK;
+	}
+	if (send != recv)
+		memcpy(recv, send, n * es);
+	return guarded(g, call, err, [&] {
+		switch (dt) {
+		case COMM_F32:
+			ring_all_reduce<float>(g, static_cast<float *>(recv), n, op);
+			break;
+		case COMM_I32:
+			ring_all_reduce<int32_t>(g, static_cast<int32_t *>(recv), n, op);
+			break;
+		default:
+			ring_all_reduce<uint8_t>(g, static_cast<uint8_t *>(recv), n, op);
+			break;
+		}
+	});
+}
+
+/* ---- the ops ---- */
+
+static int gloo_all_reduce(comm_group *g, const void *send, void *recv, int64_t count,
+			   comm_dtype dt, comm_op op, ds_err *err)
+{
+	return reduce_into(g, "all_reduce", send, recv, (size_t)count, dt, op, err);
+}
+
+static int gloo_reduce_scatter(comm_group *g, const void *send, void *recv, int64_t count,
+			       comm_dtype dt, comm_op op, ds_err *err)
+{
+	size_t es = comm_dtype_size(dt), n = (size_t)count * (size_t)g->size;
+	char *all = scratch(gg(g)->impl->scratch, n * es);
+	if (!all)
+		return ds_err_set(err, DS_ENOMEM, "comm reduce_scatter (group %s): no memory for %zu "
+			"bytes", g->name, n * es);
+	int rc = reduce_into(g, "reduce_scatter", send, all, n, dt, op, err);
+	if (!rc) /* recv may be send's own slice (in place): all is apart */
+		memcpy(recv, all + (size_t)g->rank * (size_t)count * es, (size_t)count * es);
+	return rc;
+}
+
+static int gloo_all_gather(comm_group *g, const void *send, void *recv, int64_t count,
+			   comm_dtype dt, ds_err *err)
+{
+	size_t n = (size_t)count * comm_dtype_size(dt);
+	return guarded(g, "all_gather", err, [&] {
+		gloo::AllgatherOptions opts(gg(g)->impl->ctx);
+		char *mine = static_cast<char *>(recv) + (size_t)g->rank * n;
+		if (send != mine) /* else in place: Gloo takes the output's own slice */
+			opts.setInput(const_cast<uint8_t *>(static_cast<const uint8_t *>(send)), n);
+		opts.setOutput(static_cast<uint8_t *>(recv), n * (size_t)g->size);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::allgather(opts);
+	});
+}
+
+static int gloo_broadcast(comm_group *g, void *buf, int64_t count, comm_dtype dt, int root,
+			  ds_err *err)
+{
+	size_t n = (size_t)count * comm_dtype_size(dt);
+	return guarded(g, "broadcast", err, [&] {
+		gloo::BroadcastOptions opts(gg(g)->impl->ctx);
+		opts.setOutput(static_cast<uint8_t *>(buf), n);
+		opts.setRoot(root);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::broadcast(opts);
+	});
+}
+
+/* Gloo's alltoallv takes contiguous per-rank ranges: the send ranges are
+ * packed into scratch, the received ones unpacked to their displacements.
+ * Sizes are passed in bytes (element type u8), which every dtype fits. */
+static int gloo_all_to_allv(comm_group *g, const void *send, const int64_t *send_counts,
+			    const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+			    const int64_t *recv_displs, comm_dtype dt, ds_err *err)
+{
+	size_t es = comm_dtype_size(dt), W = (size_t)g->size, sn = 0, rn = 0;
+	for (size_t p = 0; p < W; p++) {
+		sn += (size_t)send_counts[p] * es;
+		rn += (size_t)recv_counts[p] * es;
+	}
+	Impl *im = gg(g)->impl;
+	/* one byte more: a valid pointer when everything is empty */
+	char *sb = scratch(im->scratch, sn + 1), *rb = sb ? scratch(im->scratch2, rn + 1) : nullptr;
+	if (!sb || !rb)
+		return ds_err_set(err, DS_ENOMEM, "comm all_to_allv (group %s): no memory for %zu "
+			"bytes", g->name, sn + rn);
+	std::vector<int64_t> sc(W), rc_(W);
+	size_t off = 0;
+	for (size_t p = 0; p < W; p++) {
+		sc[p] = send_counts[p] * (int64_t)es;
+		rc_[p] = recv_counts[p] * (int64_t)es;
+		memcpy(sb + off, static_cast<const char *>(send) + (size_t)send_displs[p] * es,
+		       (size_t)sc[p]);
+		off += (size_t)sc[p];
+	}
+	int rc = guarded(g, "all_to_allv", err, [&] {
+		gloo::AlltoallvOptions opts(im->ctx);
+		opts.setInput(reinterpret_cast<uint8_t *>(sb), sc);
+		opts.setOutput(reinterpret_cast<uint8_t *>(rb), rc_);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::alltoallv(opts);
+	});
+	if (rc)
+		return rc;
+	off = 0;
+	for (size_t p = 0; p < W; p++) {
+		memcpy(static_cast<char *>(recv) + (size_t)recv_displs[p] * es, rb + off,
+		       (size_t)rc_[p]);
+		off += (size_t)rc_[p];
+	}
+	return DS_OK;
+}
+
+static int p2p(comm_group *g, const char *call, void *buf, size_t n, int peer, bool sending,
+	       ds_err *err)
+{
+	int rc = guarded(g, call, err, [&] {
+		auto ub = gg(g)->impl->ctx->createUnboundBuffer(buf, n);
+		bool done;
+		if (sending) {
+			ub->send(peer, P2P_SLOT);
+			done = ub->waitSend(ms(g->timeout_ms));
+		} else {
+			ub->recv(peer, P2P_SLOT);
+			done = ub->waitRecv(ms(g->timeout_ms));
+		}
+		if (!done)
+			throw gloo::IoException("aborted before completion");
+	});
+	if (rc == DS_ETIMEOUT) /* the peer is known here even when Gloo's text has no address */
+		ds_err_wrap(err, "peer rank %d", peer);
+	return rc;
+}
+
+static int gloo_send(comm_group *g, const void *buf, int64_t count, comm_dtype dt, int peer,
+		     ds_err *err)
+{
+	return p2p(g, "send", const_cast<void *>(buf), (size_t)count * comm_dtype_size(dt), peer,
+		   true, err);
+}
+
+static int gloo_recv(comm_group *g, void *buf, int64_t count, comm_dtype dt, int peer,
+		     ds_err *err)
+{
+	return p2p(g, "recv", buf, (size_t)count * comm_dtype_size(dt), peer, false, err);
+}
+
+static int gloo_barrier(comm_group *g, ds_err *err)
+{
+	return guarded(g, "barrier", err, [&] {
+		gloo::BarrierOptions opts(gg(g)->impl->ctx);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::barrier(opts);
+	});
+}
+
+static void gloo_free(comm_group *g)
+{
+	gloo_group *x = gg(g);
+	try {
+		if (x->impl) { /* reverse of setup: connections, then the device's thread */
+			x->impl->ctx.reset();
+			x->impl->dev.reset();
+		}
+	} catch (...) {
+		log_warn("comm_gloo", "exception while closing the group", "group=%s", g->name);
+	}
+	delete x->impl;
+	free(x);
+}
+
+static const comm_ops gloo_ops = {
+	.name = "gloo",
+	.mem = COMM_MEM_HOST,
+	.free = gloo_free,
+	.all_reduce = gloo_all_reduce,
+	.all_gather = gloo_all_gather,
+	.reduce_scatter = gloo_reduce_scatter,
+	.broadcast = gloo_broadcast,
+	.all_to_allv = gloo_all_to_allv,
+	.send = gloo_send,
+	.recv = gloo_recv,
+	.barrier = gloo_barrier,
+	.sync = NULL,
+};
+
+/* The ranks whose "<rank>/host" is missing, as "2, 5" (probed with a short
+ * wait: the caller already waited out the timeout). */
+static std::string missing_ranks(const comm_store *st, const std::string &prefix, int W)
+{
+	std::string out;
+	for (int r = 0; r < W; r++) {
+		char buf[COMM_STORE_VALUE_MAX];
+		size_t len;
+		ds_err e = {};
+		std::string key = prefix + "/" + std::to_string(r) + "/host";
+		if (st->get(st->ctx, key.c_str(), buf, sizeof buf, &len, 1, &e) == DS_ETIMEOUT)
+			out += (out.empty() ? "" : ", ") + std::to_string(r);
+	}
+	return out;
+}
+
+/* Connects the group (may throw). */
+static void connect_group(comm_group *g, Impl *im, const comm_store *st, const char *host)
+{
+	std::string me = std::to_string(g->rank);
+	ds_err e = {};
+	int rc = st->set(st->ctx, (im->prefix + "/" + me + "/host").c_str(), host, strlen(host), &e);
+	if (rc)
+		throw StoreError(rc, e.msg);
+	gloo::transport::tcp::attr attr(host);
+	im->dev = gloo::transport::tcp::CreateDevice(attr);
+	im->ctx = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
+	im->ctx->setTimeout(ms(g->timeout_ms));
+	StoreAdapter adapter(st, im->prefix, g->timeout_ms);
+	im->ctx->connectFullMesh(adapter, im->dev);
+
+	/* ready: our end of every connection, one line per rank */
+	std::string ready;
+	for (int r = 0; r < g->size; r++) {
+		if (r != g->rank)
+			ready += im->ctx->getPair(r)->address().str();
+		ready += "\n";
+	}
+	if (ready.size() > COMM_STORE_VALUE_MAX)
+		ready.clear(); /* too many ranks to name peers by address: go without */
+	rc = st->set(st->ctx, (im->prefix + "/" + me + "/ready").c_str(), ready.data(), ready.size(),
+		     &e);
+	if (rc)
+		throw StoreError(rc, e.msg);
+	im->peer_addr.assign((size_t)g->size, std::string());
+	for (int r = 0; r < g->size; r++) {
+		if (r == g->rank)
+			continue;
+		char buf[COMM_STORE_VALUE_MAX + 1];
+		size_t len = 0;
+		std::string key = im->prefix + "/" + std::to_string(r) + "/ready";
+		rc = st->get(st->ctx, key.c_str(), buf, sizeof buf - 1, &len, g->timeout_ms, &e);
+		if (rc)
+			throw StoreError(rc, e.msg);
+		buf[len] = '\0';
+		/* line g->rank of rank r's value; a malformed value only loses
+		 * the naming of that peer */
+		const char *line = buf;
+		for (int i = 0; i < g->rank && line; i++) {
+			line = strchr(line, '\n');
+			if (line)
+				line++;
+		}
+		if (line) {
+			const char *end = strchr(line, '\n');
+			im->peer_addr[(size_t)r].assign(line, end ? (size_t)(end - line) : strlen(line));
+		}
+	}
+}
+
+extern "C" comm_group *comm_gloo_new(const comm_params *p, const comm_store *store,
+				     const char *key_prefix, const char *host, ds_err *err)
+{
+	comm_params def = comm_default_params();
+	gloo_group *x = nullptr;
+	int rc;
+	if (!p)
+		p = &def;
+	if (!store || !store->set || !store->get) {
+		ds_err_set(err, DS_EINVAL, "comm gloo: a rendezvous store is needed");
+		return nullptr;
+	}
+	if (!key_prefix || !key_prefix[0] || strlen(key_prefix) > 128) {
+		ds_err_set(err, DS_EINVAL, "comm gloo: key prefix must be 1..128 bytes (\"<job>/<group>\")");
+		return nullptr;
+	}
+	if (!host || !host[0]) {
+		ds_err_set(err, DS_EINVAL, "comm gloo: the host to listen on is needed (\"127.0.0.1\" "
+			   "for local ranks)");
+		return nullptr;
+	}
+	x = static_cast<gloo_group *>(calloc(1, sizeof *x));
+	if (!x) {
+		ds_err_set(err, DS_ENOMEM, "comm gloo: out of memory");
+		return nullptr;
+	}
+	if ((rc = comm_group_init(&x->g, &gloo_ops, p, err))) {
+		free(x);
+		return nullptr;
+	}
+	try {
+		x->impl = new Impl();
+		x->impl->prefix = key_prefix;
+	} catch (...) {
+		free(x);
+		ds_err_set(err, DS_ENOMEM, "comm gloo: out of memory");
+		return nullptr;
+	}
+	std::call_once(process_setup, setup_process);
+	comm_group *g = &x->g;
+	try {
+		connect_group(g, x->impl, store, host);
+		log_info("comm_gloo", "group connected", "group=%s prefix=%s rank=%d size=%d host=%s",
+			 g->name, key_prefix, g->rank, g->size, host);
+		return g;
+	} catch (const StoreError &e) {
+		std::string miss = e.code == DS_ETIMEOUT ? missing_ranks(store, key_prefix, g->size) : "";
+		if (!miss.empty())
+			ds_err_set(err, DS_ETIMEOUT, "comm gloo (group %s, rank %d of %d): ranks %s never "
+				   "arrived within %d ms (%s)", g->name, g->rank, g->size, miss.c_str(),
+				   g->timeout_ms, e.what());
+		else
+			ds_err_set(err, e.code, "comm gloo (group %s, rank %d of %d): rendezvous: %s",
+				   g->name, g->rank, g->size, e.what());
+	} catch (const std::exception &e) {
+		failure(g, "connect", e.what(), err);
+	} catch (...) {
+		failure(g, "connect", "unknown exception", err);
+	}
+	gloo_free(g);
+	return nullptr;
+}
