@@ -12,11 +12,11 @@ one-rank logits bit for bit: each output element is computed by one rank with
 the one-rank kernel call and the parts are gathered (docs/distributed.md).
 
 pp cuts a step into micro-batches with fewer rows.  The CPU backend's
-quantized GEMV adds a row's blocks in an order that depends on how many rows
-the call has (its unroll: U = 4 for one row, 2 for two), and its 8-bit
-activation steps grow that last-bit change to about 2e-4 over 30 layers; one
-rank shows the same (engine_check's batch and incremental checks on this
-model).  So pp on the default model is held to the greedy ids and 1e-3, and
+quantized products add a row's blocks in an order that depends on how many
+rows the call has (the GEMV's unroll, U = 4 for one row and 2 for two, and
+the GEMV/GEMM switch at gemm_min_m rows), and their 8-bit activation steps
+grow that last-bit change to about 2e-4 over 30 layers; one rank shows the
+same (engine_check's batch and incremental checks on this model).  So pp on the default model is held to the greedy ids and 1e-3, and
 the 1e-5 check is an expected failure until the kernel's row sums no longer
 depend on the row count.  On the tiny f32/f16 models every plan is within
 1e-5 (pp bit for bit)."""
