@@ -42,6 +42,23 @@
  *
  * Buffers: allocated once in model_load from max_batch_tokens (bt) and
  * max_ctx; model_forward never allocates.  Thread rule: one step at a time.
+ *
+ * Under a plan (model_params.rank; docs/distributed.md "DeepSeek under a
+ * plan") model.c runs the three ops below on every rank: embed on the first
+ * stage, layers [first_layer, end_layer) on each stage's x rows (a whole
+ * step or one of its micro-batches), head on the last.  Invariants:
+ *   1. a rank holds its share only, each weight an owned window copied out
+ *      of the mapping (take): heads [h0, h0 + H) of attention, rows [i0,
+ *      i0 + ic) / [s0, s0 + sc) of the dense and shared MLPs, experts [e0,
+ *      e0 + ec), lm_head rows [v0, v0 + vc); everything else whole.  On one
+ *      rank those ranges are everything and the weights stay the mapping.
+ *   2. after every layer x is the same on every rank of a stage: each split
+ *      block ends in one all-reduce (tp after o_proj and the dense MLP, the
+ *      stage after the MoE), which adds the partial sums (part) to x.
+ *   3. the KV cache holds this stage's layers (cache index L - first_layer)
+ *      and the pages of the whole model, so block tables agree everywhere.
+ *   4. nothing depends on where b's tokens sit in the step: a micro-batch is
+ *      a step of its own with the same block tables.
  */
 #include "engine/gguf.h"
 #include "engine/mconfig.h"
@@ -94,8 +111,19 @@ typedef struct deepseek_model {
 	float attn_scale, rope_amp;
 	enum model_attn attn;
 	int64_t bt, ctx;
-	int64_t H, nope, rope, qk, vd, lora, D;
+	int64_t H, nope, rope, qk, vd, lora, D; /* H: the heads this rank computes */
 	size_t extra_bytes;
+	/* This rank's share of the plan (model.h; all of it on one rank):
+	 * heads [h0, h0 + H) of H_all, dense MLP rows [i0, i0 + ic), shared
+	 * expert rows [s0, s0 + sc), routed experts [e0, e0 + ec), lm_head rows
+	 * [v0, v0 + vc) (vpad: the largest part, all_gather's count per rank). */
+	int planned;           /* model_params.rank != NULL: every weight is an owned window */
+	int tp, sn, sl;        /* tp ranks; ranks of the stage (tp * ep) and this one's index */
+	int shared_here;       /* shared experts computed here (ep_rank 0) */
+	int64_t H_all, h0, i0, ic, s0, sc, e0, ec, v0, vc, vpad;
+	void **owned;          /* the windows' copies (free()) */
+	int n_owned, cap_owned;
+	size_t copied;         /* their bytes: base.weight_bytes under a plan */
 	/* Activations: from the backend's allocator (model_act_alloc, released
 	 * with kb_release); [bt] rows unless noted.  The graph's C code still
 	 * gathers rows of some of them with memcpy (the cpu backend's memory is
@@ -107,6 +135,9 @@ typedef struct deepseek_model {
 	float *g, *up, *act;                /* [bt][max inter] */
 	float *rlog;                        /* [bt][E] router logits */
 	float *xe, *ye;                     /* one expert's tokens, gathered */
+	float *part;                        /* [bt][D] partial sums before an all-reduce (plan) */
+	float *lgp, *lgg;                   /* last stage under a plan: [bt][vpad] this rank's
+					     * vocab slice, [sn][bt][vpad] gathered */
 	/* Host bookkeeping (model_calloc, freed with free): index arrays and
 	 * routing results that C loops here write or read element by element
 	 * (which tokens take which attention form, the counting sort of tokens
@@ -208,6 +239,78 @@ static int load_linear(deepseek_model *m, const char *name, int64_t n, int64_t k
 	return DS_OK;
 }
 
+/* Keeps an owned copy for deepseek_free. */
+static int keep_owned(deepseek_model *m, void *p, ds_err *err)
+{
+	if (m->n_owned == m->cap_owned) {
+		int cap = m->cap_owned ? 2 * m->cap_owned : 64;
+		void **v = realloc(m->owned, (size_t)cap * sizeof *v);
+		if (!v) {
+			free(p);
+			return bad_alloc(err);
+		}
+		m->owned = v;
+		m->cap_owned = cap;
+	}
+	m->owned[m->n_owned++] = p;
+	return DS_OK;
+}
+
+/* A column window of a GGUF block-quantized weight that does not fall on
+ * the type's blocks (o_proj's head columns, say 40 of Q8_0's 32): the rows
+ * are copied whole, dequantized (exact values) and cut to the columns in
+ * f32.  Costs rows x k floats at load and f32 products at run time. */
+static int window_quant_cols(deepseek_model *m, wmat *w, int64_t r0, int64_t rn, int64_t c0, int64_t cn,
+			     ds_err *err)
+{
+	wmat rows;
+	void *own = NULL;
+	size_t scratch = 0;
+	int rc = model_weight_window(m->be, w, r0, rn, 0, w->k, &rows, &own, &scratch, err);
+	if (rc)
+		return rc;
+	float *f = malloc((size_t)(rn * w->k) * sizeof(float));
+	if (!f) {
+		free(own);
+		return bad_alloc(err);
+	}
+	kb_dequant_args a = {.out = f, .w = rows.w, .wtype = rows.type, .rows = rn, .cols = w->k,
+				.out_stride = w->k, .w_stride = w->k, .block = 1};
+	rc = kb_dequant(m->be, &a);
+	free(own);
+	if (rc) {
+		free(f);
+		return ds_err_set(err, rc, "cannot dequantize a %s weight window", st_dtype_name(w->type));
+	}
+	for (int64_t r = 0; r < rn; r++) /* forward: a row's destination never passes its source */
+		memmove(f + r * cn, f + r * w->k + c0, (size_t)cn * sizeof(float));
+	float *shrunk = realloc(f, (size_t)(rn * cn) * sizeof(float));
+	f = shrunk ? shrunk : f;
+	m->copied += (size_t)(rn * cn) * sizeof(float);
+	*w = (wmat){.w = f, .type = KB_F32, .n = rn, .k = cn};
+	return keep_owned(m, f, err);
+}
+
+/* The part of w this rank holds: rows [r0, r0 + rn), columns [c0, c0 + cn).
+ * One rank: the caller asks for the whole weight, which stays the view into
+ * the mapping.  Under a plan: an owned copy (model_weight_window), even of a
+ * whole (replicated) weight, so that the mapping is never read afterwards. */
+static int take(deepseek_model *m, wmat *w, int64_t r0, int64_t rn, int64_t c0, int64_t cn, ds_err *err)
+{
+	if (!m->planned)
+		return DS_OK;
+	const int64_t blk = kb_dtype_block(w->type);
+	if (kb_dtype_is_quant(w->type) && blk > 1 && (c0 % blk || cn % blk))
+		return window_quant_cols(m, w, r0, rn, c0, cn, err);
+	wmat out;
+	void *own = NULL;
+	int rc = model_weight_window(m->be, w, r0, rn, c0, cn, &out, &own, &m->copied, err);
+	if (rc)
+		return rc;
+	*w = out;
+	return own ? keep_owned(m, own, err) : DS_OK;
+}
+
 /* f32 copy of a vector (norm weights, router bias) of any supported dtype. */
 static int load_vec(deepseek_model *m, const char *name, int64_t n, float **out, ds_err *err)
 {
@@ -239,9 +342,10 @@ static int load_vec(deepseek_model *m, const char *name, int64_t n, float **out,
 }
 
 /* Routed experts of a GGUF: one 3-D tensor [E][n][k] (ggml ne {k, n, E}) per
- * kind; expert e is the row range [e*n, (e+1)*n) of it, a view into the
- * mapping (k is a multiple of the type's block, so every range starts on a
- * block). */
+ * kind; expert e is the row range [e*n, (e+1)*n) of it seen as [E*n][k] (k
+ * is a multiple of the type's block, so every range starts on a block).
+ * This rank's experts [e0, e0 + ec) are one row window of it (take): views
+ * into the mapping on one rank, into one owned copy under a plan. */
 static int load_experts(deepseek_model *m, const char *name, int64_t E, int64_t n, int64_t k, wmat *out,
 			ds_err *err)
 {
@@ -249,10 +353,12 @@ static int load_experts(deepseek_model *m, const char *name, int64_t E, int64_t 
 	const gguf_tensor *g = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 3, shape, err);
 	if (!g)
 		return err->code;
-	for (int64_t e = 0; e < E; e++)
-		out[e] = (wmat){.w = (const uint8_t *)g->data + kb_dtype_bytes(g->dtype, e * n * k),
-				.type = g->dtype, .n = n, .k = k};
-	return DS_OK;
+	wmat all = {.w = g->data, .type = g->dtype, .n = E * n, .k = k};
+	int rc = take(m, &all, m->e0 * n, m->ec * n, 0, k, err);
+	for (int64_t j = 0; !rc && j < m->ec; j++)
+		out[m->e0 + j] = (wmat){.w = (const uint8_t *)all.w + kb_dtype_bytes(all.type, j * n * k),
+					.type = all.type, .n = n, .k = k};
+	return rc;
 }
 
 static int64_t gcd64(int64_t a, int64_t b)
@@ -376,40 +482,48 @@ static int load_split_kv_b(deepseek_model *m, deepseek_layer *ly, const char *kb
 			   ds_err *err)
 {
 	const int64_t H = m->H, nope = m->nope, vd = m->vd, lora = m->lora, per = nope + vd;
-	const int64_t ks[3] = {H, lora, nope}, vs[3] = {H, vd, lora};
-	const gguf_tensor *kb = gguf_get_tensor(m->gg, kb_name, GGUF_DTYPE_ANY, 3, ks, err);
-	const gguf_tensor *vb = kb ? gguf_get_tensor(m->gg, vb_name, GGUF_DTYPE_ANY, 3, vs, err) : NULL;
-	if (!vb)
+	const int64_t ks[3] = {m->H_all, lora, nope}, vs[3] = {m->H_all, vd, lora};
+	const gguf_tensor *gk = gguf_get_tensor(m->gg, kb_name, GGUF_DTYPE_ANY, 3, ks, err);
+	const gguf_tensor *gv = gk ? gguf_get_tensor(m->gg, vb_name, GGUF_DTYPE_ANY, 3, vs, err) : NULL;
+	if (!gv)
 		return err->code;
-	ly->ukt_w = kb->data;
-	ly->ukt_type = kb->dtype;
-	ly->uv_w = vb->data;
-	ly->uv_type = vb->dtype;
+	/* this rank's heads: rows [h0 * lora, ...) of attn_k_b seen as [H_all * lora][nope],
+	 * rows [h0 * vd, ...) of attn_v_b seen as [H_all * vd][lora] */
+	wmat kw = {.w = gk->data, .type = gk->dtype, .n = m->H_all * lora, .k = nope};
+	wmat vw = {.w = gv->data, .type = gv->dtype, .n = m->H_all * vd, .k = lora};
+	int rc;
+	if ((rc = take(m, &kw, m->h0 * lora, H * lora, 0, nope, err)) ||
+	    (rc = take(m, &vw, m->h0 * vd, H * vd, 0, lora, err)))
+		return rc;
+	ly->ukt_w = kw.w;
+	ly->ukt_type = kw.type;
+	ly->uv_w = vw.w;
+	ly->uv_type = vw.type;
 	ly->uv_row_step = vd;
 	ly->absorbed_block = 0;
-	const int same = kb->dtype == vb->dtype && !kb_dtype_is_quant(kb->dtype);
-	const enum kb_dtype t = same ? kb->dtype : KB_F32;
+	const int same = kw.type == vw.type && !kb_dtype_is_quant(kw.type);
+	const enum kb_dtype t = same ? kw.type : KB_F32;
 	const size_t esz = kb_dtype_size(t);
 	uint8_t *kv = xalloc(m, (size_t)(H * per * lora), esz);
 	float *tmp = same ? NULL : malloc((size_t)(lora * nope) * sizeof(float));
-	int rc = kv && (same || tmp) ? DS_OK : bad_alloc(err);
+	rc = kv && (same || tmp) ? DS_OK : bad_alloc(err);
 	ly->kv_b_owned = kv;
 	ly->kv_b = (wmat){.w = kv, .type = t, .n = H * per, .k = lora};
 	for (int64_t h = 0; !rc && h < H; h++) {
 		uint8_t *dst = kv + (size_t)(h * per * lora) * esz;
 		if (same) {
-			const uint8_t *k = (const uint8_t *)kb->data + (size_t)(h * lora * nope) * esz;
+			const uint8_t *k = (const uint8_t *)kw.w + (size_t)(h * lora * nope) * esz;
 			for (int64_t d = 0; d < nope; d++)
 				for (int64_t c = 0; c < lora; c++)
 					memcpy(dst + (size_t)(d * lora + c) * esz, k + (size_t)(c * nope + d) * esz, esz);
 			memcpy(dst + (size_t)(nope * lora) * esz,
-			       (const uint8_t *)vb->data + (size_t)(h * vd * lora) * esz, (size_t)(vd * lora) * esz);
+			       (const uint8_t *)vw.w + (size_t)(h * vd * lora) * esz, (size_t)(vd * lora) * esz);
 			continue;
 		}
-		if ((rc = dequant_rows(m, tmp, kb->data, kb->dtype, h * lora * nope, lora, nope)) ||
-		    (rc = dequant_rows(m, (float *)dst + nope * lora, vb->data, vb->dtype, h * vd * lora, vd, lora))) {
+		if ((rc = dequant_rows(m, tmp, kw.w, kw.type, h * lora * nope, lora, nope)) ||
+		    (rc = dequant_rows(m, (float *)dst + nope * lora, vw.w, vw.type, h * vd * lora, vd, lora))) {
 			rc = ds_err_set(err, rc, "%s / %s: cannot dequantize %s / %s", kb_name, vb_name,
-					kb->type_name, vb->type_name);
+					gk->type_name, gv->type_name);
 			break;
 		}
 		transpose_f32((float *)dst, tmp, lora, nope);
@@ -456,10 +570,13 @@ static int load_gguf_kv_b(deepseek_model *m, deepseek_layer *ly, int L, ds_err *
 	snprintf(kb, sizeof kb, "blk.%d.attn_k_b.weight", L);
 	snprintf(vb, sizeof vb, "blk.%d.attn_v_b.weight", L);
 	if (gguf_find_tensor(m->gg, kv) || !gguf_find_tensor(m->gg, kb)) {
-		int rc = load_linear(m, kv, m->H * (m->nope + m->vd), m->lora, &ly->kv_b, err);
+		const int64_t per = m->nope + m->vd;
+		int rc = load_linear(m, kv, m->H_all * per, m->lora, &ly->kv_b, err);
 		if (rc == DS_ENOTFOUND)
 			return ds_err_set(err, rc, "%s: tensor %s not found (nor the split %s and %s)",
 					  gguf_path(m->gg), kv, kb, vb);
+		if (!rc)
+			rc = take(m, &ly->kv_b, m->h0 * per, m->H * per, 0, m->lora, err);
 		return rc ? rc : load_absorbed(m, ly, err);
 	}
 	return load_split_kv_b(m, ly, kb, vb, err);
@@ -472,7 +589,8 @@ static int load_layer(deepseek_model *m, int L, ds_err *err)
 	const mcfg *c = &m->cfg;
 	deepseek_layer *ly = &m->layers[L];
 	char name[256];
-	const int64_t D = m->D, H = m->H;
+	const int64_t D = m->D, H = m->H, Ha = m->H_all, h0 = m->h0;
+	const int64_t ql = c->q_lora_rank, kvw = m->lora + m->rope, per = m->nope + m->vd;
 	const int gg = m->gg != NULL;
 	int rc;
 #define N(hf, gguf) (snprintf(name, sizeof name, gg ? "blk.%d." gguf : "model.layers.%d." hf, L), name)
@@ -483,40 +601,50 @@ static int load_layer(deepseek_model *m, int L, ds_err *err)
 	} while (0)
 	TRY(load_vec(m, N("input_layernorm.weight", "attn_norm.weight"), D, &ly->attn_norm, err));
 	TRY(load_vec(m, N("post_attention_layernorm.weight", "ffn_norm.weight"), D, &ly->ffn_norm, err));
-	if (c->q_lora_rank > 0) {
-		TRY(load_linear(m, N("self_attn.q_a_proj.weight", "attn_q_a.weight"), c->q_lora_rank, D,
-				&ly->q_a, err));
-		TRY(load_vec(m, N("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"), c->q_lora_rank,
+	/* attention: q_a, kv_a and the norms whole (replicated over tp); q_b /
+	 * q_proj and kv_b the rows of this rank's heads, o_proj their columns */
+	if (ql > 0) {
+		TRY(load_linear(m, N("self_attn.q_a_proj.weight", "attn_q_a.weight"), ql, D, &ly->q_a, err));
+		TRY(take(m, &ly->q_a, 0, ql, 0, D, err));
+		TRY(load_vec(m, N("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"), ql,
 			     &ly->q_a_norm, err));
-		TRY(load_linear(m, N("self_attn.q_b_proj.weight", "attn_q_b.weight"), H * m->qk,
-				c->q_lora_rank, &ly->q_b, err));
+		TRY(load_linear(m, N("self_attn.q_b_proj.weight", "attn_q_b.weight"), Ha * m->qk, ql,
+				&ly->q_b, err));
+		TRY(take(m, &ly->q_b, h0 * m->qk, H * m->qk, 0, ql, err));
 	} else {
-		TRY(load_linear(m, N("self_attn.q_proj.weight", "attn_q.weight"), H * m->qk, D, &ly->q_proj,
+		TRY(load_linear(m, N("self_attn.q_proj.weight", "attn_q.weight"), Ha * m->qk, D, &ly->q_proj,
 				err));
+		TRY(take(m, &ly->q_proj, h0 * m->qk, H * m->qk, 0, D, err));
 	}
-	TRY(load_linear(m, N("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"),
-			m->lora + m->rope, D, &ly->kv_a, err));
+	TRY(load_linear(m, N("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"), kvw, D,
+			&ly->kv_a, err));
+	TRY(take(m, &ly->kv_a, 0, kvw, 0, D, err));
 	TRY(load_vec(m, N("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"), m->lora,
 		     &ly->kv_a_norm, err));
 	if (gg) {
 		TRY(load_gguf_kv_b(m, ly, L, err));
 	} else {
-		TRY(load_linear(m, N("self_attn.kv_b_proj.weight", ""), H * (m->nope + m->vd), m->lora,
-				&ly->kv_b, err));
+		TRY(load_linear(m, N("self_attn.kv_b_proj.weight", ""), Ha * per, m->lora, &ly->kv_b, err));
+		TRY(take(m, &ly->kv_b, h0 * per, H * per, 0, m->lora, err));
 		TRY(load_absorbed(m, ly, err));
 	}
-	TRY(load_linear(m, N("self_attn.o_proj.weight", "attn_output.weight"), D, H * m->vd, &ly->o, err));
+	TRY(load_linear(m, N("self_attn.o_proj.weight", "attn_output.weight"), D, Ha * m->vd, &ly->o, err));
+	TRY(take(m, &ly->o, 0, D, h0 * m->vd, H * m->vd, err));
 
 	ly->moe = mcfg_is_moe_layer(c, L);
-	if (!ly->moe) {
+	if (!ly->moe) { /* gate / up: rows [i0, i0 + ic); down: those columns */
 		const int64_t I = c->intermediate_size;
 		TRY(load_linear(m, N("mlp.gate_proj.weight", "ffn_gate.weight"), I, D, &ly->gate, err));
+		TRY(take(m, &ly->gate, m->i0, m->ic, 0, D, err));
 		TRY(load_linear(m, N("mlp.up_proj.weight", "ffn_up.weight"), I, D, &ly->up, err));
+		TRY(take(m, &ly->up, m->i0, m->ic, 0, D, err));
 		TRY(load_linear(m, N("mlp.down_proj.weight", "ffn_down.weight"), D, I, &ly->down, err));
+		TRY(take(m, &ly->down, 0, D, m->i0, m->ic, err));
 		return DS_OK;
 	}
-	const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size;
+	const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size, e0 = m->e0, ec = m->ec;
 	TRY(load_linear(m, N("mlp.gate.weight", "ffn_gate_inp.weight"), E, D, &ly->router, err));
+	TRY(take(m, &ly->router, 0, E, 0, D, err));
 	/* the GGUF bias is optional, as in llama.cpp (absent: selection without it) */
 	if (c->topk_method == MCFG_TOPK_NOAUX_TC &&
 	    (!gg || gguf_find_tensor(m->gg, N("", "exp_probs_b.bias"))))
@@ -535,26 +663,32 @@ static int load_layer(deepseek_model *m, int L, ds_err *err)
 		TRY(load_experts(m, N("", "ffn_gate_exps.weight"), E, I, D, ly->eg, err));
 		TRY(load_experts(m, N("", "ffn_up_exps.weight"), E, I, D, ly->eu, err));
 		TRY(load_experts(m, N("", "ffn_down_exps.weight"), E, D, I, ly->ed, err));
-	} else {
-		for (int64_t e = 0; e < E; e++) {
+	} else { /* this rank's experts only (whole), each its own copy under a plan */
+		for (int64_t e = e0; e < e0 + ec; e++) {
 			char sub[128];
 			snprintf(sub, sizeof sub, "model.layers.%d.mlp.experts.%lld.", L, (long long)e);
 			snprintf(name, sizeof name, "%sgate_proj.weight", sub);
 			TRY(load_linear(m, name, I, D, &ly->eg[e], err));
+			TRY(take(m, &ly->eg[e], 0, I, 0, D, err));
 			snprintf(name, sizeof name, "%sup_proj.weight", sub);
 			TRY(load_linear(m, name, I, D, &ly->eu[e], err));
+			TRY(take(m, &ly->eu[e], 0, I, 0, D, err));
 			snprintf(name, sizeof name, "%sdown_proj.weight", sub);
 			TRY(load_linear(m, name, D, I, &ly->ed[e], err));
+			TRY(take(m, &ly->ed[e], 0, D, 0, I, err));
 		}
 	}
-	if (c->n_shared_experts > 0) {
+	if (m->shared_here) { /* split over tp as the dense MLP: rows [s0, s0 + sc) */
 		const int64_t S = I * c->n_shared_experts;
 		TRY(load_linear(m, N("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"), S, D,
 				&ly->sg, err));
+		TRY(take(m, &ly->sg, m->s0, m->sc, 0, D, err));
 		TRY(load_linear(m, N("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"), S, D,
 				&ly->su, err));
+		TRY(take(m, &ly->su, m->s0, m->sc, 0, D, err));
 		TRY(load_linear(m, N("mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"), D, S,
 				&ly->sd, err));
+		TRY(take(m, &ly->sd, 0, D, m->s0, m->sc, err));
 	}
 	return DS_OK;
 #undef N
@@ -598,6 +732,12 @@ static int alloc_buffers(deepseek_model *m, ds_err *err)
 	m->rlog = model_act_alloc(be, xb, bt * (E ? E : 1), 4);
 	m->xe = model_act_alloc(be, xb, bt * D, 4);
 	m->ye = model_act_alloc(be, xb, bt * D, 4);
+	int split = m->tp > 1 || m->sn > 1, last = m->base.end_layer == m->base.n_layers;
+	if (split && !(m->part = model_act_alloc(be, xb, bt * D, 4)))
+		return bad_alloc(err);
+	if (m->sn > 1 && last && (!(m->lgp = model_act_alloc(be, xb, bt * (size_t)m->vpad, 4)) ||
+				  !(m->lgg = model_act_alloc(be, xb, (size_t)m->sn * bt * (size_t)m->vpad, 4))))
+		return bad_alloc(err);
 	m->a_idx = xalloc(m, bt, 4);
 	m->a_seq = xalloc(m, bt, 4);
 	m->a_pos = xalloc(m, bt, 4);
@@ -643,7 +783,7 @@ static void kv_b_needs(msrc *src, const msrc_tensor *t, model_needs *nd)
 	}
 }
 
-/* The ops deepseek_forward (and the load-time conversions) call, with the
+/* The ops embed / layers / head (and the load-time conversions) call, with the
  * dtypes this checkpoint holds: a product on every weight dtype of the
  * decoder layers used (the MTP layers past num_hidden_layers are never
  * loaded), f32 products and a dequantization where kv_b is rebuilt in f32,
@@ -672,7 +812,47 @@ static int deepseek_needs(const deepseek_model *m, msrc *src, model_needs *nd, d
 			break;
 		}
 	}
+	/* under a plan a window can come out in f32 (an FP8 window off its
+	 * scale grid, a GGUF block type cut off its blocks: take), through a
+	 * dequantization of the stored type */
+	for (int i = 0; m->planned && i < nd->n; i++)
+		if (nd->v[i].op == KB_OP_MATMUL &&
+		    (nd->v[i].dtype == KB_F8_E4M3 || kb_dtype_is_quant(nd->v[i].dtype)))
+			model_needs_add(&conv, KB_OP_DEQUANT, nd->v[i].dtype);
+	if (m->planned)
+		model_needs_add(nd, KB_OP_MATMUL, KB_F32);
 	model_needs_append(nd, &conv);
+	return DS_OK;
+}
+
+/* This rank's share of the plan (model.h): the base's rank and layer range,
+ * then the heads, MLP rows, experts and vocab rows it holds (all of them on
+ * one rank).  Runs once the config is read. */
+static int plan_shares(deepseek_model *m, const model_params *p, ds_err *err)
+{
+	const mcfg *c = &m->cfg;
+	int rc = model_base_plan(&m->base, p, c->num_hidden_layers, c->hidden_size, err);
+	if (rc)
+		return rc;
+	const model_rank *r = &m->base.rank;
+	const int tp = r->plan.tp, ep = r->plan.ep;
+	if (tp > c->num_attention_heads)
+		return ds_err_set(err, DS_EINVAL, "tp %d is more than the model's %d attention heads: "
+				  "tensor parallelism splits the heads", tp, c->num_attention_heads);
+	m->planned = p->rank != NULL;
+	m->tp = tp;
+	m->sn = tp * ep;
+	m->sl = r->ep_rank * tp + r->tp_rank;
+	m->shared_here = c->n_shared_experts > 0 && r->ep_rank == 0;
+	int64_t unused;
+	m->H_all = c->num_attention_heads;
+	model_split_range(m->H_all, tp, r->tp_rank, &m->h0, &m->H);
+	model_split_range(c->intermediate_size, tp, r->tp_rank, &m->i0, &m->ic);
+	model_split_range((int64_t)c->moe_intermediate_size * c->n_shared_experts, tp, r->tp_rank, &m->s0,
+			  &m->sc);
+	model_split_range(c->n_routed_experts, m->sn, m->sl, &m->e0, &m->ec);
+	model_split_range(c->vocab_size, m->sn, m->sl, &m->v0, &m->vc);
+	model_split_range(c->vocab_size, m->sn, 0, &unused, &m->vpad);
 	return DS_OK;
 }
 
@@ -700,14 +880,18 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 	if (rc)
 		goto fail;
 	const mcfg *c = &m->cfg;
+	if ((rc = plan_shares(m, p, err)))
+		goto fail;
+	const int first = m->base.first_layer, end = m->base.end_layer;
 	model_needs nd = {0};
 	if ((rc = deepseek_needs(m, src, &nd, err)))
 		goto fail;
 	if (!(m->be = model_backend_choose(p, src, &nd, err)))
 		goto fail;
-	if ((rc = msrc_hold_weights(src, model_weights_mode(p, m->be), err)))
+	/* under a plan the shards stay the page cache's mapping, read only
+	 * through this rank's windows (take): never a copy of a whole shard */
+	if ((rc = msrc_hold_weights(src, m->planned ? DS_MAP_FILE : model_weights_mode(p, m->be), err)))
 		goto fail;
-	m->H = c->num_attention_heads;
 	m->nope = c->qk_nope_head_dim;
 	m->rope = c->qk_rope_head_dim;
 	m->qk = m->nope + m->rope;
@@ -733,7 +917,9 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 	mcfg_rope_inv_freq(c, m->inv_freq);
 
 	int64_t eshape[2] = {c->vocab_size, m->D};
-	if (gg) {
+	if (first > 0) {
+		/* the embedding lives on the first stage */
+	} else if (gg) {
 		const gguf_tensor *t = gguf_get_tensor(m->gg, "token_embd.weight", GGUF_DTYPE_ANY, 2, eshape, err);
 		if (!t)
 			goto fail;
@@ -748,21 +934,30 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 		}
 		m->embed = (wmat){.w = t->data, .type = t->dtype, .n = c->vocab_size, .k = m->D};
 	}
-	if ((rc = load_vec(m, gg ? "output_norm.weight" : "model.norm.weight", m->D, &m->final_norm, err)))
+	if (first == 0 && (rc = take(m, &m->embed, 0, c->vocab_size, 0, m->D, err)))
 		goto fail;
-	/* mcfg rejects tie_word_embeddings = true and a GGUF must carry output.weight:
-	 * DeepSeek always has its own lm_head */
-	if ((rc = load_linear(m, gg ? "output.weight" : "lm_head.weight", c->vocab_size, m->D, &m->lm_head, err)))
+	/* the final norm and lm_head (its rows [v0, v0 + vc)) on the last stage;
+	 * mcfg rejects tie_word_embeddings = true and a GGUF must carry
+	 * output.weight: DeepSeek always has its own lm_head */
+	if (end == c->num_hidden_layers &&
+	    ((rc = load_vec(m, gg ? "output_norm.weight" : "model.norm.weight", m->D, &m->final_norm, err)) ||
+	     (rc = load_linear(m, gg ? "output.weight" : "lm_head.weight", c->vocab_size, m->D, &m->lm_head,
+			       err)) ||
+	     (rc = take(m, &m->lm_head, m->v0, m->vc, 0, m->D, err))))
 		goto fail;
-	for (int L = 0; L < c->num_hidden_layers; L++)
+	for (int L = first; L < end; L++)
 		if ((rc = load_layer(m, L, err)))
 			goto fail;
 	if ((rc = alloc_buffers(m, err)))
 		goto fail;
 
+	/* the pages are counted for the whole model (so every rank of a plan
+	 * has the same pages, whatever its layers), then hold this stage's
+	 * layers only (cache_layer) */
 	kv_params kp = {.n_layers = c->num_hidden_layers, .row_floats = m->lora + m->rope,
 			.page_size = p->page_size > 0 ? p->page_size : 64};
 	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
+	kp.n_layers = end - first;
 	if (!(m->kv = kv_cache_new(&kp, err)))
 		goto fail;
 	model *base = &m->base;
@@ -776,8 +971,10 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 	base->n_eos = c->n_eos < MODEL_MAX_EOS ? c->n_eos : MODEL_MAX_EOS;
 	for (int i = 0; i < base->n_eos; i++)
 		base->eos_ids[i] = c->eos_token_ids[i];
-	base->weight_bytes = msrc_tensor_bytes(src);
+	base->weight_bytes = m->planned ? m->copied : msrc_tensor_bytes(src);
 	base->extra_bytes = m->extra_bytes;
+	base->D = m->D;
+	base->x = m->x;
 	return base;
 fail:
 	if (err && err->code == DS_OK)
@@ -809,9 +1006,12 @@ static void deepseek_free(model *base)
 		free(ly->ed);
 	}
 	free(m->layers);
+	for (int i = 0; i < m->n_owned; i++)
+		free(m->owned[i]);
+	free(m->owned);
 	void *acts[] = {m->x, m->h, m->cq, m->q, m->kva, m->o, m->lg, m->qa, m->qlat, m->qpe,
 			m->u, m->oa, m->nlat, m->nkv, m->nk, m->nv, m->nq, m->no, m->g, m->up,
-			m->act, m->rlog, m->xe, m->ye};
+			m->act, m->rlog, m->xe, m->ye, m->part, m->lgp, m->lgg};
 	for (size_t i = 0; m->be && i < sizeof acts / sizeof acts[0]; i++)
 		if (acts[i])
 			kb_release(m->be, acts[i]);
@@ -830,7 +1030,7 @@ static float *cache_row(deepseek_model *m, const eng_batch *b, int L, int32_t se
 	const kv_params *kp = kv_cache_params(m->kv);
 	int32_t page = b->block_tables[(int64_t)seq * b->max_blocks + pos / kp->page_size];
 	int64_t slot = (int64_t)page * kp->page_size + pos % kp->page_size;
-	return kv_cache_layer(m->kv, L) + slot * kp->row_floats;
+	return kv_cache_layer(m->kv, L - m->base.first_layer) + slot * kp->row_floats;
 }
 
 /* Absorbed form for the tokens listed in a_idx[0..n). Writes o rows. */
@@ -855,7 +1055,8 @@ static int attn_absorbed(deepseek_model *m, const eng_batch *b, int L, int n)
 	kb_mla_attn_args a = {.out = m->u, .q_lat = m->qlat, .q_pe = m->qpe, .n_tok = n,
 				.n_heads = H, .kv_lora = lora, .rope_dim = rope,
 				.out_stride = H * lora, .q_lat_stride = H * lora,
-				.q_pe_stride = H * rope, .cache = kv_cache_layer(m->kv, L),
+				.q_pe_stride = H * rope,
+				.cache = kv_cache_layer(m->kv, L - m->base.first_layer),
 				.page_size = kp->page_size, .row_stride = kp->row_floats,
 				.block_tables = b->block_tables, .max_blocks = b->max_blocks,
 				.tok_seq = m->a_seq, .tok_pos = m->a_pos, .scale = m->attn_scale};
@@ -911,7 +1112,20 @@ static int attn_naive(deepseek_model *m, const eng_batch *b, int L, int32_t s, i
 	return DS_OK;
 }
 
-static int attention(deepseek_model *m, const eng_batch *b, int L)
+/* x[n][D] += the sum over group g of part[n][D] (this rank's partial
+ * output): the one communication point of a split block. */
+static int reduce_add(deepseek_model *m, struct comm_group *g, float *x, int64_t n, ds_err *err)
+{
+	int rc = model_all_reduce(&m->base, g, m->part, n * m->D, err);
+	if (rc)
+		return rc;
+	kb_axpy_args a = {.y = x, .x = m->part, .n = n * m->D, .alpha = 1.0f};
+	return kb_axpy(m->be, &a);
+}
+
+/* Attention of layer L (this rank's heads) on the tokens of b, from h (the
+ * normed x); adds its output to x [n][D]. */
+static int attention(deepseek_model *m, const eng_batch *b, int L, float *x, ds_err *err)
 {
 	deepseek_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
@@ -967,7 +1181,12 @@ static int attention(deepseek_model *m, const eng_batch *b, int L)
 				return rc;
 		}
 	}
-	return linear(m, &ly->o, m->o, H * m->vd, m->x, m->D, n, 1);
+	if (m->tp == 1) /* one rank, or attention replicated over ep: x += o_proj o */
+		return linear(m, &ly->o, m->o, H * m->vd, x, m->D, n, 1);
+	/* tp: o_proj over this rank's heads' columns is a partial sum */
+	if ((rc = linear(m, &ly->o, m->o, H * m->vd, m->part, m->D, n, 0)))
+		return rc;
+	return reduce_add(m, m->base.rank.tp_grp, x, n, err);
 }
 
 static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
@@ -985,11 +1204,30 @@ static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, c
 	return linear(m, d, m->act, I, y, m->D, rows, accumulate);
 }
 
-static int moe(deepseek_model *m, const eng_batch *b, int L)
+/* The dense MLP of layer L (this rank's rows of the intermediate size) on
+ * h; adds its output to x [n][D]. */
+static int dense(deepseek_model *m, const deepseek_layer *ly, int64_t n, float *x, ds_err *err)
+{
+	if (m->tp == 1)
+		return mlp(m, &ly->gate, &ly->up, &ly->down, m->h, x, n, 1);
+	int rc = mlp(m, &ly->gate, &ly->up, &ly->down, m->h, m->part, n, 0);
+	return rc ? rc : reduce_add(m, m->base.rank.tp_grp, x, n, err);
+}
+
+/* DeepSeekMoE of layer L on h; adds its output to x [n][D].  Every rank of
+ * the stage routes every token (the router is replicated) and runs its own
+ * experts [e0, e0 + ec) on the tokens that chose them; the shared experts'
+ * tp part runs on the ep_rank 0 ranks.  Under a plan these partial sums go
+ * to part, and one all-reduce over the stage adds them all: the dispatch
+ * needs no communication (the tokens are on every rank already) and the
+ * all-reduce is the combine (docs/distributed.md). */
+static int moe(deepseek_model *m, const eng_batch *b, int L, float *x, ds_err *err)
 {
 	deepseek_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
 	const int64_t n = b->n_tok, E = c->n_routed_experts, K = c->num_experts_per_tok, D = m->D;
+	const int split = m->sn > 1;
+	float *y = split ? m->part : x; /* where the outputs add up */
 	int rc;
 	if ((rc = linear(m, &ly->router, m->h, D, m->rlog, E, n, 0)))
 		return rc;
@@ -1016,9 +1254,13 @@ static int moe(deepseek_model *m, const eng_batch *b, int L)
 		m->etok[at] = (int32_t)(i / K);
 		m->ew[at] = m->rw[i];
 	}
-	if (c->n_shared_experts > 0 && (rc = mlp(m, &ly->sg, &ly->su, &ly->sd, m->h, m->x, n, 1)))
-		return rc;
-	for (int64_t e = 0; e < E; e++) {
+	if (m->shared_here) {
+		if ((rc = mlp(m, &ly->sg, &ly->su, &ly->sd, m->h, y, n, !split)))
+			return rc;
+	} else if (split) {
+		memset(y, 0, (size_t)(n * D) * sizeof(float));
+	}
+	for (int64_t e = m->e0; e < m->e0 + m->ec; e++) {
 		int32_t cnt = m->eoff[e + 1] - m->eoff[e];
 		if (!cnt)
 			continue;
@@ -1029,49 +1271,81 @@ static int moe(deepseek_model *m, const eng_batch *b, int L)
 		if ((rc = mlp(m, &ly->eg[e], &ly->eu[e], &ly->ed[e], m->xe, m->ye, cnt, 0)))
 			return rc;
 		for (int32_t i = 0; i < cnt; i++) {
-			kb_axpy_args a = {.y = m->x + (int64_t)toks[i] * D, .x = m->ye + i * D,
+			kb_axpy_args a = {.y = y + (int64_t)toks[i] * D, .x = m->ye + i * D,
 						.n = D, .alpha = ws[i]};
 			if ((rc = kb_axpy(m->be, &a)))
 				return rc;
 		}
 	}
-	return DS_OK;
+	return split ? reduce_add(m, m->base.rank.stage_grp, x, n, err) : DS_OK;
 }
 
-static int deepseek_forward(model *base, const eng_batch *b, float *logits, ds_err *err)
+static int step_failed(deepseek_model *m, int rc, ds_err *err)
 {
-	deepseek_model *m = (deepseek_model *)base;
-	int rc = model_check_batch(base, b, err);
-	if (rc)
-		return rc;
-	const int64_t n = b->n_tok, D = m->D;
-	kb_embed_args e = {.out = m->x, .table = m->embed.w, .type = m->embed.type,
-				.ids = b->tokens, .n = n, .dim = D, .out_stride = D,
-				.table_stride = D};
-	if ((rc = kb_embed(m->be, &e)))
-		goto out;
-	for (int L = 0; L < m->cfg.num_hidden_layers; L++) {
-		deepseek_layer *ly = &m->layers[L];
-		if ((rc = rmsnorm(m, m->h, m->x, ly->attn_norm, n, D, D, D)) ||
-		    (rc = attention(m, b, L)) ||
-		    (rc = rmsnorm(m, m->h, m->x, ly->ffn_norm, n, D, D, D)))
-			goto out;
-		rc = ly->moe ? moe(m, b, L) : mlp(m, &ly->gate, &ly->up, &ly->down, m->h, m->x, n, 1);
-		if (rc)
-			goto out;
-	}
-	int nl = 0;
-	for (int64_t t = 0; t < n; t++)
-		if (!b->want_logits || b->want_logits[t])
-			memcpy(m->lg + (nl++) * D, m->x + t * D, (size_t)D * 4);
-	if ((rc = rmsnorm(m, m->lg, m->lg, m->final_norm, nl, D, D, D)) ||
-	    (rc = linear(m, &m->lm_head, m->lg, D, logits, m->cfg.vocab_size, nl, 0)))
-		goto out;
-out:
 	if (rc && err && err->code == DS_OK)
 		ds_err_set(err, rc, "forward step failed in the %s backend (%s)", m->be->name,
 			   ds_status_name(rc));
 	return rc;
+}
+
+/* First stage: x[t] = embed[tokens[t]]. */
+static int deepseek_embed(model *base, const eng_batch *b, float *x, ds_err *err)
+{
+	deepseek_model *m = (deepseek_model *)base;
+	kb_embed_args e = {.out = x, .table = m->embed.w, .type = m->embed.type, .ids = b->tokens,
+				.n = b->n_tok, .dim = m->D, .out_stride = m->D, .table_stride = m->D};
+	return step_failed(m, kb_embed(m->be, &e), err);
+}
+
+/* This stage's layers on x [n_tok][D] in place.  b may be a part of a step
+ * (model.c's micro-batches: a range of whole sequences with the step's
+ * block tables), so nothing here assumes that its tokens start the step. */
+static int deepseek_layers(model *base, const eng_batch *b, float *x, ds_err *err)
+{
+	deepseek_model *m = (deepseek_model *)base;
+	const int64_t n = b->n_tok, D = m->D;
+	int rc = DS_OK;
+	for (int L = base->first_layer; !rc && L < base->end_layer; L++) {
+		deepseek_layer *ly = &m->layers[L];
+		if ((rc = rmsnorm(m, m->h, x, ly->attn_norm, n, D, D, D)) ||
+		    (rc = attention(m, b, L, x, err)) ||
+		    (rc = rmsnorm(m, m->h, x, ly->ffn_norm, n, D, D, D)))
+			break;
+		rc = ly->moe ? moe(m, b, L, x, err) : dense(m, ly, n, x, err);
+	}
+	return step_failed(m, rc, err);
+}
+
+/* Last stage: logits [tokens that want them][vocab] = lm_head rmsnorm(x).
+ * Under a plan each rank of the stage computes its vocab rows [v0, v0 + vc)
+ * into lgp [nl][vpad] (the pad columns are never read); all_gather puts
+ * rank r's at lgg + r * nl * vpad, and the rows are reassembled in vocab
+ * order into logits (when the caller passed it). */
+static int deepseek_head(model *base, const eng_batch *b, float *x, float *logits, ds_err *err)
+{
+	deepseek_model *m = (deepseek_model *)base;
+	const int64_t n = b->n_tok, D = m->D, V = m->cfg.vocab_size;
+	int64_t nl = 0;
+	int rc;
+	for (int64_t t = 0; t < n; t++)
+		if (!b->want_logits || b->want_logits[t])
+			memcpy(m->lg + (nl++) * D, x + t * D, (size_t)D * 4);
+	if ((rc = rmsnorm(m, m->lg, m->lg, m->final_norm, nl, D, D, D)))
+		return step_failed(m, rc, err);
+	if (m->sn == 1)
+		return step_failed(m, linear(m, &m->lm_head, m->lg, D, logits, V, nl, 0), err);
+	const int64_t vp = m->vpad;
+	if ((rc = linear(m, &m->lm_head, m->lg, D, m->lgp, vp, nl, 0)) ||
+	    (rc = model_all_gather(base, base->rank.stage_grp, m->lgp, m->lgg, nl * vp, err)))
+		return step_failed(m, rc, err);
+	for (int r = 0; logits && r < m->sn; r++) {
+		int64_t v0, vc;
+		model_split_range(V, m->sn, r, &v0, &vc);
+		const float *src = m->lgg + (int64_t)r * nl * vp;
+		for (int64_t t = 0; t < nl; t++)
+			memcpy(logits + t * V + v0, src + t * vp, (size_t)vc * sizeof(float));
+	}
+	return DS_OK;
 }
 
 static void deepseek_set_attn(model *base, enum model_attn attn)
@@ -1080,7 +1354,9 @@ static void deepseek_set_attn(model *base, enum model_attn attn)
 }
 
 static const model_ops deepseek_ops = {
-	.forward = deepseek_forward,
+	.embed = deepseek_embed,
+	.layers = deepseek_layers,
+	.head = deepseek_head,
 	.set_attn = deepseek_set_attn,
 	.free = deepseek_free,
 };
