@@ -31,9 +31,10 @@
  * Invariants:
  *   1. every wait is a poll of at most POLL_MS followed by ranks_check, so
  *      a dead rank is seen within POLL_MS whatever the other ranks do.
- *   2. the forward path never allocates: the frame buffer (16 +
- *      max_payload bytes) and the drain buffer are sized at READY; logits
- *      are read straight into the caller's rows.
+ *   2. the forward path never allocates: the drain buffer (also where an
+ *      ERROR's message lands, READY's included) exists from the start, the
+ *      frame buffer (16 + max_payload bytes) from READY; logits are read
+ *      straight into the caller's rows.
  *   3. a pid is in the signal registry from fork until just before it is
  *      reaped (never after: a reaped pid may be reused).
  *   4. rank 0's socket is the only channel to the ranks; the others have
@@ -674,7 +675,8 @@ model *driver_model_load(const model_params *p, const driver_launch *l, ds_err *
 	}
 	d = calloc(1, sizeof *d);
 	a = calloc(1, sizeof *a);
-	if (!d || !a || !(d->ranks = calloc((size_t)W, sizeof *d->ranks))) {
+	if (!d || !a || !(d->ranks = calloc((size_t)W, sizeof *d->ranks)) ||
+	    !(d->drain = malloc(DRAIN_BYTES))) {
 		ds_err_set(err, DS_ENOMEM, "out of memory");
 		goto fail;
 	}
@@ -705,8 +707,7 @@ model *driver_model_load(const model_params *p, const driver_launch *l, ds_err *
 	d->max_seqs = rd.max_seqs;
 	d->max_blocks = rd.max_blocks;
 	d->frame = malloc(RANKPROTO_HEADER_BYTES + d->max_payload);
-	d->drain = malloc(DRAIN_BYTES);
-	if (!d->frame || !d->drain) {
+	if (!d->frame) {
 		ds_err_set(err, DS_ENOMEM, "out of memory for a step frame of %zu bytes", d->max_payload);
 		goto fail;
 	}

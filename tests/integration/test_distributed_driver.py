@@ -119,6 +119,16 @@ def test_missing_rank_command_is_named(models, tmp_path):
 
 # ---- failures ----
 
+def test_a_plan_that_cannot_load_is_named(models):
+    """Four stages for the tiny V3's three layers: every rank refuses its
+    part; dsrun names a rank and the reason, or the rank that exited first."""
+    r = dsrun("-m", models["v3"], "--threads", "1", "--tokens", "1,2", "-n", "1", "--pp", "4",
+              check=False)
+    assert r.returncode == 1
+    assert ("rank 0 loading" in r.stderr and "4 pipeline stages for 3 layers" in r.stderr) \
+        or "exited with status 1 while loading" in r.stderr, r.stderr
+
+
 def children(pid):
     out = []
     try:
