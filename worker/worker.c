@@ -274,7 +274,11 @@ static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 		rc = model_forward(w->m, &b, w->logits, &e);
 	rc = step_agree(w, rc, &e);
 	if (rc) {
-		log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
+		if (is_comm_failure(rc))
+			log_error("worker", "step failed: the group is broken", "rank=%d id=%u error=\"%s\"",
+				  w->rank, id, e.msg);
+		else
+			log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
 		int wrc = reply_error(w, id, &e, err);
 		if (!wrc && w->W > 1 && is_comm_failure(rc)) {
 			*err = e;
