@@ -9,11 +9,13 @@
 - Two-rank plans (tp2, ep2, pp2 over Gloo) give the one-rank logits of the
   tiny V3 within 1e-5 and the same greedy ids (skipped while the graph of
   the build does not run plans).
-- Failures: a rank killed with SIGKILL mid-generation makes dsrun exit
-  non-zero within 5 s with a message naming that rank, and no process of the
-  run is left; dsrun itself killed with SIGKILL takes its ranks with it
-  within a few seconds (PR_SET_PDEATHSIG).  These run on the one-rank plan,
-  and on --tp 2 once the Gloo groups exist (skipped before).
+- Failures: a plan that cannot load is named; a rank killed with SIGKILL
+  mid-generation makes dsrun exit non-zero within 5 s with a message naming
+  that rank, and no process of the run is left; dsrun itself killed with
+  SIGKILL takes its ranks with it within a few seconds (PR_SET_PDEATHSIG),
+  and SIGTERM does too (its handler).  On the one-rank plan and on --tp 2.
+- engine/sched.c runs unchanged over the driver (tests/tools/sched_check.c
+  with DS_SCHED_PLAN).
 """
 import json
 import os
@@ -205,11 +207,14 @@ def test_killed_rank_fails_the_run_and_leaves_nothing(plan):
     assert not [q for q in pids if alive(q)], "ranks left behind"
 
 
-@pytest.mark.parametrize("plan", ["one", "tp2"])
-def test_ranks_exit_when_dsrun_is_killed(plan):
+@pytest.mark.parametrize("plan,sig", [("one", signal.SIGKILL), ("tp2", signal.SIGKILL),
+                                      ("tp2", signal.SIGTERM)], ids=["one-kill", "tp2-kill",
+                                                                    "tp2-term"])
+def test_ranks_exit_when_dsrun_is_killed(plan, sig):
+    """SIGKILL: the ranks' death signal; SIGTERM: dsrun's handler kills them."""
     p, pids = start_generation(plan)
-    p.kill()
-    p.wait()
+    p.send_signal(sig)
+    assert p.wait(timeout=10) == -sig
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and [q for q in pids if alive(q)]:
         time.sleep(0.05)
