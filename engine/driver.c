@@ -335,23 +335,29 @@ static int error_read(driver *d, const rankproto_header *h, double deadline_ms, 
 	return DS_OK;
 }
 
-/* Rank 0 said its group broke: the rank that died is the better name, so
- * give the ranks a moment to be seen ending. */
-static int blame(driver *d, const ds_err *e0, ds_err *err)
+/* Rank 0 said its group broke (e0): the rank that died is the better name,
+ * so give the ranks a moment to be seen ending.  *out gets the error to
+ * report. */
+static void blame_name(driver *d, const ds_err *e0, const char *when, ds_err *out)
 {
 	ds_err e = {0};
 	double until = now_ms() + BLAME_WAIT_MS;
 	int rc;
-	while (!(rc = ranks_check(d, "", &e)) && now_ms() < until) {
+	while (!(rc = ranks_check(d, when, &e)) && now_ms() < until) {
 		struct timespec ts = {0, 20 * 1000 * 1000};
 		nanosleep(&ts, NULL);
 	}
-	if (rc) {
-		ds_err both = {0};
-		ds_err_set(&both, DS_EIO, "%s (rank 0: %s)", e.msg, e0->msg);
-		return broken_set(d, &both, err);
-	}
-	return broken_set(d, e0, err);
+	if (rc)
+		ds_err_set(out, DS_EIO, "%s (rank 0: %s)", e.msg, e0->msg);
+	else
+		*out = *e0;
+}
+
+static int blame(driver *d, const ds_err *e0, ds_err *err)
+{
+	ds_err e = {0};
+	blame_name(d, e0, "", &e);
+	return broken_set(d, &e, err);
 }
 
 /* ---- the model ---- */
@@ -637,6 +643,10 @@ static int ready_wait(driver *d, int timeout_ms, rankproto_ready *rd, ds_err *er
 		ds_err re = {0};
 		if ((rc = error_read(d, &h, dl, &re, err)))
 			return rc;
+		if (re.code == DS_EIO || re.code == DS_ETIMEOUT) { /* a peer did not join */
+			blame_name(d, &re, when, err);
+			return err->code;
+		}
 		return ds_err_set(err, re.code, "%s", re.msg);
 	}
 	if (h.kind != RANKPROTO_READY || h.length != RANKPROTO_READY_BYTES)
