@@ -25,7 +25,7 @@
  * Threading: one caller at a time (model.h); the store server has its own
  * thread inside comm/.  Forking happens while that thread runs, so the
  * child calls only async-signal-safe functions before exec (prctl, getppid,
- * dup2, open, close_range, execv, write, _exit) and every argv string is
+ * dup2, open, close_range, signal, execv, write, _exit) and every argv string is
  * built before fork.
  *
  * Invariants:
