@@ -121,7 +121,7 @@ BINS := $(BUILD)/dsagent $(BUILD)/dsctl $(BUILD)/dsrun
 # integration tests (e.g. batch tokenization, engine invariant checks).
 TOOL_BINS := $(patsubst tests/tools/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
 TEST_BINS := $(BUILD)/tests/unit $(BUILD)/tests/conformance $(TOOL_BINS)
-BENCH_BINS := $(BUILD)/tests/bench_kernels
+BENCH_BINS := $(BUILD)/tests/bench_kernels $(BUILD)/tests/bench_comm
 
 .PHONY: all test unit conformance integration asan bench check deps model up install clean tests-bin
 all: $(BINS)
@@ -175,6 +175,10 @@ $(BUILD)/tests/bench_kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_ENG
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
 
+$(BUILD)/tests/bench_comm: $(BUILD)/obj/tests/bench/bench_comm.o $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
+	@mkdir -p $(dir $@)
+	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
+
 $(BUILD)/tests/%: $(BUILD)/obj/tests/tools/%.o $(LIB_ENGINE) $(LIB_COMM) $(LIB_KERNEL) $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(SANLD) -pthread -o $@ $< $(ENGINE_LIBS) $(LDLIBS_SYS)
@@ -209,6 +213,7 @@ asan:
 bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
+	$(BUILD)/tests/bench_comm
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_distributed.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py
