@@ -659,6 +659,18 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 	StoreAdapter adapter(st, im->prefix, g->timeout_ms);
 	im->ctx->connectFullMesh(adapter, im->dev);
 
+	/* One byte to and from every peer: afterwards every connection is
+	 * established on both ends, so each pair's local address is final
+	 * (a connecting pair learns it only once connected). */
+	{
+		std::vector<int64_t> ones((size_t)g->size, 1);
+		std::vector<uint8_t> out((size_t)g->size, 1), in((size_t)g->size, 0);
+		gloo::AlltoallvOptions opts(im->ctx);
+		opts.setInput(out.data(), ones);
+		opts.setOutput(in.data(), ones);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::alltoallv(opts);
+	}
 	/* ready: our end of every connection, one line per rank */
 	std::string ready;
 	for (int r = 0; r < g->size; r++) {
@@ -695,6 +707,8 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 			const char *end = strchr(line, '\n');
 			im->peer_addr[(size_t)r].assign(line, end ? (size_t)(end - line) : strlen(line));
 		}
+		log_debug("comm_gloo", "peer address", "group=%s rank=%d peer=%d addr=%s", g->name,
+			  g->rank, r, im->peer_addr[(size_t)r].c_str());
 	}
 }
 
