@@ -1048,9 +1048,10 @@ static int body_determinism(rank_ctx *rc)
 		comm_dtype dt = it & 1 ? COMM_BF16 : COMM_F32;
 		size_t es = comm_dtype_size(dt);
 		char *in = malloc(N * es * W_MAX), *out = malloc(N * es * W_MAX);
+		char *other = malloc(N * es * W_MAX);
 		for (int r = 0; r < rc->W; r++) /* rank r's input: the r-th draw */
-			fill_random(in, dt, (int64_t)N * rc->W);
-		fill_random(in, dt, (int64_t)N * rc->W * (rc->rank + 1) % 7 + 1); /* per-rank part */
+			fill_random(r == rc->rank ? in : other, dt, (int64_t)N * rc->W);
+		free(other);
 		delay_rng ^= delay_rng << 13;
 		delay_rng ^= delay_rng >> 7;
 		delay_rng ^= delay_rng << 17;
@@ -1481,4 +1482,26 @@ TEST(comm_gloo_garbage_on_the_transport_never_hangs)
 					     : failed ? ds_status_name(RANK_EXIT_NEW - WEXITSTATUS(st))
 						      : "?");
 	comm_store_server_stop(s);
+}
+
+/* Without CUDA the NCCL constructor exists and says why it cannot work. */
+TEST(comm_nccl_without_cuda_is_unsupported)
+{
+#ifdef DS_HAVE_CUDA
+	UT_SKIP("built with CUDA: NCCL needs GPUs, not run by the unit tier");
+#else
+	comm_store_server *s = store_start();
+	comm_store cl = {0};
+	ds_err err = {0};
+	if (!s || comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err)) {
+		comm_store_server_stop(s);
+		return;
+	}
+	comm_params p = comm_default_params();
+	CHECK(comm_nccl_new(&p, &cl, "job/g", 0, &err) == NULL);
+	CHECK_EQ(err.code, DS_EUNSUPPORTED);
+	CHECK(strstr(err.msg, "CUDA") != NULL);
+	comm_store_tcp_close(&cl);
+	comm_store_server_stop(s);
+#endif
 }
