@@ -771,8 +771,10 @@ struct rank_run {
 	void *arg;
 	int ranks;   /* processes to fork (0: W); the test plays the others */
 	int quiet;   /* constructor failures are expected */
-	/* runs in the test process once the prefix is chosen, before the fork */
+	/* run in the test process once the prefix is chosen: before the fork,
+	 * and after it (before the ranks start) */
 	void (*before)(struct rank_run *rr, comm_store_server *s);
+	void (*after)(struct rank_run *rr, comm_store_server *s);
 	/* filled by run_ranks */
 	char prefix[96];
 	int status[W_MAX]; /* waitpid status per rank */
@@ -782,10 +784,15 @@ struct rank_run {
 
 static unsigned run_seq;
 
-static void rank_main(const char *addr, rank_run *rr, int rank)
+static void rank_main(const char *addr, rank_run *rr, int rank, int go)
 {
 	comm_store st;
 	ds_err err = {0};
+	char b;
+	/* wait until every rank is forked (see run_ranks) */
+	while (read(go, &b, 1) < 0 && errno == EINTR)
+		;
+	close(go);
 	if (rr->quiet) /* expected failures (Gloo's abort prints through libstdc++) */
 		dup2(open("/dev/null", O_WRONLY), 2);
 	if (comm_store_tcp_open(&st, addr, 5000, &err)) {
@@ -812,7 +819,10 @@ static void rank_main(const char *addr, rank_run *rr, int rank)
 }
 
 /* Forks rr->W ranks against server s and reaps them all (killing those
- * still running after rr->wait_ms). */
+ * still running after rr->wait_ms).  The ranks start only once all are
+ * forked (they wait for the end of a pipe): a child forked while the
+ * store's thread serves an earlier child could copy an allocator lock held
+ * by that thread (ASan's allocator is not fork-safe; glibc's is). */
 static void run_ranks(comm_store_server *s, rank_run *rr)
 {
 	pid_t pids[W_MAX];
@@ -823,11 +833,18 @@ static void run_ranks(comm_store_server *s, rank_run *rr)
 	if (rr->before)
 		rr->before(rr, s);
 	fflush(NULL);
+	int go[2];
+	if (pipe(go) != 0) {
+		ut_fail(__FILE__, __LINE__, "pipe: %s", strerror(errno));
+		return;
+	}
 	uint64_t t0 = ds_now_ns();
 	for (int r = 0; r < n; r++) {
 		pids[r] = fork();
-		if (pids[r] == 0)
-			rank_main(comm_store_server_addr(s), rr, r);
+		if (pids[r] == 0) {
+			close(go[1]);
+			rank_main(comm_store_server_addr(s), rr, r, go[0]);
+		}
 		if (pids[r] < 0) {
 			ut_fail(__FILE__, __LINE__, "fork: %s", strerror(errno));
 			rr->status[r] = -1;
@@ -835,6 +852,10 @@ static void run_ranks(comm_store_server *s, rank_run *rr)
 			alive++;
 		}
 	}
+	close(go[0]);
+	if (rr->after)
+		rr->after(rr, s);
+	close(go[1]); /* the ranks start */
 	uint64_t deadline = t0 + (uint64_t)rr->wait_ms * 1000000u;
 	while (alive > 0) {
 		int st;
@@ -887,12 +908,23 @@ static int ranks_ok(const rank_run *rr)
 	return ok;
 }
 
+/* A store server that is already serving (one round trip): its thread
+ * is idle in poll() when the ranks are forked. */
 static comm_store_server *store_start(void)
 {
 	ds_err err = {0};
+	comm_store cl;
+	size_t len;
+	char v;
 	comm_store_server *s = comm_store_server_start("127.0.0.1", 0, &err);
-	if (!s)
+	if (!s) {
 		ut_fail(__FILE__, __LINE__, "store server: %s", err.msg);
+		return NULL;
+	}
+	if (comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err) ||
+	    cl.set(cl.ctx, "ping", "1", 1, &err) || cl.get(cl.ctx, "ping", &v, 1, &len, 1000, &err))
+		ut_fail(__FILE__, __LINE__, "store server: %s", err.msg);
+	comm_store_tcp_close(&cl);
 	return s;
 }
 
@@ -1448,7 +1480,7 @@ out:
 	return NULL;
 }
 
-static void before_attack(rank_run *rr, comm_store_server *s)
+static void after_attack(rank_run *rr, comm_store_server *s)
 {
 	attack *a = rr->arg;
 	a->s = s;
@@ -1467,7 +1499,7 @@ TEST(comm_gloo_garbage_on_the_transport_never_hangs)
 	if (!s)
 		return;
 	rank_run rr = {.W = 2, .ranks = 1, .quiet = 1, .timeout_ms = FAIL_TIMEOUT_MS, .wait_ms = 15000,
-		       .body = body_nothing, .before = before_attack, .arg = &at.a};
+		       .body = body_nothing, .after = after_attack, .arg = &at.a};
 	run_ranks(s, &rr);
 	at.a.done = 1;
 	pthread_join(at.th, NULL);
