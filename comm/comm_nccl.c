@@ -142,10 +142,19 @@ static int issued(nccl_group *x, const char *call, ncclResult_t r, ds_err *err)
 	return settle(x, call, r, now_ms(), err);
 }
 
+/* Every op runs with the group's device current: the caller's thread may
+ * have used another one since (the device index is the rank's, fixed). */
+static nccl_group *on_device(comm_group *g)
+{
+	nccl_group *x = ng(g);
+	cudaSetDevice(x->device);
+	return x;
+}
+
 static int nccl_all_reduce(comm_group *g, const void *send, void *recv, int64_t count,
 			   comm_dtype dt, comm_op op, ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	return issued(x, "all_reduce", ncclAllReduce(send, recv, (size_t)count, nccl_type(dt),
 						     nccl_op(op), x->comm, x->stream), err);
 }
@@ -153,7 +162,7 @@ static int nccl_all_reduce(comm_group *g, const void *send, void *recv, int64_t 
 static int nccl_all_gather(comm_group *g, const void *send, void *recv, int64_t count,
 			   comm_dtype dt, ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	return issued(x, "all_gather", ncclAllGather(send, recv, (size_t)count, nccl_type(dt),
 						     x->comm, x->stream), err);
 }
@@ -161,7 +170,7 @@ static int nccl_all_gather(comm_group *g, const void *send, void *recv, int64_t 
 static int nccl_reduce_scatter(comm_group *g, const void *send, void *recv, int64_t count,
 			       comm_dtype dt, comm_op op, ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	return issued(x, "reduce_scatter", ncclReduceScatter(send, recv, (size_t)count, nccl_type(dt),
 							     nccl_op(op), x->comm, x->stream), err);
 }
@@ -169,7 +178,7 @@ static int nccl_reduce_scatter(comm_group *g, const void *send, void *recv, int6
 static int nccl_broadcast(comm_group *g, void *buf, int64_t count, comm_dtype dt, int root,
 			  ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	return issued(x, "broadcast", ncclBroadcast(buf, buf, (size_t)count, nccl_type(dt), root,
 						    x->comm, x->stream), err);
 }
@@ -179,7 +188,7 @@ static int nccl_all_to_allv(comm_group *g, const void *send, const int64_t *send
 			    const int64_t *send_displs, void *recv, const int64_t *recv_counts,
 			    const int64_t *recv_displs, comm_dtype dt, ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	size_t es = comm_dtype_size(dt);
 	int64_t start = now_ms();
 	ncclResult_t r = ncclGroupStart();
@@ -198,7 +207,7 @@ static int nccl_all_to_allv(comm_group *g, const void *send, const int64_t *send
 static int nccl_send(comm_group *g, const void *buf, int64_t count, comm_dtype dt, int peer,
 		     ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	return issued(x, "send", ncclSend(buf, (size_t)count, nccl_type(dt), peer, x->comm,
 					  x->stream), err);
 }
@@ -206,7 +215,7 @@ static int nccl_send(comm_group *g, const void *buf, int64_t count, comm_dtype d
 static int nccl_recv(comm_group *g, void *buf, int64_t count, comm_dtype dt, int peer,
 		     ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	return issued(x, "recv", ncclRecv(buf, (size_t)count, nccl_type(dt), peer, x->comm,
 					  x->stream), err);
 }
@@ -214,7 +223,7 @@ static int nccl_recv(comm_group *g, void *buf, int64_t count, comm_dtype dt, int
 /* Waits for the stream, watching the communicator for errors. */
 static int nccl_sync(comm_group *g, ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	int64_t start = now_ms();
 	for (;;) {
 		cudaError_t ce = cudaStreamQuery(x->stream);
@@ -242,7 +251,7 @@ static int nccl_sync(comm_group *g, ds_err *err)
 /* NCCL has no barrier: an all-reduce of one int, then waiting for it. */
 static int nccl_barrier(comm_group *g, ds_err *err)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	int rc = issued(x, "barrier", ncclAllReduce(x->one, x->one, 1, ncclInt32, ncclMax, x->comm,
 						    x->stream), err);
 	return rc ? rc : nccl_sync(g, err);
@@ -250,7 +259,7 @@ static int nccl_barrier(comm_group *g, ds_err *err)
 
 static void nccl_free(comm_group *g)
 {
-	nccl_group *x = ng(g);
+	nccl_group *x = on_device(g);
 	if (x->comm) {
 		if (g->broken.code)
 			ncclCommAbort(x->comm);
