@@ -1155,7 +1155,7 @@ TEST(comm_gloo_reductions_are_bit_identical_across_ranks_and_runs)
 
 /* ---- failures: each ends in a DS_E* code within the timeout ---- */
 
-#define FAIL_TIMEOUT_MS 1500
+#define FAIL_TIMEOUT_MS 1000
 
 /* 0 when rc is one of the transport codes and the call took at most the
  * timeout plus a margin for a loaded machine; the group must then stay
@@ -1239,7 +1239,7 @@ static int body_peer_exits(rank_ctx *rc)
 static int body_peer_stalls(rank_ctx *rc)
 {
 	if (rc->rank == rc->W - 1) {
-		usleep((FAIL_TIMEOUT_MS + 1500) * 1000);
+		usleep((FAIL_TIMEOUT_MS + 700) * 1000);
 		return 0;
 	}
 	ds_err err = {0};
@@ -1253,7 +1253,7 @@ static int body_peer_stalls(rank_ctx *rc)
 static int body_recv_stalls(rank_ctx *rc)
 {
 	if (rc->rank == 1) {
-		usleep((FAIL_TIMEOUT_MS + 1500) * 1000);
+		usleep((FAIL_TIMEOUT_MS + 700) * 1000);
 		return 0;
 	}
 	ds_err err = {0};
