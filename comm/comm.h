@@ -160,7 +160,10 @@ void comm_store_tcp_close(comm_store *st);
  * rendezvous keys of this group ("<job>/<group>"); host is the address this
  * rank listens on for its peers ("127.0.0.1" for local ranks).  Every rank
  * of the group calls it with the same prefix and world_size.  NULL with
- * err filled (DS_ETIMEOUT naming the ranks that never arrived). */
+ * err filled (DS_ETIMEOUT naming the ranks that never arrived).  Process-wide
+ * effects of the first call: SIGPIPE is ignored when it had the default
+ * action (Gloo writes without MSG_NOSIGNAL) and a terminate handler logs an
+ * exception on Gloo's transport thread before the process aborts. */
 comm_group *comm_gloo_new(const comm_params *p, const comm_store *store, const char *key_prefix,
 			  const char *host, ds_err *err);
 

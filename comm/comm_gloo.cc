@@ -17,12 +17,13 @@
  *   gloo/...         Gloo's own keys (its pair addresses, one value per
  *                    rank; values longer than COMM_STORE_VALUE_MAX are cut
  *                    into parts "<key>#<i>" behind a header "<key>")
- *   <rank>/ready     set once connected: line i is the local address of
- *                    this rank's connection to rank i, so that a peer's
- *                    error message ("... [127.0.0.1]:40312") names a rank
- *                    (with the address rank i published in gloo/<i> for
- *                    us, which Gloo names when it accepted the connection
- *                    before its connect() ran)
+ *   <rank>/ready     set once connected and after a one-byte all-to-all
+ *                    (so every pair is up on both ends): line i is the
+ *                    local address of this rank's connection to rank i, so
+ *                    that a peer's error message ("... [127.0.0.1]:40312")
+ *                    names a rank; so does the address rank i published
+ *                    in gloo/<i> for us, which Gloo names when it accepted
+ *                    the connection before its connect() ran
  *
  * Reductions (the order is fixed so results never depend on timing):
  *   all_reduce      gloo::allreduce, ring algorithm chosen explicitly.  The
@@ -43,9 +44,9 @@
  *   i32 / u8        wrapping sums (two's complement), exact in any order.
  *
  * Failures: every Gloo call runs inside guarded(), which catches every
- * exception: a message with "Timed out" is DS_ETIMEOUT, anything else
- * DS_EIO, naming the peer rank when the message holds one of its
- * addresses (above).  Gloo's TCP loop thread cannot report
+ * exception: a message that says it timed out ("Timed out ...", "Connect
+ * timeout", "Read timeout") is DS_ETIMEOUT, anything else DS_EIO, naming
+ * the peer rank when the message holds one of its addresses (above).  Gloo's TCP loop thread cannot report
  * everything to the caller: a malformed frame on an established connection
  * fails a GLOO_ENFORCE on that thread, and the exception ends the process
  * (std::terminate).  We install a terminate handler that logs what Gloo
