@@ -66,8 +66,9 @@ NVFLAGS   := -std=c++17 -O2 -I. $(CUDA_ARCH) -Werror all-warnings \
              -Xcompiler -Wall,-Wextra,-Werror,-Wno-unused-parameter,-Wno-format-truncation -MMD -MP
 ifeq ($(HAVE_CUDA),1)
   CFLAGS_ALL += -DDS_HAVE_CUDA=1
-  # comm/comm_nccl.c: the CUDA runtime and NCCL from C
-  CFLAGS_ALL += -I$(CUDA_HOME)/include
+  # comm/comm_nccl.c: the CUDA runtime and NCCL from C (-isystem: nccl.h
+  # declares `f()` without void, which -Wstrict-prototypes refuses)
+  CFLAGS_ALL += -isystem $(CUDA_HOME)/include
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
 endif
 

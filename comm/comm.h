@@ -8,8 +8,11 @@
  * backend (comm_impl.h).  Backends:
  *
  *   comm_single_new   one rank (W = 1): every collective is a copy     (built)
- *   gloo              CPU ranks over TCP, host buffers      (next issue, planned)
- *   nccl              GPU ranks, device buffers on a stream (next issue, planned)
+ *   comm_gloo_new     CPU ranks over TCP, host buffers         (built, -lgloo)
+ *   comm_nccl_new     GPU ranks, device buffers on a stream (built with CUDA=1;
+ *                     without CUDA it returns DS_EUNSUPPORTED)
+ * docs/distributed.md ("Comm layer") has the rendezvous keys, the failure
+ * behaviour measured on each backend and Gloo's limitations.
  *
  * Shape of a call (the common ground of Gloo's and NCCL's collectives):
  * buffers are untyped pointers, sizes are element counts (int64_t; negative
@@ -60,10 +63,10 @@
  * Threading: a group is used by one thread at a time (the rank's step
  * loop); different groups may be used from different threads.
  *
- * Rendezvous (how a multi-rank constructor will find its peers; nothing
- * here implements it yet).  The launcher serves a key-value store for one
- * job (comm_store below: the head agent's control API in production, an
- * in-memory table in tests).  Keys are "<job>/<group>/<key>".
+ * Rendezvous (how a multi-rank constructor finds its peers).  The launcher
+ * serves a key-value store for one job (comm_store below: served over TCP
+ * by comm_store_server_start, later possibly by the head agent's control
+ * API).  Keys are "<job>/<group>/<key>".
  *   - rank 0 creates what all ranks share (the NCCL unique id) and
  *     publishes it with set; per-rank facts (Gloo: each rank's listening
  *     address) go under "<rank>/<key>", set by that rank;
@@ -157,7 +160,10 @@ void comm_store_tcp_close(comm_store *st);
  * rendezvous keys of this group ("<job>/<group>"); host is the address this
  * rank listens on for its peers ("127.0.0.1" for local ranks).  Every rank
  * of the group calls it with the same prefix and world_size.  NULL with
- * err filled (DS_ETIMEOUT naming the ranks that never arrived). */
+ * err filled (DS_ETIMEOUT naming the ranks that never arrived).  Process-wide
+ * effects of the first call: SIGPIPE is ignored when it had the default
+ * action (Gloo writes without MSG_NOSIGNAL) and a terminate handler logs an
+ * exception on Gloo's transport thread before the process aborts. */
 comm_group *comm_gloo_new(const comm_params *p, const comm_store *store, const char *key_prefix,
 			  const char *host, ds_err *err);
 

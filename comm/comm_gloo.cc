@@ -17,9 +17,13 @@
  *   gloo/...         Gloo's own keys (its pair addresses, one value per
  *                    rank; values longer than COMM_STORE_VALUE_MAX are cut
  *                    into parts "<key>#<i>" behind a header "<key>")
- *   <rank>/ready     set once connected: line i is the local address of
- *                    this rank's connection to rank i, so that a peer's
- *                    error message ("... [127.0.0.1]:40312") names a rank
+ *   <rank>/ready     set once connected and after a one-byte all-to-all
+ *                    (so every pair is up on both ends): line i is the
+ *                    local address of this rank's connection to rank i, so
+ *                    that a peer's error message ("... [127.0.0.1]:40312")
+ *                    names a rank; so does the address rank i published
+ *                    in gloo/<i> for us, which Gloo names when it accepted
+ *                    the connection before its connect() ran
  *
  * Reductions (the order is fixed so results never depend on timing):
  *   all_reduce      gloo::allreduce, ring algorithm chosen explicitly.  The
@@ -40,9 +44,9 @@
  *   i32 / u8        wrapping sums (two's complement), exact in any order.
  *
  * Failures: every Gloo call runs inside guarded(), which catches every
- * exception: a message with "Timed out" is DS_ETIMEOUT, anything else
- * DS_EIO, naming the peer rank when the message holds one of the
- * addresses in <rank>/ready.  Gloo's TCP loop thread cannot report
+ * exception: a message that says it timed out ("Timed out ...", "Connect
+ * timeout", "Read timeout") is DS_ETIMEOUT, anything else DS_EIO, naming
+ * the peer rank when the message holds one of its addresses (above).  Gloo's TCP loop thread cannot report
  * everything to the caller: a malformed frame on an established connection
  * fails a GLOO_ENFORCE on that thread, and the exception ends the process
  * (std::terminate).  We install a terminate handler that logs what Gloo
@@ -66,6 +70,7 @@ extern "C" {
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -182,7 +187,10 @@ private:
 struct Impl {
 	std::shared_ptr<gloo::transport::Device> dev;
 	std::shared_ptr<gloo::rendezvous::Context> ctx;
-	std::vector<std::string> peer_addr; /* [rank]: its end of our connection */
+	/* [rank]: its end of our connection, and the address it listened on
+	 * for us (Gloo names either in its messages: a pair that accepted the
+	 * connection before connect() was called keeps the published one) */
+	std::vector<std::string> peer_addr, peer_listen;
 	std::vector<char> scratch;          /* widening, reduce_scatter, all_to_allv */
 	std::vector<char> scratch2;
 	std::string prefix;
@@ -244,7 +252,8 @@ static int failure(comm_group *g, const char *call, const char *what, ds_err *er
 	std::string w = what ? what : "";
 	int peer = -1;
 	for (size_t r = 0; r < im->peer_addr.size(); r++) {
-		if (!im->peer_addr[r].empty() && w.find(im->peer_addr[r]) != std::string::npos) {
+		if ((!im->peer_addr[r].empty() && w.find(im->peer_addr[r]) != std::string::npos) ||
+		    (!im->peer_listen[r].empty() && w.find(im->peer_listen[r]) != std::string::npos)) {
 			peer = (int)r;
 			break;
 		}
@@ -533,8 +542,9 @@ static int gloo_all_to_allv(comm_group *g, const void *send, const int64_t *send
 	for (size_t p = 0; p < W; p++) {
 		sc[p] = send_counts[p] * (int64_t)es;
 		rc_[p] = recv_counts[p] * (int64_t)es;
-		memcpy(sb + off, static_cast<const char *>(send) + (size_t)send_displs[p] * es,
-		       (size_t)sc[p]);
+		if (sc[p]) /* send may be NULL when nothing is sent */
+			memcpy(sb + off, static_cast<const char *>(send) + (size_t)send_displs[p] * es,
+			       (size_t)sc[p]);
 		off += (size_t)sc[p];
 	}
 	int rc = guarded(g, "all_to_allv", err, [&] {
@@ -548,8 +558,9 @@ static int gloo_all_to_allv(comm_group *g, const void *send, const int64_t *send
 		return rc;
 	off = 0;
 	for (size_t p = 0; p < W; p++) {
-		memcpy(static_cast<char *>(recv) + (size_t)recv_displs[p] * es, rb + off,
-		       (size_t)rc_[p]);
+		if (rc_[p])
+			memcpy(static_cast<char *>(recv) + (size_t)recv_displs[p] * es, rb + off,
+			       (size_t)rc_[p]);
 		off += (size_t)rc_[p];
 	}
 	return DS_OK;
@@ -659,6 +670,18 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 	StoreAdapter adapter(st, im->prefix, g->timeout_ms);
 	im->ctx->connectFullMesh(adapter, im->dev);
 
+	/* One byte to and from every peer: afterwards every connection is
+	 * established on both ends, so each pair's local address is final
+	 * (a connecting pair learns it only once connected). */
+	{
+		std::vector<int64_t> ones((size_t)g->size, 1);
+		std::vector<uint8_t> out((size_t)g->size, 1), in((size_t)g->size, 0);
+		gloo::AlltoallvOptions opts(im->ctx);
+		opts.setInput(out.data(), ones);
+		opts.setOutput(in.data(), ones);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::alltoallv(opts);
+	}
 	/* ready: our end of every connection, one line per rank */
 	std::string ready;
 	for (int r = 0; r < g->size; r++) {
@@ -673,6 +696,7 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 	if (rc)
 		throw StoreError(rc, e.msg);
 	im->peer_addr.assign((size_t)g->size, std::string());
+	im->peer_listen.assign((size_t)g->size, std::string());
 	for (int r = 0; r < g->size; r++) {
 		if (r == g->rank)
 			continue;
@@ -695,6 +719,15 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 			const char *end = strchr(line, '\n');
 			im->peer_addr[(size_t)r].assign(line, end ? (size_t)(end - line) : strlen(line));
 		}
+		/* rank r's published pair addresses skip r itself */
+		std::vector<char> all = adapter.get(std::to_string(r));
+		size_t per = all.size() / (size_t)(g->size - 1), idx = (size_t)(g->rank < r ? g->rank : g->rank - 1);
+		if (per && all.size() % per == 0) {
+			std::vector<char> one(all.begin() + (long)(idx * per), all.begin() + (long)((idx + 1) * per));
+			im->peer_listen[(size_t)r] = gloo::transport::tcp::Address(one).str();
+		}
+		log_debug("comm_gloo", "peer address", "group=%s rank=%d peer=%d addr=%s listen=%s", g->name,
+			  g->rank, r, im->peer_addr[(size_t)r].c_str(), im->peer_listen[(size_t)r].c_str());
 	}
 }
 

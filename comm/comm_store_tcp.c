@@ -141,6 +141,8 @@ struct comm_store_server {
 	entry *tab;
 	size_t n_tab;
 	conn *conns; /* CLIENTS_MAX slots */
+	struct pollfd *pf; /* CLIENTS_MAX + 2, for serve */
+	int *idx;          /* pf slot -> conn */
 };
 
 static entry *tab_find(comm_store_server *s, const char *key)
@@ -340,12 +342,8 @@ static void serve_accept(comm_store_server *s)
 static void *serve(void *arg)
 {
 	comm_store_server *s = arg;
-	struct pollfd *pf = calloc(CLIENTS_MAX + 2, sizeof *pf);
-	int *idx = calloc(CLIENTS_MAX + 2, sizeof *idx);
-	if (!pf || !idx) {
-		log_error("comm_store", "out of memory: the store stops serving", "addr=%s", s->addr);
-		goto out;
-	}
+	struct pollfd *pf = s->pf;
+	int *idx = s->idx;
 	for (;;) {
 		int n = 0, timeout = -1;
 		int64_t now = now_ms();
@@ -375,10 +373,10 @@ static void *serve(void *arg)
 		if (poll(pf, (nfds_t)n, timeout) < 0 && errno != EINTR) {
 			log_error("comm_store", "poll failed: the store stops serving", "err=\"%s\"",
 				  strerror(errno));
-			goto out;
+			return NULL;
 		}
 		if (pf[0].revents)
-			goto out;
+			return NULL;
 		if (pf[1].revents & POLLIN)
 			serve_accept(s);
 		for (int j = 2; j < n; j++) {
@@ -394,10 +392,6 @@ static void *serve(void *arg)
 			}
 		}
 	}
-out:
-	free(pf);
-	free(idx);
-	return NULL;
 }
 
 comm_store_server *comm_store_server_start(const char *host, int port, ds_err *err)
@@ -416,9 +410,14 @@ comm_store_server *comm_store_server_start(const char *host, int port, ds_err *e
 				host ? host : "(null)", port);
 		goto out;
 	}
+	/* everything the thread needs is allocated here, so that it starts
+	 * without touching the allocator (a process that forks right after
+	 * start, like the tests, never copies a held allocator lock) */
 	s->conns = calloc(CLIENTS_MAX, sizeof *s->conns);
 	s->tab = calloc(ENTRIES_MAX, sizeof *s->tab);
-	if (!s->conns || !s->tab) {
+	s->pf = calloc(CLIENTS_MAX + 2, sizeof *s->pf);
+	s->idx = calloc(CLIENTS_MAX + 2, sizeof *s->idx);
+	if (!s->conns || !s->tab || !s->pf || !s->idx) {
 		rc = ds_err_set(err, DS_ENOMEM, "comm store server: out of memory");
 		goto out;
 	}
@@ -464,6 +463,8 @@ out:
 			close(s->lfd);
 		free(s->conns);
 		free(s->tab);
+		free(s->pf);
+		free(s->idx);
 		free(s);
 		return NULL;
 	}
@@ -495,6 +496,8 @@ void comm_store_server_stop(comm_store_server *s)
 	close(s->lfd);
 	free(s->conns);
 	free(s->tab);
+	free(s->pf);
+	free(s->idx);
 	free(s);
 }
 

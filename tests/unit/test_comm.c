@@ -17,14 +17,36 @@
  * The boundary (comm.c) is also tested with W = 2 through a fake backend
  * whose ops succeed or fail on command: what is refused before a backend
  * is reached, and that a timeout or a dead peer breaks the group for good.
+ *
+ * The Gloo backend runs the same table with W = 1..8 ranks, each a forked
+ * child of the test with the rendezvous store served by the test process
+ * (run_ranks); then send/recv and barrier, bit-identical reductions across
+ * ranks and reruns with random delays, and failures that must end in a
+ * DS_E* code within the timeout: a peer that dies inside a collective or
+ * exits, a peer that stalls, a rank that never comes, garbage in the store
+ * and garbage on a rank's transport port (where Gloo aborts the process:
+ * the test accepts that outcome, documented in docs/distributed.md, and
+ * checks that nothing hangs).
  */
 #include "comm/comm.h"
 #include "comm/comm_impl.h" /* a fake backend for the boundary tests */
 #include "kernels/cpu/cpu.h"
 #include "tests/unit/unit.h"
 
+#include "common/strutil.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define GUARD 16     /* elements past every output that must stay untouched */
 #define SENTINEL 0xA5 /* fill byte of outputs before a call */
@@ -333,15 +355,19 @@ static const coll_case coll_cases[] = {
 	 .run = run_all_to_allv, .ref = ref_all_to_allv},
 };
 
-/* 0 when got equals want: bit-exact, or within tol (relative) for float
- * reductions of W > 1 ranks. */
+/* 0 when got equals want: bit-exact when tol is 0, else (float
+ * reductions of W > 1 ranks, summed in another order than the reference's)
+ * within tol absolute plus one unit of the dtype's precision relative: an
+ * f32 sum in another order differs by a few ulps of the inputs' scale, and
+ * bf16/f16 results rounded once from it by at most one ulp. */
 static int cmp_tol(const void *got, const void *want, int64_t n, comm_dtype dt, double tol)
 {
 	if (tol == 0.0 || dt == COMM_I32 || dt == COMM_U8)
 		return memcmp(got, want, (size_t)n * comm_dtype_size(dt)) != 0;
+	double rel = dt == COMM_BF16 ? 1.0 / 128 : dt == COMM_F16 ? 1.0 / 1024 : 1e-6;
 	for (int64_t i = 0; i < n; i++) {
 		double x = load_f(got, dt, i), y = load_f(want, dt, i);
-		if (!(fabs(x - y) <= tol * (fabs(y) + 1e-6)))
+		if (!(fabs(x - y) <= tol + rel * fabs(y)))
 			return 1;
 	}
 	return 0;
@@ -712,4 +738,802 @@ TEST(comm_transport_errors_break_the_group)
 	fake_rc = 0;
 	CHECK_EQ(comm_all_gather(g, buf, buf, 4, COMM_F32, &err), DS_EIO);
 	comm_group_free(g);
+}
+
+/* ---- the Gloo backend: W ranks as forked children of the test ----
+ *
+ * The test process serves the rendezvous store (comm_store_server) and
+ * forks one child per rank; each child opens a store client, makes its
+ * Gloo group on loopback, runs a body and exits with its number of
+ * failures (capped), or 120+ when it could not start.  Children draw
+ * their inputs from the random state they inherit, so every rank computes
+ * the same references (as the header says).  The parent reaps every child
+ * within a deadline and kills the ones that overrun it: a hang is a
+ * failure, never a stuck test. */
+
+#define RANK_EXIT_SETUP 120 /* the store could not be opened */
+#define RANK_EXIT_NEW 140   /* comm_gloo_new failed with DS code -(status - 140) */
+
+typedef struct rank_ctx {
+	comm_group *g;
+	comm_store *st;
+	const char *prefix;
+	int rank, W;
+	void *arg;
+} rank_ctx;
+
+typedef int (*rank_body)(rank_ctx *rc);
+
+typedef struct rank_run rank_run;
+struct rank_run {
+	int W, timeout_ms, wait_ms;
+	rank_body body;
+	void *arg;
+	int ranks;   /* processes to fork (0: W); the test plays the others */
+	int quiet;   /* constructor failures are expected */
+	/* run in the test process once the prefix is chosen: before the fork,
+	 * and after it (before the ranks start) */
+	void (*before)(struct rank_run *rr, comm_store_server *s);
+	void (*after)(struct rank_run *rr, comm_store_server *s);
+	/* filled by run_ranks */
+	char prefix[96];
+	int status[W_MAX]; /* waitpid status per rank */
+	int hung;          /* ranks killed at the deadline */
+	double seconds;
+};
+
+static unsigned run_seq;
+
+static void rank_main(const char *addr, rank_run *rr, int rank, int go)
+{
+	comm_store st;
+	ds_err err = {0};
+	char b;
+	/* wait until every rank is forked (see run_ranks) */
+	while (read(go, &b, 1) < 0 && errno == EINTR)
+		;
+	close(go);
+	if (rr->quiet) /* expected failures (Gloo's abort prints through libstdc++) */
+		dup2(open("/dev/null", O_WRONLY), 2);
+	if (comm_store_tcp_open(&st, addr, 5000, &err)) {
+		fprintf(stderr, "    rank %d: %s\n", rank, err.msg);
+		_exit(RANK_EXIT_SETUP);
+	}
+	comm_params p = comm_default_params();
+	p.rank = rank;
+	p.world_size = rr->W;
+	p.timeout_ms = rr->timeout_ms;
+	p.name = "test";
+	comm_group *g = comm_gloo_new(&p, &st, rr->prefix, "127.0.0.1", &err);
+	if (!g) {
+		if (!rr->quiet)
+			fprintf(stderr, "    rank %d: %s\n", rank, err.msg);
+		_exit(RANK_EXIT_NEW - err.code);
+	}
+	rank_ctx rc = {.g = g, .st = &st, .prefix = rr->prefix, .rank = rank, .W = rr->W,
+		       .arg = rr->arg};
+	int fails = rr->body(&rc);
+	comm_group_free(g);
+	comm_store_tcp_close(&st);
+	_exit(fails > 100 ? 100 : fails);
+}
+
+/* Forks rr->W ranks against server s and reaps them all (killing those
+ * still running after rr->wait_ms).  The ranks start only once all are
+ * forked (they wait for the end of a pipe): a child forked while the
+ * store's thread serves an earlier child could copy an allocator lock held
+ * by that thread (ASan's allocator is not fork-safe; glibc's is). */
+static void run_ranks(comm_store_server *s, rank_run *rr)
+{
+	pid_t pids[W_MAX];
+	int alive = 0;
+	snprintf(rr->prefix, sizeof rr->prefix, "job%d/run%u", (int)getpid(), ++run_seq);
+	rr->hung = 0;
+	int n = rr->ranks ? rr->ranks : rr->W;
+	if (rr->before)
+		rr->before(rr, s);
+	fflush(NULL);
+	int go[2];
+	if (pipe(go) != 0) {
+		ut_fail(__FILE__, __LINE__, "pipe: %s", strerror(errno));
+		return;
+	}
+	uint64_t t0 = ds_now_ns();
+	for (int r = 0; r < n; r++) {
+		pids[r] = fork();
+		if (pids[r] == 0) {
+			close(go[1]);
+			rank_main(comm_store_server_addr(s), rr, r, go[0]);
+		}
+		if (pids[r] < 0) {
+			ut_fail(__FILE__, __LINE__, "fork: %s", strerror(errno));
+			rr->status[r] = -1;
+		} else {
+			alive++;
+		}
+	}
+	close(go[0]);
+	if (rr->after)
+		rr->after(rr, s);
+	close(go[1]); /* the ranks start */
+	uint64_t deadline = t0 + (uint64_t)rr->wait_ms * 1000000u;
+	while (alive > 0) {
+		int st;
+		pid_t pid = waitpid(-1, &st, WNOHANG);
+		if (pid > 0) {
+			for (int r = 0; r < n; r++) {
+				if (pids[r] == pid) {
+					rr->status[r] = st;
+					pids[r] = 0;
+					alive--;
+				}
+			}
+			continue;
+		}
+		if (ds_now_ns() > deadline) { /* a hang: kill and reap */
+			for (int r = 0; r < n; r++) {
+				if (pids[r] > 0) {
+					kill(pids[r], SIGKILL);
+					waitpid(pids[r], &rr->status[r], 0);
+					pids[r] = 0;
+					rr->hung++;
+					alive--;
+				}
+			}
+			break;
+		}
+		usleep(2000);
+	}
+	rr->seconds = (double)(ds_now_ns() - t0) / 1e9;
+}
+
+/* 1 when every rank exited with 0; reports the others. */
+static int ranks_ok(const rank_run *rr)
+{
+	int ok = !rr->hung;
+	if (rr->hung)
+		ut_fail(__FILE__, __LINE__, "W=%d: %d ranks hung past %d ms", rr->W, rr->hung,
+			rr->wait_ms);
+	for (int r = 0; r < rr->W; r++) {
+		int st = rr->status[r];
+		if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
+			continue;
+		ok = 0;
+		if (WIFEXITED(st))
+			ut_fail(__FILE__, __LINE__, "W=%d rank %d exited with %d", rr->W, r, WEXITSTATUS(st));
+		else
+			ut_fail(__FILE__, __LINE__, "W=%d rank %d ended by signal %d", rr->W, r,
+				WIFSIGNALED(st) ? WTERMSIG(st) : -1);
+	}
+	return ok;
+}
+
+/* A store server that is already serving (one round trip): its thread
+ * is idle in poll() when the ranks are forked. */
+static comm_store_server *store_start(void)
+{
+	ds_err err = {0};
+	comm_store cl;
+	size_t len;
+	char v;
+	comm_store_server *s = comm_store_server_start("127.0.0.1", 0, &err);
+	if (!s) {
+		ut_fail(__FILE__, __LINE__, "store server: %s", err.msg);
+		return NULL;
+	}
+	if (comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err) ||
+	    cl.set(cl.ctx, "ping", "1", 1, &err) || cl.get(cl.ctx, "ping", &v, 1, &len, 1000, &err))
+		ut_fail(__FILE__, __LINE__, "store server: %s", err.msg);
+	comm_store_tcp_close(&cl);
+	return s;
+}
+
+/* Tolerance of float reductions against the rank-order reference. */
+#define GLOO_TOL 1e-4
+
+/* The table of collectives, then broadcast from every root, zero counts. */
+static int body_collectives(rank_ctx *rc)
+{
+	int fails = check_all_cases(rc->g, GLOO_TOL);
+	static const comm_dtype dts[] = {COMM_F32, COMM_U8};
+	for (int root = 0; root < rc->W; root++) {
+		for (size_t d = 0; d < 2; d++) {
+			int64_t count = 1 + (int64_t)(ut_rand_u64() % 999);
+			size_t es = comm_dtype_size(dts[d]);
+			char *want = malloc((size_t)count * es), *buf = malloc((size_t)count * es);
+			fill_random(want, dts[d], count); /* root's data: same draw on every rank */
+			fill_random(buf, dts[d], count);  /* the others' data, overwritten */
+			ds_err err = {0};
+			if (rc->rank == root)
+				memcpy(buf, want, (size_t)count * es);
+			int r = comm_broadcast(rc->g, buf, count, dts[d], root, &err);
+			if (r || memcmp(buf, want, (size_t)count * es) != 0) {
+				ut_fail(__FILE__, __LINE__, "broadcast root %d count %lld: %s", root,
+					(long long)count, r ? err.msg : "wrong data");
+				fails++;
+			}
+			free(want);
+			free(buf);
+		}
+	}
+	/* empty parts: every call with zero elements succeeds at once */
+	ds_err err = {0};
+	float one = 1.0f;
+	int64_t zeros[W_MAX] = {0};
+	if (comm_all_reduce(rc->g, &one, &one, 0, COMM_F32, COMM_SUM, &err) ||
+	    comm_all_gather(rc->g, &one, NULL, 0, COMM_F32, &err) ||
+	    comm_reduce_scatter(rc->g, NULL, &one, 0, COMM_F32, COMM_SUM, &err) ||
+	    comm_broadcast(rc->g, NULL, 0, COMM_F32, 0, &err) ||
+	    comm_all_to_allv(rc->g, NULL, zeros, zeros, NULL, zeros, zeros, COMM_F32, &err)) {
+		ut_fail(__FILE__, __LINE__, "zero-count call: %s", err.msg);
+		fails++;
+	}
+	return fails;
+}
+
+static void run_collectives(int w_lo, int w_hi)
+{
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	for (int W = w_lo; W <= w_hi; W++) {
+		rank_run rr = {.W = W, .timeout_ms = 10000, .wait_ms = 60000, .body = body_collectives};
+		run_ranks(s, &rr);
+		ranks_ok(&rr);
+		if (getenv("DS_TEST_VERBOSE"))
+			fprintf(stderr, "    W=%d: %.2f s\n", W, rr.seconds);
+	}
+	comm_store_server_stop(s);
+}
+
+/* World sizes 1..8 in tests of a few seconds each (a 2-core machine runs
+ * W processes of about 240 collectives each). */
+TEST(comm_gloo_collectives_match_reference_w1_to_4)
+{
+	run_collectives(1, 4);
+}
+
+TEST(comm_gloo_collectives_match_reference_w5_6)
+{
+	run_collectives(5, 6);
+}
+
+TEST(comm_gloo_collectives_match_reference_w7)
+{
+	run_collectives(7, 7);
+}
+
+TEST(comm_gloo_collectives_match_reference_w8)
+{
+	run_collectives(8, 8);
+}
+
+/* Every ordered pair (s, d) in one global order: s sends an odd count of
+ * random elements, d receives and checks; then barriers. */
+static int body_p2p(rank_ctx *rc)
+{
+	int fails = 0;
+	for (int s = 0; s < rc->W; s++) {
+		for (int d = 0; d < rc->W; d++) {
+			if (s == d)
+				continue;
+			int64_t count = 1 + 2 * (int64_t)(ut_rand_u64() % 500);
+			int32_t *want = malloc((size_t)count * 4), *got = malloc((size_t)count * 4 + 4);
+			fill_random(want, COMM_I32, count);
+			ds_err err = {0};
+			int r = 0;
+			if (rc->rank == s)
+				r = comm_send(rc->g, want, count, COMM_I32, d, &err);
+			else if (rc->rank == d)
+				r = comm_recv(rc->g, got, count, COMM_I32, s, &err);
+			if (r || (rc->rank == d && memcmp(got, want, (size_t)count * 4) != 0)) {
+				ut_fail(__FILE__, __LINE__, "%d -> %d count %lld: %s", s, d, (long long)count,
+					r ? err.msg : "wrong data");
+				fails++;
+			}
+			free(want);
+			free(got);
+		}
+	}
+	for (int i = 0; i < 3; i++) {
+		ds_err err = {0};
+		usleep((useconds_t)(rc->rank * 3000));
+		if (comm_barrier(rc->g, &err)) {
+			ut_fail(__FILE__, __LINE__, "barrier: %s", err.msg);
+			fails++;
+		}
+	}
+	return fails;
+}
+
+TEST(comm_gloo_send_recv_and_barrier)
+{
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	for (int W = 2; W <= W_MAX; W += 3) {
+		rank_run rr = {.W = W, .timeout_ms = 10000, .wait_ms = 60000, .body = body_p2p};
+		run_ranks(s, &rr);
+		ranks_ok(&rr);
+	}
+	comm_store_server_stop(s);
+}
+
+/* ---- determinism: every rank, every run, the same bits ---- */
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ ((const unsigned char *)p)[i]) * 0x100000001b3ull;
+	return h;
+}
+
+/* Reductions of f32 and bf16 (all_reduce, reduce_scatter) with random
+ * delays before each call (drawn from the pid: they differ per rank and
+ * per run); publishes the hash of every result as "<prefix>/hash/<rank>". */
+static int body_determinism(rank_ctx *rc)
+{
+	uint64_t delay_rng = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull | 1, h = 0xcbf29ce484222325ull;
+	int fails = 0;
+	enum { N = 4099 }; /* odd, more than one ring segment per rank at W = 8 */
+	for (int it = 0; it < 6; it++) {
+		comm_dtype dt = it & 1 ? COMM_BF16 : COMM_F32;
+		size_t es = comm_dtype_size(dt);
+		char *in = malloc(N * es * W_MAX), *out = malloc(N * es * W_MAX);
+		char *other = malloc(N * es * W_MAX);
+		for (int r = 0; r < rc->W; r++) /* rank r's input: the r-th draw */
+			fill_random(r == rc->rank ? in : other, dt, (int64_t)N * rc->W);
+		free(other);
+		delay_rng ^= delay_rng << 13;
+		delay_rng ^= delay_rng >> 7;
+		delay_rng ^= delay_rng << 17;
+		usleep((useconds_t)(delay_rng % 3000));
+		ds_err err = {0};
+		int r = it % 3 == 2 ? comm_reduce_scatter(rc->g, in, out, N, dt, COMM_SUM, &err)
+				    : comm_all_reduce(rc->g, in, out, (int64_t)N * rc->W, dt, COMM_SUM, &err);
+		if (r) {
+			ut_fail(__FILE__, __LINE__, "iteration %d: %s", it, err.msg);
+			fails++;
+		}
+		/* reduce_scatter: every rank hashes all parts via all_gather */
+		if (!r && it % 3 == 2) {
+			char *all = malloc(N * es * W_MAX);
+			r = comm_all_gather(rc->g, out, all, N, dt, &err);
+			memcpy(out, all, N * es * (size_t)rc->W);
+			free(all);
+		}
+		h = fnv(h, out, N * es * (size_t)rc->W);
+		free(in);
+		free(out);
+	}
+	char key[160];
+	snprintf(key, sizeof key, "%s/hash/%d", rc->prefix, rc->rank);
+	ds_err err = {0};
+	if (rc->st->set(rc->st->ctx, key, &h, sizeof h, &err)) {
+		ut_fail(__FILE__, __LINE__, "publish: %s", err.msg);
+		fails++;
+	}
+	return fails;
+}
+
+TEST(comm_gloo_reductions_are_bit_identical_across_ranks_and_runs)
+{
+	comm_store_server *s = store_start();
+	comm_store cl = {0};
+	ds_err err = {0};
+	if (!s || comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err)) {
+		comm_store_server_stop(s);
+		return;
+	}
+	static const int worlds[] = {3, 8};
+	for (size_t w = 0; w < 2; w++) {
+		uint64_t first = 0;
+		for (int run = 0; run < 3; run++) {
+			rank_run rr = {.W = worlds[w], .timeout_ms = 10000, .wait_ms = 60000,
+				       .body = body_determinism};
+			run_ranks(s, &rr);
+			if (!ranks_ok(&rr))
+				continue;
+			for (int r = 0; r < rr.W; r++) {
+				char key[160];
+				uint64_t h = 0;
+				size_t len = 0;
+				snprintf(key, sizeof key, "%s/hash/%d", rr.prefix, r);
+				CHECK_EQ(cl.get(cl.ctx, key, &h, sizeof h, &len, 1000, &err), 0);
+				if (!first)
+					first = h;
+				if (h != first)
+					ut_fail(__FILE__, __LINE__, "W=%d run %d rank %d: hash %016llx, first "
+						"%016llx", rr.W, run, r, (unsigned long long)h,
+						(unsigned long long)first);
+			}
+		}
+	}
+	comm_store_tcp_close(&cl);
+	comm_store_server_stop(s);
+}
+
+/* ---- failures: each ends in a DS_E* code within the timeout ---- */
+
+#define FAIL_TIMEOUT_MS 1000
+
+/* 0 when rc is one of the transport codes and the call took at most the
+ * timeout plus a margin for a loaded machine; the group must then stay
+ * broken with the same code. */
+static int check_failed(rank_ctx *rc, const char *what, int r, const ds_err *err, uint64_t t0)
+{
+	double ms = (double)(ds_now_ns() - t0) / 1e6;
+	int fails = 0;
+	if (r != DS_EIO && r != DS_ETIMEOUT) {
+		ut_fail(__FILE__, __LINE__, "rank %d %s: rc %d (%s), wanted EIO or ETIMEOUT", rc->rank, what,
+			r, err->msg);
+		fails++;
+	}
+	if (ms > FAIL_TIMEOUT_MS + 2500) {
+		ut_fail(__FILE__, __LINE__, "rank %d %s: took %.0f ms", rc->rank, what, ms);
+		fails++;
+	}
+	if (getenv("DS_TEST_VERBOSE"))
+		fprintf(stderr, "    rank %d %s after %.0f ms: %s\n", rc->rank, what, ms, err->msg);
+	ds_err again = {0};
+	float x = 1.0f;
+	if (comm_all_reduce(rc->g, &x, &x, 1, COMM_F32, COMM_SUM, &again) != r ||
+	    strcmp(again.msg, err->msg) != 0) {
+		ut_fail(__FILE__, __LINE__, "rank %d: the group is not broken after %s", rc->rank, what);
+		fails++;
+	}
+	return fails;
+}
+
+/* The last rank dies inside a large all_reduce (SIGALRM, default action:
+ * the process ends with its sockets); the others must see DS_EIO. */
+static int body_peer_dies(rank_ctx *rc)
+{
+	const int64_t n = 1 << 22;
+	float *buf = malloc((size_t)n * 4);
+	ds_err err = {0};
+	int fails = 0;
+	for (int64_t i = 0; i < n; i++)
+		buf[i] = 1.0f + (float)(i % 7);
+	if (comm_barrier(rc->g, &err)) {
+		ut_fail(__FILE__, __LINE__, "barrier: %s", err.msg);
+		free(buf);
+		return 1;
+	}
+	if (rc->rank == rc->W - 1)
+		ualarm(3000, 0);
+	uint64_t t0 = ds_now_ns();
+	int r = comm_all_reduce(rc->g, buf, buf, n, COMM_F32, COMM_SUM, &err);
+	if (rc->rank == rc->W - 1) /* the call finished before the alarm: die now */
+		raise(SIGALRM);
+	fails += check_failed(rc, "all_reduce with a dying peer", r, &err, t0);
+	/* a rank names the peer it lost: the dead one, or a neighbour that
+	 * gave up on it first and closed (DS_ETIMEOUT: a send still waiting
+	 * for the dead rank's receive sees no error until the timeout) */
+	if (r == DS_EIO && !strstr(err.msg, "is dead or unreachable")) {
+		ut_fail(__FILE__, __LINE__, "rank %d: DS_EIO names no rank: %s", rc->rank, err.msg);
+		fails++;
+	}
+	free(buf);
+	return fails;
+}
+
+/* The last rank exits without a word right after joining. */
+static int body_peer_exits(rank_ctx *rc)
+{
+	if (rc->rank == rc->W - 1)
+		_exit(0);
+	ds_err err = {0};
+	int32_t x[5] = {1, 2, 3, 4, 5};
+	uint64_t t0 = ds_now_ns();
+	int r = comm_all_reduce(rc->g, x, x, 5, COMM_I32, COMM_SUM, &err);
+	int fails = check_failed(rc, "all_reduce after a peer exited", r, &err, t0);
+	if (r == DS_EIO && !strstr(err.msg, "is dead or unreachable")) {
+		ut_fail(__FILE__, __LINE__, "rank %d: DS_EIO names no rank: %s", rc->rank, err.msg);
+		fails++;
+	}
+	return fails;
+}
+
+/* The last rank never calls (sleeps past the others' timeout). */
+static int body_peer_stalls(rank_ctx *rc)
+{
+	if (rc->rank == rc->W - 1) {
+		usleep((FAIL_TIMEOUT_MS + 700) * 1000);
+		return 0;
+	}
+	ds_err err = {0};
+	float x[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+	uint64_t t0 = ds_now_ns();
+	int r = comm_all_reduce(rc->g, x, x, 9, COMM_F32, COMM_SUM, &err);
+	return check_failed(rc, "all_reduce with a stalled peer", r, &err, t0);
+}
+
+/* Rank 0 waits for a message rank 1 never sends. */
+static int body_recv_stalls(rank_ctx *rc)
+{
+	if (rc->rank == 1) {
+		usleep((FAIL_TIMEOUT_MS + 700) * 1000);
+		return 0;
+	}
+	ds_err err = {0};
+	uint8_t b[3];
+	uint64_t t0 = ds_now_ns();
+	int r = comm_recv(rc->g, b, 3, COMM_U8, 1, &err);
+	int fails = check_failed(rc, "recv from a silent peer", r, &err, t0);
+	if (r != DS_ETIMEOUT || !strstr(err.msg, "peer rank 1")) {
+		ut_fail(__FILE__, __LINE__, "recv: wanted DS_ETIMEOUT naming peer rank 1: %d %s", r, err.msg);
+		fails++;
+	}
+	return fails;
+}
+
+/* The failing rank's own end is not checked (it died or slept); every
+ * other rank must have passed its checks. */
+static void run_failure(comm_store_server *s, int W, rank_body body)
+{
+	rank_run rr = {.W = W, .timeout_ms = FAIL_TIMEOUT_MS, .wait_ms = 15000, .body = body};
+	run_ranks(s, &rr);
+	CHECK_EQ(rr.hung, 0);
+	for (int r = 0; r < W; r++) {
+		int st = rr.status[r];
+		int culprit = body == body_recv_stalls ? r == 1 : r == W - 1;
+		if (culprit)
+			continue;
+		if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+			ut_fail(__FILE__, __LINE__, "W=%d rank %d: status %d", W, r, st);
+	}
+}
+
+TEST(comm_gloo_dead_peer_is_eio)
+{
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	run_failure(s, 3, body_peer_dies);
+	run_failure(s, 4, body_peer_exits);
+	comm_store_server_stop(s);
+}
+
+TEST(comm_gloo_stalled_peer_is_etimeout)
+{
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	run_failure(s, 3, body_peer_stalls);
+	run_failure(s, 2, body_recv_stalls);
+	comm_store_server_stop(s);
+}
+
+/* A world of W where only W - 1 ranks come: the constructor names the
+ * missing rank. */
+static int body_nothing(rank_ctx *rc)
+{
+	return 0;
+}
+
+TEST(comm_gloo_missing_rank_is_named)
+{
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	rank_run rr = {.W = 3, .ranks = 2, .quiet = 1, .timeout_ms = 800, .wait_ms = 15000,
+		       .body = body_nothing};
+	run_ranks(s, &rr);
+	CHECK_EQ(rr.hung, 0);
+	for (int r = 0; r < 2; r++) {
+		CHECK(WIFEXITED(rr.status[r]));
+		CHECK_EQ(WEXITSTATUS(rr.status[r]), RANK_EXIT_NEW - DS_ETIMEOUT);
+	}
+	comm_store_server_stop(s);
+}
+
+/* ---- garbage from the store and on the transport ----
+ * W = 2, one real rank (0); the test plays rank 1 by writing its keys. */
+
+static void put_key(comm_store_server *s, const char *prefix, const char *suffix, const void *v,
+		    size_t n)
+{
+	comm_store cl;
+	ds_err err = {0};
+	char key[200];
+	snprintf(key, sizeof key, "%s/%s", prefix, suffix);
+	if (comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err) ||
+	    cl.set(cl.ctx, key, v, n, &err))
+		ut_fail(__FILE__, __LINE__, "set %s: %s", key, err.msg);
+	comm_store_tcp_close(&cl);
+}
+
+/* Rank 1's Gloo addresses: a header that is not one */
+static void before_bad_header(rank_run *rr, comm_store_server *s)
+{
+	put_key(s, rr->prefix, "1/host", "127.0.0.1", 9);
+	put_key(s, rr->prefix, "gloo/rank_1", "x", 1);
+	put_key(s, rr->prefix, "gloo/1", "garbage!", 8);
+}
+
+/* ... a header announcing 300 random bytes that are not an address */
+static void before_bad_address(rank_run *rr, comm_store_server *s)
+{
+	unsigned char junk[300];
+	for (size_t i = 0; i < sizeof junk; i++)
+		junk[i] = (unsigned char)ut_rand_u64();
+	put_key(s, rr->prefix, "1/host", "127.0.0.1", 9);
+	put_key(s, rr->prefix, "gloo/rank_1", "x", 1);
+	put_key(s, rr->prefix, "gloo/1#0", junk, sizeof junk);
+	put_key(s, rr->prefix, "gloo/1", "1 300", 5);
+}
+
+/* ... an address of the right size whose family is nonsense */
+static void before_bad_family(rank_run *rr, comm_store_server *s)
+{
+	unsigned char junk[136];
+	for (size_t i = 0; i < sizeof junk; i++)
+		junk[i] = (unsigned char)ut_rand_u64();
+	junk[0] = 0xee;
+	junk[1] = 0xee;
+	put_key(s, rr->prefix, "1/host", "127.0.0.1", 9);
+	put_key(s, rr->prefix, "gloo/rank_1", "x", 1);
+	put_key(s, rr->prefix, "gloo/1#0", junk, sizeof junk);
+	put_key(s, rr->prefix, "gloo/1", "1 136", 5);
+}
+
+TEST(comm_gloo_garbage_in_the_store_fails_the_constructor)
+{
+	void (*hooks[])(rank_run *, comm_store_server *) = {before_bad_header, before_bad_address,
+							     before_bad_family};
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	for (size_t h = 0; h < sizeof hooks / sizeof hooks[0]; h++) {
+		rank_run rr = {.W = 2, .ranks = 1, .quiet = 1, .timeout_ms = FAIL_TIMEOUT_MS,
+			       .wait_ms = 15000, .body = body_nothing, .before = hooks[h]};
+		run_ranks(s, &rr);
+		CHECK_EQ(rr.hung, 0);
+		int st = rr.status[0];
+		/* a DS_E* code from the constructor, never a crash */
+		if (!WIFEXITED(st) || WEXITSTATUS(st) <= RANK_EXIT_NEW)
+			ut_fail(__FILE__, __LINE__, "hook %zu: rank 0 status %d (signal %d)", h, st,
+				WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+		else if (getenv("DS_TEST_VERBOSE"))
+			fprintf(stderr, "    hook %zu: rank 0 failed with %s\n", h,
+				ds_status_name(RANK_EXIT_NEW - WEXITSTATUS(st)));
+	}
+	comm_store_server_stop(s);
+}
+
+/* Garbage on a rank's transport port: the test plays rank 1, connects to
+ * the listening port rank 0 published for it and sends random bytes
+ * (rank 1's own address is set to port 65535 so that rank 0 is the side
+ * that accepts).  Gloo accepts the first connection on that port without
+ * a handshake and parses frames on its loop thread, where a failed check
+ * ends the process: the documented outcome is rank 0 aborting (SIGABRT,
+ * after comm_gloo's terminate handler logs why) or a DS_E* error; what
+ * must never happen is a hang. */
+typedef struct attack {
+	comm_store_server *s;
+	const char *prefix;
+	int done;
+} attack;
+
+static void *attack_main(void *arg)
+{
+	attack *a = arg;
+	comm_store cl;
+	ds_err err = {0};
+	char key[200], hdr[64];
+	unsigned char addr[COMM_STORE_VALUE_MAX];
+	size_t len = 0;
+	int fd = -1;
+	if (comm_store_tcp_open(&cl, comm_store_server_addr(a->s), 2000, &err))
+		goto out;
+	snprintf(key, sizeof key, "%s/gloo/0", a->prefix);
+	if (cl.get(cl.ctx, key, hdr, sizeof hdr, &len, 5000, &err))
+		goto out;
+	snprintf(key, sizeof key, "%s/gloo/0#0", a->prefix);
+	if (cl.get(cl.ctx, key, addr, sizeof addr, &len, 5000, &err) || len < 4)
+		goto out;
+	struct sockaddr_in sa;
+	memcpy(&sa, addr, sizeof sa); /* Gloo's address: a sockaddr_storage first */
+	sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0)
+		goto out;
+	unsigned char junk[4096];
+	uint64_t x = 0x9E3779B97F4A7C15ull;
+	for (size_t i = 0; i < sizeof junk; i++) {
+		x ^= x << 13;
+		x ^= x >> 7;
+		x ^= x << 17;
+		junk[i] = (unsigned char)x;
+	}
+	/* first a well-formed frame of Gloo's (six size_t: nbytes, opcode,
+	 * slot, offset, length, roffset) sending 8 bytes to an unbound
+	 * buffer on a slot nobody receives on, then random bytes */
+	size_t pre[6] = {6 * sizeof(size_t) + 8, 1 /* SEND_UNBOUND_BUFFER */, 0x1234, 0, 8, 0};
+	memcpy(junk, pre, sizeof pre);
+	/* then publish rank 1's keys so that rank 0 goes on to connect */
+	unsigned char fake[136] = {0};
+	struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = 0xFFFF,
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	memcpy(fake, &me, sizeof me);
+	memset(fake + 128, 0xff, 8); /* sequence -1 */
+	snprintf(key, sizeof key, "%s/1/host", a->prefix);
+	cl.set(cl.ctx, key, "127.0.0.1", 9, &err);
+	snprintf(key, sizeof key, "%s/gloo/rank_1", a->prefix);
+	cl.set(cl.ctx, key, "x", 1, &err);
+	snprintf(key, sizeof key, "%s/gloo/1#0", a->prefix);
+	cl.set(cl.ctx, key, fake, sizeof fake, &err);
+	snprintf(key, sizeof key, "%s/gloo/1", a->prefix);
+	cl.set(cl.ctx, key, "1 136", 5, &err);
+	for (int i = 0; i < 8 && !a->done; i++) {
+		if (send(fd, junk, sizeof junk, MSG_NOSIGNAL) < 0)
+			break;
+		usleep(20 * 1000);
+	}
+	while (!a->done)
+		usleep(10 * 1000);
+out:
+	if (fd >= 0)
+		close(fd);
+	comm_store_tcp_close(&cl);
+	return NULL;
+}
+
+static void after_attack(rank_run *rr, comm_store_server *s)
+{
+	attack *a = rr->arg;
+	a->s = s;
+	a->prefix = rr->prefix;
+	pthread_t *th = (pthread_t *)(a + 1);
+	pthread_create(th, NULL, attack_main, a);
+}
+
+TEST(comm_gloo_garbage_on_the_transport_never_hangs)
+{
+	struct {
+		attack a;
+		pthread_t th;
+	} at = {0};
+	comm_store_server *s = store_start();
+	if (!s)
+		return;
+	rank_run rr = {.W = 2, .ranks = 1, .quiet = 1, .timeout_ms = FAIL_TIMEOUT_MS, .wait_ms = 15000,
+		       .body = body_nothing, .after = after_attack, .arg = &at.a};
+	run_ranks(s, &rr);
+	at.a.done = 1;
+	pthread_join(at.th, NULL);
+	CHECK_EQ(rr.hung, 0);
+	int st = rr.status[0];
+	int aborted = WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT;
+	int failed = WIFEXITED(st) && WEXITSTATUS(st) > RANK_EXIT_NEW;
+	if (!aborted && !failed)
+		ut_fail(__FILE__, __LINE__, "rank 0: status %d: neither an error nor Gloo's abort", st);
+	if (getenv("DS_TEST_VERBOSE"))
+		fprintf(stderr, "    rank 0: %s\n", aborted ? "aborted (SIGABRT)"
+					     : failed ? ds_status_name(RANK_EXIT_NEW - WEXITSTATUS(st))
+						      : "?");
+	comm_store_server_stop(s);
+}
+
+/* Without CUDA the NCCL constructor exists and says why it cannot work. */
+TEST(comm_nccl_without_cuda_is_unsupported)
+{
+#ifdef DS_HAVE_CUDA
+	UT_SKIP("built with CUDA: NCCL needs GPUs, not run by the unit tier");
+#else
+	comm_store_server *s = store_start();
+	comm_store cl = {0};
+	ds_err err = {0};
+	if (!s || comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err)) {
+		comm_store_server_stop(s);
+		return;
+	}
+	comm_params p = comm_default_params();
+	CHECK(comm_nccl_new(&p, &cl, "job/g", 0, &err) == NULL);
+	CHECK_EQ(err.code, DS_EUNSUPPORTED);
+	CHECK(strstr(err.msg, "CUDA") != NULL);
+	comm_store_tcp_close(&cl);
+	comm_store_server_stop(s);
+#endif
 }
