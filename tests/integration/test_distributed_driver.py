@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -29,17 +28,13 @@ import pytest
 
 from conftest import ROOT, binary
 
-sys.path.insert(0, str(ROOT))
-from tests.fixtures import tiny_models  # noqa: E402
-
 TIMEOUT = 300
 GGUF = ROOT / "models" / "default.gguf"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("driver_models")
-    out = {"v3": tiny_models.write_model("v3", d / "v3")}
+def models(tiny_deepseek):
+    out = {"v3": tiny_deepseek["v3"]}
     if GGUF.exists():
         out["gguf"] = GGUF
     return out
