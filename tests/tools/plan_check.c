@@ -342,8 +342,8 @@ static int compare_batch(const float *logits, const int64_t *offset, int pp, dou
 		same &= argmax(a) == argmax(b);
 	}
 	const int cut = pp == 1 || mb_min > 1;
-	printf("batch: %d sequences together in %d-token steps cut into %d..%d micro-batches (pp %d)%s\n",
-	       NBATCH, NBATCH, mb_min, mb_max, pp, cut ? "" : ": NOT CUT");
+	printf("batch: steps of %d sequences together cut into %d..%d micro-batches (pp %d)%s\n",
+	       NBATCH, mb_min, mb_max, pp, cut ? "" : ": NOT CUT");
 	printf("batch: %d rows together vs alone: max rel err %.3g, greedy ids %s\n", NKEY, worst,
 	       same ? "same" : "DIFFER");
 	return cut && same && worst <= tol && isfinite(worst);
