@@ -106,6 +106,17 @@ def _global_random_by_test(request):
     random.seed(seed_of(request.node.nodeid))
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory):
+    """The tiny DeepSeek checkpoints of tests/fixtures/tiny_models.py, one
+    directory per kind (v3, v3-fp8, v2-lite), written once for the session
+    and shared by the modules that read them: tests must not change them
+    (copy one first, as test_engine_numerics' error cases do)."""
+    from tests.fixtures import tiny_models
+    d = tmp_path_factory.mktemp("tiny_deepseek")
+    return {k: tiny_models.write_model(k, d / k) for k in tiny_models.KINDS}
+
+
 @pytest.fixture
 def agent(tmp_path):
     a = start_agent(tmp_path, "--name", "node-a")

@@ -11,9 +11,11 @@
   the build does not run plans).
 - Failures: a plan that cannot load is named; a rank killed with SIGKILL
   mid-generation makes dsrun exit non-zero within 5 s with a message naming
-  that rank, and no process of the run is left; dsrun itself killed with
-  SIGKILL takes its ranks with it within a few seconds (PR_SET_PDEATHSIG),
-  and SIGTERM does too (its handler).  On the one-rank plan and on --tp 2.
+  that rank (by rank and pid), and no process of the run (dsrun and every
+  descendant it had) is left; on the one-rank plan, --tp 2 (rank 1 or rank
+  0) and --pp 2 (either stage).  dsrun itself killed with SIGKILL takes its
+  ranks with it within a few seconds (PR_SET_PDEATHSIG), and SIGTERM does
+  too (its handler); on the one-rank plan and --tp 2.
 - engine/sched.c runs unchanged over the driver (tests/tools/sched_check.c
   with DS_SCHED_PLAN).
 """
@@ -21,7 +23,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -29,17 +30,13 @@ import pytest
 
 from conftest import ROOT, binary
 
-sys.path.insert(0, str(ROOT))
-from tests.fixtures import tiny_models  # noqa: E402
-
 TIMEOUT = 300
 GGUF = ROOT / "models" / "default.gguf"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("driver_models")
-    out = {"v3": tiny_models.write_model("v3", d / "v3")}
+def models(tiny_deepseek):
+    out = {"v3": tiny_deepseek["v3"]}
     if GGUF.exists():
         out["gguf"] = GGUF
     return out
@@ -151,7 +148,7 @@ def alive(pid):
         return False
 
 
-PLANS = {"one": ["--driver"], "tp2": ["--tp", "2"]}
+PLANS = {"one": ["--driver"], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
 
 
 def start_generation(plan):
@@ -162,7 +159,7 @@ def start_generation(plan):
            "3000", "--ctx", "3100", "--ignore-eos", "--temp", "0", "--ids", *PLANS[plan]]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          cwd=ROOT)
-    want = 2 if plan == "tp2" else 1
+    want = 1 if plan == "one" else 2
     deadline = time.monotonic() + 60
     pids = []
     while time.monotonic() < deadline and p.poll() is None:
@@ -171,26 +168,28 @@ def start_generation(plan):
             break
         time.sleep(0.05)
     if p.poll() is not None:
-        err = p.stderr.read()
-        if plan == "tp2" and "not built yet" in err:
-            pytest.skip("multi-rank plans need the Gloo groups (comm)")
-        pytest.fail(f"dsrun ended early ({p.returncode}): {err}")
+        pytest.fail(f"dsrun ended early ({p.returncode}): {p.stderr.read()}")
     assert len(pids) == want, pids
     time.sleep(1.5)  # loaded and generating
     if p.poll() is not None:
-        err = p.stderr.read()
-        if plan == "tp2" and "rank 1: the step failed" in err:
-            # the graph of this build does not run under a plan yet (rank 1
-            # fails its part); the graphs' own plan tests cover that
-            pytest.skip(f"the graph does not run this plan yet: {err[-300:]}")
-        pytest.fail(f"dsrun ended early ({p.returncode}): {err}")
+        pytest.fail(f"dsrun ended early ({p.returncode}): {p.stderr.read()}")
     return p, pids
 
 
-@pytest.mark.parametrize("plan", ["one", "tp2"])
-def test_killed_rank_fails_the_run_and_leaves_nothing(plan):
-    p, pids = start_generation(plan)
-    victim = len(pids) - 1  # rank order is fork order
+def descendants(pid):
+    out = children(pid)
+    for c in list(out):
+        out += descendants(c)
+    return out
+
+
+@pytest.mark.parametrize("plan,victim", [("one", 0), ("tp2", 1), ("tp2", 0), ("pp2", 1), ("pp2", 0)],
+                         ids=["one", "tp2-rank1", "tp2-rank0", "pp2-last-stage", "pp2-first-stage"])
+def test_killed_rank_fails_the_run_and_leaves_nothing(plan, victim):
+    """Rank 0 (which answers dsrun) or another; a tp peer or a pipeline
+    stage: the survivors are blocked in a collective or a stage transfer."""
+    p, pids = start_generation(plan)  # rank order is fork order
+    run = [p.pid] + descendants(p.pid)  # every process of the run
     t0 = time.monotonic()
     os.kill(pids[victim], signal.SIGKILL)
     try:
@@ -204,7 +203,7 @@ def test_killed_rank_fails_the_run_and_leaves_nothing(plan):
     assert rc != 0, err
     assert f"rank {victim} (pid {pids[victim]}) was killed by signal 9" in err, err
     assert took < 5
-    assert not [q for q in pids if alive(q)], "ranks left behind"
+    assert not [q for q in run if alive(q)], "processes of the run left behind"
 
 
 @pytest.mark.parametrize("plan,sig", [("one", signal.SIGKILL), ("tp2", signal.SIGKILL),

@@ -50,9 +50,9 @@ MODEL_KINDS = ("v3", "v3-fp8", "v2-lite", "v3-fp8-f32")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tiny_deepseek, tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_models")
-    out = {k: tiny_models.write_model(k, d / k) for k in tiny_models.KINDS}
+    out = dict(tiny_deepseek)
     out["v3-fp8-f32"] = tiny_models.write_dequantized_copy(out["v3-fp8"], d / "v3-fp8-f32")
     return out
 

@@ -1,9 +1,8 @@
 """The llama-family graph under parallel plans against one rank, through
 tests/tools/plan_check (build/tests/plan_check; skipped until it is built):
 the plan's ranks are forked, load the checkpoint with their model_rank (owned
-windows of their weights only), talk over Gloo (or the tool's shared-memory
-transport, --comm shm) and run the same prefill, mixed and decode steps as a
-one-rank model; pass: max |a - b| / max |b| per row within the tolerance on
+windows of their weights only), talk over Gloo and run the same prefill,
+mixed and decode steps as a one-rank model; pass: max |a - b| / max |b| per row within the tolerance on
 every row and the same greedy id on every row.
 
 On the default model (SmolLM2-135M Q4_1: 9 query heads, 3 kv heads, 30
@@ -38,9 +37,9 @@ needs_tool = pytest.mark.skipif(not (BUILD / "tests" / "plan_check").exists(),
                                 reason="tests/plan_check is not built (tests/tools/plan_check.c)")
 
 
-def plan_check(model, tp=1, pp=1, ep=1, tol=1e-5, comm="gloo"):
+def plan_check(model, tp=1, pp=1, ep=1, tol=1e-5):
     r = subprocess.run([binary("tests/plan_check"), "-m", str(model), "--tp", str(tp), "--pp", str(pp),
-                        "--ep", str(ep), "--tol", str(tol), "--comm", comm],
+                        "--ep", str(ep), "--tol", str(tol)],
                        capture_output=True, text=True, timeout=600)
     print(r.stdout, r.stderr)
     return r
@@ -57,13 +56,10 @@ def assert_ok(r, exact=False):
 
 @needs_tool
 @needs_default
-@pytest.mark.parametrize("comm", ["gloo", "shm"])
 @pytest.mark.parametrize("plan", [dict(tp=3), dict(tp=2), dict(tp=4), dict(tp=2, ep=2)],
                          ids=["tp3", "tp2", "tp4-uneven", "tp2-ep2"])
-def test_default_model_tp_is_bit_exact(plan, comm):
-    if comm == "shm" and plan != dict(tp=3):
-        pytest.skip("one plan over shm is enough")
-    assert_ok(plan_check(DEFAULT, comm=comm, **plan), exact=True)
+def test_default_model_tp_is_bit_exact(plan):
+    assert_ok(plan_check(DEFAULT, **plan), exact=True)
 
 
 @needs_tool

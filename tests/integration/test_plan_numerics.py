@@ -7,8 +7,9 @@ parent: a prefill of 9 tokens of 2 sequences, a step mixing a 3-token
 prefill, a decode and a third sequence's 2-token prefill (logits of the last
 rows only; PP=3 cuts it into 3 micro-batches), then decodes, over fixed page
 tables.  The ranks talk through Gloo (a store served by the parent on
-loopback); a few plans also run over the tool's shared-memory transport.  Pass: max |a - b| / max |b| per row <= 1e-5 on every row of every
-step, and the same argmax (greedy id) on every row.
+loopback), the product's transport: the tool has no collectives of its own.
+Pass: max |a - b| / max |b| per row <= 1e-5 on every row of every step, and
+the same argmax (greedy id) on every row.
 
 Plans: TP=2, TP=4, PP=2, PP=3, EP=2, EP=4, TP=2xPP=2, TP=2xEP=2, PP=2xEP=2
 over the tiny checkpoints v3 (BF16), v3-fp8 (FP8 with 128x128 scales: its
@@ -16,6 +17,12 @@ head windows fall off the scale blocks, so some windows are f32 or on a
 finer grid) and v2-lite (q_proj, softmax routing, 2 shared experts); then
 GGUF files of the tiny models (F16 whole attn_kv_b, BF16 split attn_k_b /
 attn_v_b, Q8_0 with column windows off the 32-blocks).
+
+Batches under the pipeline (plan_check --batch-check): 4 sequences decoded
+together through PP=2 (and PP=3), each step of the 4 cut into micro-batches
+at sequence edges, give the logits of the same 4 decoded alone, one
+sequence a step, within 1e-5; the tool fails unless every step of the 4 was
+cut into more than one micro-batch.
 
 Q8_0 is held to 1e-3: its cpu products quantize the activations to Q8_0 per
 row and pick their accumulation order from the row count M, so a rounding
@@ -44,9 +51,8 @@ Q8_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plan_models")
-    return {k: tiny_models.write_model(k, d / k) for k in tiny_models.KINDS}
+def models(tiny_deepseek):
+    return tiny_deepseek
 
 
 def plan_check(model, plan, *extra, tol=TOL):
@@ -83,23 +89,31 @@ def test_plan_logits_equal_one_rank(models, kind, plan):
 @pytest.mark.parametrize("kind", ["v3-fp8", "v2-lite"])
 def test_uneven_and_larger_plans(models, kind, tp, pp, ep):
     """Heads split 2 + 1 + 1, stages with one layer, 16 ranks for 12 experts
-    (four ranks hold none and add zeros), all three kinds at once; over the
-    shared-memory transport (up to 16 rank processes)."""
+    (four ranks hold none and add zeros), all three kinds at once; up to 16
+    rank processes in Gloo groups."""
     r = subprocess.run([binary("tests/plan_check"), "-m", str(models[kind]), "--tp", str(tp), "--pp", str(pp),
-                        "--ep", str(ep), "--comm", "shm"], capture_output=True, text=True, timeout=300)
+                        "--ep", str(ep)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "plan_check: ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_more_tp_ranks_than_heads_is_refused(models):
-    r = subprocess.run([binary("tests/plan_check"), "-m", str(models["v3"]), "--tp", "8", "--comm", "shm"],
+    r = subprocess.run([binary("tests/plan_check"), "-m", str(models["v3"]), "--tp", "8"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "tp 8 is more than the model's 4 attention heads" in r.stderr
 
 
-@pytest.mark.parametrize("plan", ["tp2ep2", "pp2ep2", "tp2pp2"])
-def test_shared_memory_transport(models, plan):
-    plan_check(models["v3"], plan, "--comm", "shm")
+@pytest.mark.parametrize("plan", ["pp2", "pp3", "tp2pp2"])
+@pytest.mark.parametrize("kind", ["v3", "v2-lite"])
+def test_batch_through_the_pipeline_equals_each_alone(models, kind, plan):
+    """4 sequences in one step (their prompts, then 4 decodes of one token
+    each) against each sequence in steps of its own, on the same ranks."""
+    out = plan_check(models[kind], plan, "--batch-check")
+    cut = next(x for x in out.splitlines() if x.startswith("batch:") and "micro-batches" in x)
+    assert "NOT CUT" not in cut and "cut into 1.." not in cut, cut
+    row = next(x for x in out.splitlines() if x.startswith("batch:") and "together vs alone" in x)
+    assert row.endswith("greedy ids same"), row
+    assert float(row.split("max rel err ")[1].split(",")[0]) <= TOL, row
 
 
 @pytest.mark.parametrize("attn", ["naive", "absorbed"])

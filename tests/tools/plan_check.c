@@ -1,43 +1,54 @@
 /*
  * plan_check.c - a model under a parallel plan gives the logits of one rank.
- * Run by tests/integration/test_plan_numerics.py over plans x checkpoints.
+ * Run by tests/integration/test_plan_numerics.py and test_plan_llama.py over
+ * plans x checkpoints.
  *
  * Usage: plan_check -m MODEL [--tp N] [--pp N] [--ep N] [--attn FORM]
- *                   [--comm gloo|shm] [--tol T]
+ *                   [--tol T] [--batch-check]
  *
  * Forks tp * pp * ep rank processes first (before anything starts a
  * kernel thread pool, which a fork would not carry), each makes its world,
  * stage and tp groups and loads MODEL with its model_rank; then the parent
- * loads the model on one rank.  All of them run the same steps:
+ * loads the model on one rank.  All of them run the same steps, with fixed
+ * page tables (sequence s owns pages s * MAXB ...).  The steps (a schedule):
  *
- *   step 0   a prefill of 9 tokens of 2 sequences (5 + 4), every row's logits
- *   step 1   a prefill of 3 more tokens of sequence 0, 1 decode of sequence
- *            1 and the 2-token prefill of a third sequence; logits of the
- *            last row of sequences 0 and 1 only, none of the third (3
- *            sequences: pp = 3 gets 3 micro-batches, one without logits)
- *   step 2.. decodes of the three sequences (3 tokens a step)
+ *   plan (the default)
+ *     step 0   a prefill of 9 tokens of 2 sequences (5 + 4), every row's logits
+ *     step 1   a prefill of 3 more tokens of sequence 0, 1 decode of sequence
+ *              1 and the 2-token prefill of a third sequence; logits of the
+ *              last row of sequences 0 and 1 only, none of the third (3
+ *              sequences: pp = 3 gets 3 micro-batches, one without logits)
+ *     step 2.. decodes of the three sequences (3 tokens a step)
  *
- * with fixed page tables (sequence s owns pages s * MAXB ...).  World rank
- * 0 hands its logits to the parent through shared memory; the parent prints
- * each step's max relative error (max |a - b| / max |b| over a row, worst
- * row) and whether every row's argmax (the greedy id) agrees, then
- * "plan_check: ok" or "plan_check: FAIL" (exit 1); 2 on a setup error.
+ *   --batch-check: 4 sequences together, then the same 4 alone
+ *     together  one step of the 4 prompts (5, 3, 6 and 4 tokens; the last
+ *               row of each), then NDEC steps of one decode of each of the 4
+ *               (sequences 0..3)
+ *     alone     each prompt in a step of its own, then its NDEC decodes one
+ *               token a step (sequences 4..7)
+ *     with the same tokens (the decodes are fixed tokens, not sampled).
+ *     Under pp > 1 the model cuts a step of several sequences into
+ *     micro-batches at sequence edges (engine/model.c micro_batches), so a
+ *     together step runs as parts of fewer rows while an alone step is one
+ *     part; the parent then also compares the plan's together rows with its
+ *     alone rows (the same sequence and position) and fails unless every
+ *     together step was cut into more than one micro-batch.  The count
+ *     comes from micro_batch_count below, a copy of model.c's rule (the
+ *     model does not report its cut).
  *
- * Transport (--comm):
- *   gloo  (the default) the product's CPU transport: the parent serves the
- *         rendezvous store on loopback (comm_store_server_start), each rank
- *         connects to it and makes its groups with comm_gloo_new (keys
- *         "plan<pid>/world", "plan<pid>/stage<s>", "plan<pid>/tp<s>.<e>");
- *         a group of one rank is comm_single_new.
- *   shm   a small comm backend of this file over shared memory between the
- *         forked ranks (comm/comm_impl.h): no sockets, so a failure here and
- *         not there points at the transport.  Collectives copy through one
- *         slot per rank and sum in rank order, so every rank gets the same
- *         bits; send/recv go through one mailbox per ordered pair.  Waits
- *         spin with short sleeps and give up after the group's timeout
- *         (DS_ETIMEOUT), so a dead rank ends the run instead of hanging it.
+ * World rank 0 hands its logits to the parent through a shared mapping; the
+ * parent prints each step's max relative error against the one-rank model
+ * (max |a - b| / max |b| over a row, worst row) and whether every row's
+ * argmax (the greedy id) agrees, then "plan_check: ok" or "plan_check:
+ * FAIL" (exit 1); 2 on a setup error.  These lines are what the tests read.
+ *
+ * Transport: Gloo, the product's CPU transport.  The parent serves the
+ * rendezvous store on loopback (comm_store_server_start), each rank connects
+ * to it and makes its groups with comm_gloo_new (keys "plan<pid>/world",
+ * "plan<pid>/stage<s>", "plan<pid>/tp<s>.<e>"); a group of one rank is
+ * comm_single_new.
  */
-#include "comm/comm_impl.h"
+#include "comm/comm.h"
 #include "common/strutil.h"
 #include "engine/model.h"
 
@@ -49,232 +60,21 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
-#define MAXW 16                 /* ranks */
-#define SLOT ((size_t)256 << 10) /* bytes a rank's slot / a mailbox holds at once */
-#define NSEQ 3
-#define MAXB 8                  /* blocks per sequence */
-#define PAGE 4                  /* positions per page: prefills cross pages */
-#define NSTEP 6
-#define MAXTOK 16
-
-/* ---- a comm backend over shared memory (forked ranks) ---- */
-
-typedef struct shm_box {
-	atomic_int full;
-	size_t len;
-	uint8_t data[SLOT];
-} shm_box;
-
-/* One group's shared state, mapped before the fork. */
-typedef struct shm_region {
-	atomic_int arrived, gen;
-	uint8_t slot[MAXW][SLOT];
-	shm_box box[MAXW][MAXW]; /* [from][to] */
-} shm_region;
-
-typedef struct shm_group {
-	comm_group g; /* first: comm.c sees this part */
-	shm_region *r;
-} shm_group;
-
-static double now_s(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static void pause_briefly(int spins)
-{
-	if (spins < 64)
-		return;
-	struct timespec ts = {.tv_sec = 0, .tv_nsec = 20000};
-	nanosleep(&ts, NULL);
-}
-
-static int shm_wait_timeout(comm_group *g, const char *what, ds_err *err)
-{
-	return ds_err_set(err, DS_ETIMEOUT, "comm %s: %s waited %d ms for its peers", g->name, what,
-			  g->timeout_ms);
-}
-
-static int shm_barrier(comm_group *g, ds_err *err)
-{
-	shm_region *r = ((shm_group *)g)->r;
-	int gen = atomic_load(&r->gen);
-	if (atomic_fetch_add(&r->arrived, 1) == g->size - 1) {
-		atomic_store(&r->arrived, 0);
-		atomic_fetch_add(&r->gen, 1);
-		return DS_OK;
-	}
-	double t0 = now_s();
-	for (int spins = 0; atomic_load(&r->gen) == gen; spins++) {
-		if (now_s() - t0 > g->timeout_ms / 1000.0)
-			return shm_wait_timeout(g, "barrier", err);
-		pause_briefly(spins);
-	}
-	return DS_OK;
-}
-
-static void reduce_f32(float *acc, const float *x, int64_t n, comm_op op)
-{
-	for (int64_t i = 0; i < n; i++)
-		acc[i] = op == COMM_SUM ? acc[i] + x[i] : op == COMM_MAX ? fmaxf(acc[i], x[i]) : fminf(acc[i], x[i]);
-}
-
-static int shm_all_reduce(comm_group *g, const void *send, void *recv, int64_t count, comm_dtype dt,
-			  comm_op op, ds_err *err)
-{
-	if (dt != COMM_F32)
-		return ds_err_set(err, DS_EUNSUPPORTED, "comm %s: the shm backend reduces f32 only", g->name);
-	shm_region *r = ((shm_group *)g)->r;
-	const int64_t per = (int64_t)(SLOT / sizeof(float));
-	for (int64_t off = 0; off < count; off += per) {
-		int64_t n = count - off < per ? count - off : per;
-		memcpy(r->slot[g->rank], (const float *)send + off, (size_t)n * sizeof(float));
-		int rc = shm_barrier(g, err);
-		if (rc)
-			return rc;
-		float *out = (float *)recv + off; /* every rank sums in rank order: same bits */
-		memcpy(out, r->slot[0], (size_t)n * sizeof(float));
-		for (int k = 1; k < g->size; k++)
-			reduce_f32(out, (const float *)r->slot[k], n, op);
-		if ((rc = shm_barrier(g, err)))
-			return rc;
-	}
-	return DS_OK;
-}
-
-static int shm_all_gather(comm_group *g, const void *send, void *recv, int64_t count, comm_dtype dt,
-			  ds_err *err)
-{
-	shm_region *r = ((shm_group *)g)->r;
-	const size_t esz = comm_dtype_size(dt), bytes = (size_t)count * esz;
-	for (size_t off = 0; off < bytes || (off == 0 && bytes == 0); off += SLOT) {
-		size_t n = bytes - off < SLOT ? bytes - off : SLOT;
-		memcpy(r->slot[g->rank], (const uint8_t *)send + off, n);
-		int rc = shm_barrier(g, err);
-		if (rc)
-			return rc;
-		for (int k = 0; k < g->size; k++)
-			if (k != g->rank || (const uint8_t *)send != (uint8_t *)recv + (size_t)k * bytes)
-				memcpy((uint8_t *)recv + (size_t)k * bytes + off, r->slot[k], n);
-		if ((rc = shm_barrier(g, err)))
-			return rc;
-		if (bytes == 0)
-			break;
-	}
-	return DS_OK;
-}
-
-static int shm_send(comm_group *g, const void *buf, int64_t count, comm_dtype dt, int peer, ds_err *err)
-{
-	shm_box *b = &((shm_group *)g)->r->box[g->rank][peer];
-	const size_t bytes = (size_t)count * comm_dtype_size(dt);
-	for (size_t off = 0; off < bytes; off += SLOT) {
-		double t0 = now_s();
-		for (int spins = 0; atomic_load(&b->full); spins++) {
-			if (now_s() - t0 > g->timeout_ms / 1000.0)
-				return shm_wait_timeout(g, "send", err);
-			pause_briefly(spins);
-		}
-		b->len = bytes - off < SLOT ? bytes - off : SLOT;
-		memcpy(b->data, (const uint8_t *)buf + off, b->len);
-		atomic_store(&b->full, 1);
-	}
-	return DS_OK;
-}
-
-static int shm_recv(comm_group *g, void *buf, int64_t count, comm_dtype dt, int peer, ds_err *err)
-{
-	shm_box *b = &((shm_group *)g)->r->box[peer][g->rank];
-	const size_t bytes = (size_t)count * comm_dtype_size(dt);
-	for (size_t off = 0; off < bytes; off += SLOT) {
-		double t0 = now_s();
-		for (int spins = 0; !atomic_load(&b->full); spins++) {
-			if (now_s() - t0 > g->timeout_ms / 1000.0)
-				return shm_wait_timeout(g, "recv", err);
-			pause_briefly(spins);
-		}
-		size_t n = bytes - off < SLOT ? bytes - off : SLOT;
-		if (b->len != n)
-			return ds_err_set(err, DS_EFORMAT, "comm %s: recv of %zu bytes met a send of %zu",
-					  g->name, n, b->len);
-		memcpy((uint8_t *)buf + off, b->data, n);
-		atomic_store(&b->full, 0);
-	}
-	return DS_OK;
-}
-
-static int shm_unsupported(comm_group *g, ds_err *err)
-{
-	return ds_err_set(err, DS_EUNSUPPORTED, "comm %s: the shm test backend lacks this call", g->name);
-}
-
-static int shm_reduce_scatter(comm_group *g, const void *send, void *recv, int64_t count, comm_dtype dt,
-			      comm_op op, ds_err *err)
-{
-	return shm_unsupported(g, err);
-}
-
-static int shm_broadcast(comm_group *g, void *buf, int64_t count, comm_dtype dt, int root, ds_err *err)
-{
-	return shm_unsupported(g, err);
-}
-
-static int shm_all_to_allv(comm_group *g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
-			   const int64_t *rc, const int64_t *rd, comm_dtype dt, ds_err *err)
-{
-	return shm_unsupported(g, err);
-}
-
-static void shm_free(comm_group *g)
-{
-	free(g);
-}
-
-static const comm_ops shm_ops = {
-	.name = "shm",
-	.mem = COMM_MEM_HOST,
-	.free = shm_free,
-	.all_reduce = shm_all_reduce,
-	.all_gather = shm_all_gather,
-	.reduce_scatter = shm_reduce_scatter,
-	.broadcast = shm_broadcast,
-	.all_to_allv = shm_all_to_allv,
-	.send = shm_send,
-	.recv = shm_recv,
-	.barrier = shm_barrier,
-};
-
-static comm_group *shm_group_new(shm_region *r, int rank, int size, const char *name, ds_err *err)
-{
-	shm_group *s = calloc(1, sizeof *s);
-	comm_params p = comm_default_params();
-	p.rank = rank;
-	p.world_size = size;
-	p.name = name;
-	p.timeout_ms = 60000;
-	if (!s || comm_group_init(&s->g, &shm_ops, &p, err)) {
-		free(s);
-		return NULL;
-	}
-	s->r = r;
-	return &s->g;
-}
-
-static void *shared_map(size_t bytes)
-{
-	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	return p == MAP_FAILED ? NULL : p;
-}
+#define MAXW 16    /* ranks */
+#define MAXSEQ 8   /* sequences of a schedule */
+#define MAXB 8     /* blocks per sequence */
+#define PAGE 4     /* positions per page: prefills cross pages */
+#define MAXSTEP 32 /* steps of a schedule */
+#define MAXTOK 24  /* tokens of a step */
+#define NBATCH 4   /* --batch-check: sequences decoded together */
+#define NDEC 4     /* --batch-check: decode steps after the prompts */
+#define NKEY (NBATCH * (1 + NDEC)) /* --batch-check: rows compared */
 
 /* ---- Gloo groups through the parent's store ---- */
 
-static const char *store_addr; /* --comm gloo: the parent's store server */
+static const char *store_addr; /* the parent's store server */
 
 static comm_group *gloo_group(const comm_store *st, const char *key, int rank, int size, const char *name,
 			      ds_err *err)
@@ -297,45 +97,131 @@ typedef struct step_def {
 	int32_t tok[MAXTOK], seq[MAXTOK], pos[MAXTOK];
 	uint8_t want[MAXTOK];
 	int n_want;
+	/* --batch-check: per wanted row in order, which row of which sequence
+	 * it is (the same key in both schedules); whether the step is one of
+	 * the together schedule */
+	int32_t key[MAXTOK];
+	int together;
 } step_def;
 
-static step_def steps[NSTEP];
-static int32_t tables[NSEQ][MAXB];
+static step_def steps[MAXSTEP];
+static int nstep, nseq;
+static int32_t tables[MAXSEQ][MAXB];
 static int V;
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
 
-static void make_steps(void)
+static int32_t next_token(void)
 {
-	uint64_t x = 0x9E3779B97F4A7C15ull;
+	rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+	return (int32_t)(rng % (uint64_t)V);
+}
+
+static void add_token(step_def *s, int seq, int pos, int32_t tok, int want, int key)
+{
+	s->tok[s->n] = tok;
+	s->seq[s->n] = seq;
+	s->pos[s->n] = pos;
+	s->want[s->n] = (uint8_t)want;
+	if (want)
+		s->key[s->n_want++] = key;
+	s->n++;
+}
+
+static void make_tables(void)
+{
+	for (int q = 0; q < nseq; q++)
+		for (int b = 0; b < MAXB; b++)
+			tables[q][b] = q * MAXB + b;
+}
+
+/* The default schedule (see the top of the file). */
+static void make_plan_steps(void)
+{
+	enum { NSEQ = 3, NSTEP = 6 };
 	int len[NSEQ] = {0};
+	nseq = NSEQ;
+	nstep = NSTEP;
 	for (int k = 0; k < NSTEP; k++) {
 		step_def *s = &steps[k];
 		int per[NSEQ] = {k == 0 ? 5 : k == 1 ? 3 : 1, k == 0 ? 4 : 1, k == 0 ? 0 : k == 1 ? 2 : 1};
 		for (int q = 0; q < NSEQ; q++)
 			for (int i = 0; i < per[q]; i++) {
-				x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-				s->tok[s->n] = (int32_t)(x % (uint64_t)V);
-				s->seq[s->n] = q;
-				s->pos[s->n] = len[q]++;
 				/* step 1 wants the last row of sequences 0 and 1 only:
 				 * sequence 2's rows are a prefill chunk without logits
 				 * (a micro-batch of it gathers no rows) */
-				s->want[s->n] = k != 1 || (q < 2 && i == per[q] - 1);
-				s->n_want += s->want[s->n];
-				s->n++;
+				int32_t tok = next_token();
+				add_token(s, q, len[q]++, tok, k != 1 || (q < 2 && i == per[q] - 1), 0);
 			}
 	}
-	for (int q = 0; q < NSEQ; q++)
-		for (int b = 0; b < MAXB; b++)
-			tables[q][b] = q * MAXB + b;
+	make_tables();
+}
+
+/* --batch-check's schedule: together on sequences 0..3, alone on 4..7.
+ * Key of a row: sequence * (1 + NDEC) + (0 for its prompt's last row, 1 + d
+ * for its decode d). */
+static void make_batch_steps(void)
+{
+	static const int plen[NBATCH] = {5, 3, 6, 4};
+	int32_t prompt[NBATCH][8], dec[NBATCH][NDEC];
+	for (int q = 0; q < NBATCH; q++) {
+		for (int i = 0; i < plen[q]; i++)
+			prompt[q][i] = next_token();
+		for (int d = 0; d < NDEC; d++)
+			dec[q][d] = next_token();
+	}
+	nseq = 2 * NBATCH;
+	nstep = 0;
+	step_def *s = &steps[nstep++];
+	s->together = 1;
+	for (int q = 0; q < NBATCH; q++)
+		for (int i = 0; i < plen[q]; i++)
+			add_token(s, q, i, prompt[q][i], i == plen[q] - 1, q * (1 + NDEC));
+	for (int d = 0; d < NDEC; d++) {
+		s = &steps[nstep++];
+		s->together = 1;
+		for (int q = 0; q < NBATCH; q++)
+			add_token(s, q, plen[q] + d, dec[q][d], 1, q * (1 + NDEC) + 1 + d);
+	}
+	for (int q = 0; q < NBATCH; q++) {
+		s = &steps[nstep++];
+		for (int i = 0; i < plen[q]; i++)
+			add_token(s, NBATCH + q, i, prompt[q][i], i == plen[q] - 1, q * (1 + NDEC));
+		for (int d = 0; d < NDEC; d++)
+			add_token(&steps[nstep++], NBATCH + q, plen[q] + d, dec[q][d], 1, q * (1 + NDEC) + 1 + d);
+	}
+	make_tables();
+}
+
+/* How many micro-batches engine/model.c (micro_batches) cuts a step into
+ * for pp stages: at most pp parts, cut only at a sequence edge at or after
+ * each n_tok * i / pp, the step whole when a sequence's tokens are not
+ * contiguous.  A copy of that rule: the model does not report its cut. */
+static int micro_batch_count(const step_def *s, int pp)
+{
+	for (int t = 1; t < s->n; t++)
+		for (int u = 0; u < t - 1 && s->seq[t] != s->seq[t - 1]; u++)
+			if (s->seq[u] == s->seq[t])
+				return 1;
+	int n = 1, last = 0;
+	for (int i = 1; i < pp; i++) {
+		int t = (int)((int64_t)s->n * i / pp);
+		while (t > last && t < s->n && s->seq[t] == s->seq[t - 1])
+			t++;
+		if (t <= last || t >= s->n)
+			continue;
+		last = t;
+		n++;
+	}
+	return n;
 }
 
 /* Runs every step; logits of step k at out + offset[k] (when out). */
 static int run_steps(model *m, float *out, const int64_t *offset, ds_err *err)
 {
-	for (int k = 0; k < NSTEP; k++) {
+	for (int k = 0; k < nstep; k++) {
 		const step_def *s = &steps[k];
 		eng_batch b = {.n_tok = s->n, .tokens = s->tok, .pos = s->pos, .seq = s->seq,
-			       .want_logits = s->want, .n_seq = NSEQ, .block_tables = &tables[0][0],
+			       .want_logits = s->want, .n_seq = nseq, .block_tables = &tables[0][0],
 			       .max_blocks = MAXB};
 		int rc = model_forward(m, &b, out ? out + offset[k] : NULL, err);
 		if (rc)
@@ -352,9 +238,9 @@ static model_params base_params(const char *path, enum model_attn attn)
 	p.threads = 1;
 	p.max_batch_tokens = MAXTOK;
 	p.max_ctx = MAXB * PAGE;
-	p.max_seqs = NSEQ;
+	p.max_seqs = nseq;
 	p.page_size = PAGE;
-	p.n_pages = NSEQ * MAXB;
+	p.n_pages = nseq * MAXB;
 	p.attn = attn;
 	p.weights = MODEL_WEIGHTS_MMAP;
 	return p;
@@ -367,8 +253,13 @@ typedef struct shared_out {
 	float logits[];
 } shared_out;
 
-static int rank_main(int r, const model_plan *plan, const char *path, enum model_attn attn,
-		     shm_region *world_r, shm_region *stage_r, shm_region *tp_r, shared_out *out,
+static void *shared_map(size_t bytes)
+{
+	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	return p == MAP_FAILED ? NULL : p;
+}
+
+static int rank_main(int r, const model_plan *plan, const char *path, enum model_attn attn, shared_out *out,
 		     const int64_t *offset)
 {
 	ds_err err = {0};
@@ -379,18 +270,11 @@ static int rank_main(int r, const model_plan *plan, const char *path, enum model
 	snprintf(sname, sizeof sname, "stage%d", mr.stage);
 	snprintf(tname, sizeof tname, "tp%d.%d", mr.stage, mr.ep_rank);
 	comm_store st = {0};
-	if (store_addr) { /* every rank makes the groups in the same order: world, stage, tp */
-		if (comm_store_tcp_open(&st, store_addr, 30000, &err) == DS_OK &&
-		    (mr.world = gloo_group(&st, "world", r, W, "world", &err)) &&
-		    (mr.stage_grp = gloo_group(&st, sname, r % S, S, sname, &err)))
-			mr.tp_grp = gloo_group(&st, tname, mr.tp_rank, plan->tp, tname, &err);
-	} else {
-		mr.world = shm_group_new(world_r, r, W, "world", &err);
-		mr.stage_grp = mr.world ? shm_group_new(stage_r + mr.stage, r % S, S, sname, &err) : NULL;
-		mr.tp_grp = mr.stage_grp ? shm_group_new(tp_r + mr.stage * plan->ep + mr.ep_rank, mr.tp_rank,
-							 plan->tp, tname, &err)
-					 : NULL;
-	}
+	/* every rank makes the groups in the same order: world, stage, tp */
+	if (comm_store_tcp_open(&st, store_addr, 30000, &err) == DS_OK &&
+	    (mr.world = gloo_group(&st, "world", r, W, "world", &err)) &&
+	    (mr.stage_grp = gloo_group(&st, sname, r % S, S, sname, &err)))
+		mr.tp_grp = gloo_group(&st, tname, mr.tp_rank, plan->tp, tname, &err);
 	model *m = NULL;
 	int rc = mr.tp_grp ? DS_OK : DS_EINTERNAL;
 	model_params p = base_params(path, attn);
@@ -412,8 +296,7 @@ static int rank_main(int r, const model_plan *plan, const char *path, enum model
 	comm_group_free(mr.tp_grp);
 	comm_group_free(mr.stage_grp);
 	comm_group_free(mr.world);
-	if (store_addr)
-		comm_store_tcp_close(&st);
+	comm_store_tcp_close(&st);
 	return rc ? 1 : 0;
 }
 
@@ -425,28 +308,72 @@ static int argmax(const float *l)
 	return best;
 }
 
+/* max |a - b| / max |b| over one row of V logits */
+static double row_rel_err(const float *a, const float *b)
+{
+	double num = 0, den = 0;
+	for (int v = 0; v < V; v++) {
+		num = fmax(num, fabs((double)a[v] - (double)b[v]));
+		den = fmax(den, fabs((double)b[v]));
+	}
+	return den > 0 ? num / den : num;
+}
+
+/* --batch-check: the plan's together rows against its alone rows, and the
+ * micro-batch count of each together step.  Returns 1 when both hold. */
+static int compare_batch(const float *logits, const int64_t *offset, int pp, double tol)
+{
+	int64_t at[2][NKEY]; /* [together][key]: the row's offset */
+	int mb_min = MAXTOK, mb_max = 0;
+	for (int k = 0; k < nstep; k++) {
+		for (int row = 0; row < steps[k].n_want; row++)
+			at[steps[k].together][steps[k].key[row]] = offset[k] + (int64_t)row * V;
+		if (steps[k].together) {
+			int mb = micro_batch_count(&steps[k], pp);
+			mb_min = mb < mb_min ? mb : mb_min;
+			mb_max = mb > mb_max ? mb : mb_max;
+		}
+	}
+	double worst = 0;
+	int same = 1;
+	for (int key = 0; key < NKEY; key++) {
+		const float *a = logits + at[1][key], *b = logits + at[0][key];
+		worst = fmax(worst, row_rel_err(a, b));
+		same &= argmax(a) == argmax(b);
+	}
+	const int cut = pp == 1 || mb_min > 1;
+	printf("batch: steps of %d sequences together cut into %d..%d micro-batches (pp %d)%s\n",
+	       NBATCH, mb_min, mb_max, pp, cut ? "" : ": NOT CUT");
+	printf("batch: %d rows together vs alone: max rel err %.3g, greedy ids %s\n", NKEY, worst,
+	       same ? "same" : "DIFFER");
+	return cut && same && worst <= tol && isfinite(worst);
+}
+
 static int usage(void)
 {
 	fprintf(stderr, "usage: plan_check -m MODEL [--tp N] [--pp N] [--ep N] [--attn auto|naive|absorbed]"
-			" [--comm gloo|shm] [--tol T]\n");
+			" [--tol T] [--batch-check]\n");
 	return 2;
 }
 
 int main(int argc, char **argv)
 {
-	const char *path = NULL, *comm = "gloo";
+	const char *path = NULL;
 	model_plan plan = {.tp = 1, .pp = 1, .ep = 1};
 	enum model_attn attn = MODEL_ATTN_AUTO;
 	double tol = 1e-5;
+	int batch_check = 0;
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		int n = 0;
+		if (strcmp(a, "--batch-check") == 0) {
+			batch_check = 1;
+			continue;
+		}
 		if (!v)
 			return usage();
 		if (strcmp(a, "-m") == 0)
 			path = v;
-		else if (strcmp(a, "--comm") == 0)
-			comm = v;
 		else if (strcmp(a, "--tol") == 0) {
 			if (ds_parse_double(v, 0, 1, &tol))
 				return usage();
@@ -461,11 +388,10 @@ int main(int argc, char **argv)
 		i++;
 	}
 	ds_err err = {0};
-	const int shm = strcmp(comm, "shm") == 0;
-	if (!path || (!shm && strcmp(comm, "gloo") != 0) || model_plan_check(&plan, &err) ||
-	    model_plan_world(&plan) > MAXW)
+	if (!path || model_plan_check(&plan, &err) || model_plan_world(&plan) > MAXW)
 		return usage();
 	const int W = model_plan_world(&plan), S = plan.tp * plan.ep;
+	nseq = batch_check ? 2 * NBATCH : 3; /* base_params sizes the KV cache by it */
 
 	/* the vocabulary, from a load in a child: the cpu backend's thread pool
 	 * starts with the first kernel (norm conversions at load), and forked
@@ -487,35 +413,30 @@ int main(int argc, char **argv)
 	int status = 0;
 	if (read(vpipe[0], &V, sizeof V) != sizeof V || waitpid(probe, &status, 0) < 0 || V <= 0)
 		return 2;
-	make_steps();
-	int64_t offset[NSTEP + 1] = {0};
-	for (int k = 0; k < NSTEP; k++)
+	if (batch_check)
+		make_batch_steps();
+	else
+		make_plan_steps();
+	int64_t offset[MAXSTEP + 1] = {0};
+	for (int k = 0; k < nstep; k++)
 		offset[k + 1] = offset[k] + (int64_t)steps[k].n_want * V;
 
-	shared_out *out = shared_map(sizeof(shared_out) + (size_t)offset[NSTEP] * sizeof(float));
-	shm_region *world_r = NULL, *stage_r = NULL, *tp_r = NULL;
-	if (shm) { /* one region per group: the world, each stage, each tp group */
-		world_r = shared_map(sizeof(shm_region));
-		stage_r = shared_map(sizeof(shm_region) * (size_t)plan.pp);
-		tp_r = shared_map(sizeof(shm_region) * (size_t)(plan.pp * plan.ep));
-	}
-	if (!out || (shm && (!world_r || !stage_r || !tp_r)))
+	shared_out *out = shared_map(sizeof(shared_out) + (size_t)offset[nstep] * sizeof(float));
+	if (!out)
 		return 2;
-	comm_store_server *server = NULL;
-	if (!shm) {
-		if (!(server = comm_store_server_start("127.0.0.1", 0, &err))) {
-			fprintf(stderr, "plan_check: store: %s\n", err.msg);
-			return 2;
-		}
-		store_addr = comm_store_server_addr(server);
+	comm_store_server *server = comm_store_server_start("127.0.0.1", 0, &err);
+	if (!server) {
+		fprintf(stderr, "plan_check: store: %s\n", err.msg);
+		return 2;
 	}
+	store_addr = comm_store_server_addr(server);
 	pid_t pids[MAXW];
 	for (int r = 0; r < W; r++) {
 		pids[r] = fork();
 		if (pids[r] < 0)
 			return 2;
 		if (pids[r] == 0)
-			_exit(rank_main(r, &plan, path, attn, world_r, stage_r, tp_r, out, offset));
+			_exit(rank_main(r, &plan, path, attn, out, offset));
 	}
 	int failed_ranks = 0;
 	for (int r = 0; r < W; r++) {
@@ -530,7 +451,7 @@ int main(int argc, char **argv)
 	}
 
 	model *ref = model_load(&p1, &err);
-	float *want = ref ? malloc((size_t)offset[NSTEP] * sizeof(float)) : NULL;
+	float *want = ref ? malloc((size_t)offset[nstep] * sizeof(float)) : NULL;
 	if (!want || run_steps(ref, want, offset, &err)) {
 		fprintf(stderr, "plan_check: one rank: %s\n", err.msg);
 		return 2;
@@ -545,17 +466,12 @@ int main(int argc, char **argv)
 	printf(" (one rank %zu)\n", model_weight_bytes(ref));
 	double worst = 0;
 	int ids_ok = 1;
-	for (int k = 0; k < NSTEP; k++) {
+	for (int k = 0; k < nstep; k++) {
 		double serr = 0;
 		int same = 1;
 		for (int row = 0; row < steps[k].n_want; row++) {
 			const float *a = out->logits + offset[k] + (int64_t)row * V, *b = want + offset[k] + (int64_t)row * V;
-			double num = 0, den = 0;
-			for (int v = 0; v < V; v++) {
-				num = fmax(num, fabs((double)a[v] - (double)b[v]));
-				den = fmax(den, fabs((double)b[v]));
-			}
-			serr = fmax(serr, den > 0 ? num / den : num);
+			serr = fmax(serr, row_rel_err(a, b));
 			same &= argmax(a) == argmax(b);
 		}
 		printf("step %d: %2d tokens, %d rows: max rel err %.3g, greedy ids %s\n", k, steps[k].n,
@@ -564,6 +480,8 @@ int main(int argc, char **argv)
 		ids_ok &= same;
 	}
 	int ok = worst <= tol && ids_ok && isfinite(worst);
+	if (batch_check)
+		ok &= compare_batch(out->logits, offset, plan.pp, tol);
 	printf("plan_check: %s (max rel err %.3g, tol %g)\n", ok ? "ok" : "FAIL", worst, tol);
 	free(want);
 	model_free(ref);
