@@ -378,12 +378,7 @@ static int want_count(const eng_batch *b)
 	return n;
 }
 
-/* Micro-batch boundaries of a step for pp stages: at most pp parts, cut
- * only where the sequence changes (a sequence's tokens of one step attend
- * to each other, so they stay in one part), about equal in tokens.  When a
- * sequence's tokens are not contiguous the step stays whole.  Returns the
- * count; cut[i] is the first token of part i, cut[count] = n_tok. */
-static int micro_batches(const eng_batch *b, int pp, int *cut, int max_parts)
+int model_micro_batches(const eng_batch *b, int pp, int *cut, int max_parts)
 {
 	int parts = pp < max_parts ? pp : max_parts;
 	cut[0] = 0;
@@ -407,8 +402,6 @@ static int micro_batches(const eng_batch *b, int pp, int *cut, int max_parts)
 	return n;
 }
 
-#define MODEL_MAX_MICRO 64
-
 /* The pipeline (pp > 1): every stage runs the micro-batches in order:
  * receive x rows from the same local rank of the stage before (or embed on
  * the first), its layers, send them on (or, on the last stage, the head into
@@ -421,7 +414,7 @@ static int forward_pipeline(model *m, const eng_batch *b, float *logits, ds_err 
 	const int S = m->rank.plan.tp * m->rank.plan.ep, local = m->rank.rank % S;
 	const int prev = m->rank.rank - S, next = m->rank.rank + S;
 	int cut[MODEL_MAX_MICRO + 1];
-	const int parts = micro_batches(b, m->rank.plan.pp, cut, MODEL_MAX_MICRO);
+	const int parts = model_micro_batches(b, m->rank.plan.pp, cut, MODEL_MAX_MICRO);
 	int rows = 0, rc = DS_OK;
 	for (int i = 0; i < parts && !rc; i++) {
 		eng_batch s = sub_batch(b, cut[i], cut[i + 1] - cut[i]);

@@ -82,6 +82,15 @@ typedef struct model_rank {
 	struct comm_group *tp_grp;    /* the tp ranks of this stage with this ep_rank */
 } model_rank;
 
+/* How model_forward cuts a step into micro-batches for pp stages: at most
+ * min(pp, max_parts) parts, cut only where the sequence changes (a
+ * sequence's tokens of one step attend to each other, so they stay in one
+ * part), about equal in tokens; a step whose sequences are not contiguous
+ * stays whole.  Returns the count; cut[i] is the first token of part i and
+ * cut[count] = n_tok (cut holds max_parts + 1 entries). */
+#define MODEL_MAX_MICRO 64
+int model_micro_batches(const eng_batch *b, int pp, int *cut, int max_parts);
+
 /* DS_EINVAL naming the field unless tp, pp, ep >= 1 and the world fits an int. */
 int model_plan_check(const model_plan *p, ds_err *err);
 int model_plan_world(const model_plan *p);

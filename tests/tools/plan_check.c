@@ -28,13 +28,12 @@
  *               token a step (sequences 4..7)
  *     with the same tokens (the decodes are fixed tokens, not sampled).
  *     Under pp > 1 the model cuts a step of several sequences into
- *     micro-batches at sequence edges (engine/model.c micro_batches), so a
+ *     micro-batches at sequence edges (model_micro_batches), so a
  *     together step runs as parts of fewer rows while an alone step is one
  *     part; the parent then also compares the plan's together rows with its
  *     alone rows (the same sequence and position) and fails unless every
  *     together step was cut into more than one micro-batch.  The count
- *     comes from micro_batch_count below, a copy of model.c's rule (the
- *     model does not report its cut).
+ *     comes from model_micro_batches, the rule model_forward cuts by.
  *
  * World rank 0 hands its logits to the parent through a shared mapping; the
  * parent prints each step's max relative error against the one-rank model
@@ -192,27 +191,13 @@ static void make_batch_steps(void)
 	make_tables();
 }
 
-/* How many micro-batches engine/model.c (micro_batches) cuts a step into
- * for pp stages: at most pp parts, cut only at a sequence edge at or after
- * each n_tok * i / pp, the step whole when a sequence's tokens are not
- * contiguous.  A copy of that rule: the model does not report its cut. */
+/* How many micro-batches model_forward cuts a step into for pp stages
+ * (engine/model.h: model_micro_batches, the rule forward_pipeline uses). */
 static int micro_batch_count(const step_def *s, int pp)
 {
-	for (int t = 1; t < s->n; t++)
-		for (int u = 0; u < t - 1 && s->seq[t] != s->seq[t - 1]; u++)
-			if (s->seq[u] == s->seq[t])
-				return 1;
-	int n = 1, last = 0;
-	for (int i = 1; i < pp; i++) {
-		int t = (int)((int64_t)s->n * i / pp);
-		while (t > last && t < s->n && s->seq[t] == s->seq[t - 1])
-			t++;
-		if (t <= last || t >= s->n)
-			continue;
-		last = t;
-		n++;
-	}
-	return n;
+	eng_batch b = {.n_tok = s->n, .tokens = s->tok, .pos = s->pos, .seq = s->seq};
+	int cut[MODEL_MAX_MICRO + 1];
+	return model_micro_batches(&b, pp, cut, MODEL_MAX_MICRO);
 }
 
 /* Runs every step; logits of step k at out + offset[k] (when out). */
