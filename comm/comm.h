@@ -8,7 +8,7 @@
  * backend (comm_impl.h).  Backends:
  *
  *   comm_single_new   one rank (W = 1): every collective is a copy     (built)
- *   gloo              CPU ranks over TCP, host buffers      (next issue, planned)
+ *   gloo              CPU ranks over TCP, host buffers                 (built)
  *   nccl              GPU ranks, device buffers on a stream (next issue, planned)
  *
  * Shape of a call (the common ground of Gloo's and NCCL's collectives):
@@ -30,8 +30,9 @@
  *      (On W > 1 the other ranks then wait for a call that never comes and
  *      end with DS_ETIMEOUT: argument errors are bugs of the caller.)
  *   3. a call waits at most the group's timeout (comm_params.timeout_ms,
- *      changed by comm_group_set_timeout) for its peers; past it the call
- *      returns DS_ETIMEOUT.  A dead or unreachable peer is DS_EIO naming the
+ *      changed by comm_group_set_timeout, alike on every rank: a Gloo group
+ *      whose timeout changed moves its collectives off its fast path) for
+ *      its peers; past it the call returns DS_ETIMEOUT.  A dead or unreachable peer is DS_EIO naming the
  *      rank.  Never a hang: a backend that cannot bound a wait (NCCL)
  *      watches it and aborts its communicator.
  *   4. after DS_ETIMEOUT or DS_EIO the group is broken: every later call
