@@ -20,7 +20,8 @@
  *     └── any of it fails: ERROR frame (rank 0, id 0), exit 1
  *
  *   SERVING ──frame_next: rank 0 reads a frame from stdin, frame_share
- *            broadcasts header then payload over the world group──> one frame:
+ *            broadcasts it over the world group (header and the first
+ *            FRAME_INLINE payload bytes in one call)──> one frame:
  *     STEP  ──step_run (every rank: model_forward)──> LOGITS or ERROR (rank 0)
  *     STATS ──stats_run (every rank: comm_all_gather)──> STATS_REPLY (rank 0)
  *     another kind ──reply_error (rank 0)──> ERROR ──────────> SERVING
@@ -69,6 +70,7 @@
 
 #define MAX_PAYLOAD_LIMIT ((uint64_t)1 << 30) /* a STEP frame larger than this is a config error */
 #define JOB_MAX 64
+#define FRAME_INLINE 4080 /* payload bytes that travel with the header (frame_share) */
 
 struct worker_cfg {
 	char *model, *backend, *attn, *log_level, *store, *job, *host;
@@ -133,7 +135,8 @@ typedef struct worker {
 	FILE *in, *out;
 	int vocab, bt, max_ctx, max_seqs, max_blocks, page_size, n_pages;
 	size_t max_payload;
-	uint8_t *payload; /* [max_payload] the frame being handled */
+	uint8_t *frame;   /* [RANKPROTO_HEADER_BYTES + max_payload] the frame being handled */
+	uint8_t *payload; /* frame + RANKPROTO_HEADER_BYTES */
 	float *logits;    /* [bt][vocab] rank 0 only */
 	uint8_t *stats;   /* [W][RANKPROTO_STAT_BYTES] */
 	int32_t *codes;   /* [W] every rank's status of the last step */
@@ -340,20 +343,28 @@ static int fatal(worker *w, uint32_t id, ds_err *err)
 	return err->code;
 }
 
-/* Rank 0 read the frame from its launcher; every rank gets it here: the
- * header first, then as many payload bytes as the header says (the other
- * ranks check that length against the limit too).  The one-rank group
- * makes both broadcasts no-ops. */
-static int frame_share(worker *w, uint8_t *header, ds_err *err)
+/* Rank 0 read the frame from its launcher into w->frame; every rank gets
+ * it here: one broadcast of a fixed size carries the header and the first
+ * FRAME_INLINE payload bytes (all of a decode step's), a second one the
+ * rest when the header says there is more (the other ranks check that
+ * length against the limit first).  One call a step where there were two,
+ * and always of the same size, so Gloo's broadcast object is made once.
+ * The one-rank group makes the broadcasts no-ops. */
+static int frame_share(worker *w, ds_err *err)
 {
-	int rc = comm_broadcast(w->world, header, RANKPROTO_HEADER_BYTES, COMM_U8, 0, err);
+	size_t inline_bytes = w->max_payload < FRAME_INLINE ? w->max_payload : FRAME_INLINE;
+	int rc = comm_broadcast(w->world, w->frame, (int64_t)(RANKPROTO_HEADER_BYTES + inline_bytes),
+				COMM_U8, 0, err);
 	if (rc)
 		return rc;
-	uint32_t len = get_u32(header + 12);
+	uint32_t len = get_u32(w->frame + 12);
 	if (len > w->max_payload)
 		return ds_err_set(err, DS_ERANGE, "shared frame of %u payload bytes: the limit is %zu", len,
 				  w->max_payload);
-	return comm_broadcast(w->world, w->payload, (int64_t)len, COMM_U8, 0, err);
+	if (len <= inline_bytes)
+		return DS_OK;
+	return comm_broadcast(w->world, w->payload + inline_bytes, (int64_t)(len - inline_bytes),
+			      COMM_U8, 0, err);
 }
 
 /* Rank 0 ends the loop on its own (end of input, a bad frame): the other
@@ -362,17 +373,17 @@ static void stop_peers(worker *w)
 {
 	if (w->W == 1)
 		return;
-	uint8_t h[RANKPROTO_HEADER_BYTES];
 	ds_err e = {0};
-	rankproto_header_put(h, RANKPROTO_STOP, 0, 0);
-	if (frame_share(w, h, &e))
+	rankproto_header_put(w->frame, RANKPROTO_STOP, 0, 0);
+	if (frame_share(w, &e))
 		log_warn("worker", "cannot stop the other ranks", "error=\"%s\"", e.msg);
 }
 
-/* Rank 0: the next frame from stdin into h and w->payload.  1 = a frame,
- * 0 = the end of input between frames, < 0 = fatal (err filled, *id set). */
-static int frame_read(worker *w, uint8_t *h, uint32_t *id, ds_err *err)
+/* Rank 0: the next frame from stdin into w->frame.  1 = a frame, 0 = the
+ * end of input between frames, < 0 = fatal (err filled, *id set). */
+static int frame_read(worker *w, uint32_t *id, ds_err *err)
 {
+	uint8_t *h = w->frame;
 	size_t got = read_full(w->in, h, RANKPROTO_HEADER_BYTES);
 	if (got == 0 && !ferror(w->in))
 		return 0;
@@ -405,10 +416,9 @@ static int frame_read(worker *w, uint8_t *h, uint32_t *id, ds_err *err)
 static int serve(worker *w, ds_err *err)
 {
 	for (uint64_t n_steps = 0;;) {
-		uint8_t h[RANKPROTO_HEADER_BYTES];
 		uint32_t id = 0;
 		if (w->rank == 0) {
-			int got = frame_read(w, h, &id, err);
+			int got = frame_read(w, &id, err);
 			if (got == 0) {
 				log_info("worker", "end of input", "steps=%llu", (unsigned long long)n_steps);
 				stop_peers(w);
@@ -419,11 +429,11 @@ static int serve(worker *w, ds_err *err)
 				return fatal(w, id, err);
 			}
 		}
-		int rc = frame_share(w, h, err);
+		int rc = frame_share(w, err);
 		if (rc)
 			return fatal(w, id, err);
 		rankproto_header hd;
-		rankproto_header_get(h, &hd);
+		rankproto_header_get(w->frame, &hd);
 		id = hd.id;
 		if (hd.kind == RANKPROTO_STOP) {
 			log_info("worker", "stop", "rank=%d steps=%llu", w->rank, (unsigned long long)n_steps);
@@ -455,7 +465,7 @@ static void worker_close(worker *w)
 	free(w->codes);
 	free(w->stats);
 	free(w->logits);
-	free(w->payload);
+	free(w->frame);
 	model_free(w->m);
 	comm_group_free(w->tp);
 	comm_group_free(w->stage);
@@ -565,7 +575,8 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 				  (unsigned long long)maxp, w->bt, w->max_seqs, w->max_blocks,
 				  (unsigned long long)MAX_PAYLOAD_LIMIT);
 	w->max_payload = (size_t)maxp;
-	w->payload = malloc(w->max_payload);
+	w->frame = malloc(RANKPROTO_HEADER_BYTES + w->max_payload);
+	w->payload = w->frame ? w->frame + RANKPROTO_HEADER_BYTES : NULL;
 	w->stats = calloc((size_t)w->W, RANKPROTO_STAT_BYTES);
 	w->codes = calloc((size_t)w->W, sizeof *w->codes);
 	if (w->rank == 0)
