@@ -22,7 +22,9 @@
  *   SERVING ──frame_next: rank 0 reads a frame from stdin, frame_share
  *            broadcasts it over the world group (header and the first
  *            FRAME_INLINE payload bytes in one call)──> one frame:
- *     STEP  ──step_run (every rank: model_forward)──> LOGITS or ERROR (rank 0)
+ *     STEP  ──step_run (every rank: model_check_batch, model_forward)──> LOGITS
+ *           or ERROR (rank 0); a refused step goes on, a failed forward with
+ *           more than one rank ends the rank (step_run says why) ─> exit 1
  *     STATS ──stats_run (every rank: comm_all_gather)──> STATS_REPLY (rank 0)
  *     another kind ──reply_error (rank 0)──> ERROR ──────────> SERVING
  *     STOP, or the end of input between frames (rank 0 shares it as STOP) ──> exit 0
@@ -48,7 +50,8 @@
  *   4. every rank handles the same frames in the same order (rank 0's), so
  *      the collectives of a step or a STATS line up.  A step that is
  *      refused is refused by every rank alike (the checks see the same
- *      bytes), so nobody is left waiting.
+ *      bytes, before any collective), so nobody is left waiting; a rank
+ *      whose forward fails leaves the group, so nobody waits long.
  */
 #include "worker/worker.h"
 #include "comm/comm.h"
@@ -139,7 +142,6 @@ typedef struct worker {
 	uint8_t *payload; /* frame + RANKPROTO_HEADER_BYTES */
 	float *logits;    /* [bt][vocab] rank 0 only */
 	uint8_t *stats;   /* [W][RANKPROTO_STAT_BYTES] */
-	int32_t *codes;   /* [W] every rank's status of the last step */
 } worker;
 
 /* ---- frames ---- */
@@ -237,57 +239,40 @@ static int step_decode(const worker *w, const uint8_t *p, size_t len, eng_batch 
 	return DS_OK;
 }
 
-/* A failure of a collective: the group is broken (comm.h, contract 4). */
-static int is_comm_failure(int code)
-{
-	return code == DS_EIO || code == DS_ETIMEOUT;
-}
-
-/* With more ranks, every rank learns every rank's status of the step (one
- * small all-gather), so that a step that failed on any rank fails on all:
- * rank 0 never replies logits that a failed rank did not help make.  A
- * broken group is returned as it is (the caller ends the loop). */
-static int step_agree(worker *w, int rc, ds_err *e)
-{
-	if (w->W == 1 || is_comm_failure(rc))
-		return rc;
-	int32_t mine = rc;
-	ds_err ce = {0};
-	int crc = comm_all_gather(w->world, &mine, w->codes, 1, COMM_I32, &ce);
-	if (crc) {
-		*e = ce;
-		return crc;
-	}
-	for (int r = 0; !rc && r < w->W; r++)
-		if (w->codes[r] != 0)
-			rc = ds_err_set(e, w->codes[r], "rank %d: the step failed (%s; its log on stderr "
-					"says why)", r, ds_status_name(w->codes[r]));
-	return rc;
-}
-
-/* Runs one STEP on every rank; rank 0 replies LOGITS or ERROR.  Returned:
- * a failed reply, or (with more than one rank) a broken group, which ends
- * the loop (rank 0 has replied ERROR with it first). */
+/* Runs one STEP on every rank; rank 0 replies LOGITS or ERROR.
+ *
+ * A step the checks refuse (step_decode, model_check_batch: they see the
+ * same bytes on every rank) is refused by every rank alike before any
+ * collective, and the loop goes on.  A step that fails inside model_forward
+ * with more than one rank ends this rank (after rank 0's ERROR reply): its
+ * peers may be inside a collective it will never join, and its exit turns
+ * their wait into DS_EIO naming it at once, where waiting would last the
+ * group's timeout.  So no collective of its own is needed to agree on a
+ * step's status: rank 0 cannot finish a step's collectives without every
+ * rank's part, and replies LOGITS only then.  Returned: a failed reply, or
+ * (with more than one rank) the failure, which ends the loop. */
 static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 {
 	eng_batch b;
 	ds_err e = {0};
 	int rc = step_decode(w, w->payload, len, &b, &e);
 	if (!rc)
-		rc = model_forward(w->m, &b, w->logits, &e);
-	rc = step_agree(w, rc, &e);
+		rc = model_check_batch(w->m, &b, &e);
 	if (rc) {
-		if (is_comm_failure(rc))
-			log_error("worker", "step failed: the group is broken", "rank=%d id=%u error=\"%s\"",
-				  w->rank, id, e.msg);
-		else
-			log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
-		int wrc = reply_error(w, id, &e, err);
-		if (!wrc && w->W > 1 && is_comm_failure(rc)) {
-			*err = e;
-			return rc;
+		log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
+		return reply_error(w, id, &e, err);
+	}
+	if ((rc = model_forward(w->m, &b, w->logits, &e))) {
+		if (w->W == 1) {
+			log_warn("worker", "step failed", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
+			return reply_error(w, id, &e, err);
 		}
-		return wrc;
+		log_error("worker", "step failed: this rank leaves the group", "rank=%d id=%u error=\"%s\"",
+			  w->rank, id, e.msg);
+		int wrc = reply_error(w, id, &e, err);
+		if (!wrc)
+			*err = e;
+		return rc;
 	}
 	int32_t rows = 0;
 	for (int i = 0; i < b.n_tok; i++)
@@ -462,7 +447,6 @@ static int serve(worker *w, ds_err *err)
 
 static void worker_close(worker *w)
 {
-	free(w->codes);
 	free(w->stats);
 	free(w->logits);
 	free(w->frame);
@@ -578,10 +562,9 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	w->frame = malloc(RANKPROTO_HEADER_BYTES + w->max_payload);
 	w->payload = w->frame ? w->frame + RANKPROTO_HEADER_BYTES : NULL;
 	w->stats = calloc((size_t)w->W, RANKPROTO_STAT_BYTES);
-	w->codes = calloc((size_t)w->W, sizeof *w->codes);
 	if (w->rank == 0)
 		w->logits = malloc((size_t)w->bt * (size_t)w->vocab * sizeof(float));
-	if (!w->payload || !w->stats || !w->codes || (w->rank == 0 && !w->logits))
+	if (!w->payload || !w->stats || (w->rank == 0 && !w->logits))
 		return ds_err_set(err, DS_ENOMEM, "out of memory for %d rows of %d logits", w->bt, w->vocab);
 	return limits_agree(w, err);
 }
