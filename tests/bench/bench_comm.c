@@ -114,9 +114,9 @@ fail:
 int main(int argc, char **argv)
 {
 	int calls = 300;
-	if (argc == 3 && strcmp(argv[1], "--calls") == 0)
-		calls = atoi(argv[2]);
-	if (calls < 1) {
+	if (argc == 3 && strcmp(argv[1], "--calls") == 0 && ds_parse_int(argv[2], 1, 1 << 24, &calls))
+		calls = 0;
+	if (calls < 1 || (argc != 1 && argc != 3)) {
 		fprintf(stderr, "usage: bench_comm [--calls N]\n");
 		return 2;
 	}
