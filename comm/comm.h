@@ -11,7 +11,7 @@
  *   comm_gloo_new     CPU ranks over TCP, host buffers         (built, -lgloo)
  *   comm_nccl_new     GPU ranks, device buffers on a stream (built with CUDA=1;
  *                     without CUDA it returns DS_EUNSUPPORTED)
- * docs/distributed.md ("Comm layer") has the rendezvous keys, the failure
+ * docs/distributed.md ("Comm backends") has the rendezvous keys, the failure
  * behaviour measured on each backend and Gloo's limitations.
  *
  * Shape of a call (the common ground of Gloo's and NCCL's collectives):
@@ -33,8 +33,9 @@
  *      (On W > 1 the other ranks then wait for a call that never comes and
  *      end with DS_ETIMEOUT: argument errors are bugs of the caller.)
  *   3. a call waits at most the group's timeout (comm_params.timeout_ms,
- *      changed by comm_group_set_timeout) for its peers; past it the call
- *      returns DS_ETIMEOUT.  A dead or unreachable peer is DS_EIO naming the
+ *      changed by comm_group_set_timeout, alike on every rank: a Gloo group
+ *      whose timeout changed moves its collectives off its fast path) for
+ *      its peers; past it the call returns DS_ETIMEOUT.  A dead or unreachable peer is DS_EIO naming the
  *      rank.  Never a hang: a backend that cannot bound a wait (NCCL)
  *      watches it and aborts its communicator.
  *   4. after DS_ETIMEOUT or DS_EIO the group is broken: every later call

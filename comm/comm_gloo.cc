@@ -4,12 +4,42 @@
  * a comm_ops table; no exception ever leaves it.
  *
  * Callers: through comm.c only (comm_gloo_new is the constructor).
- * Calls: Gloo's own algorithms (gloo::allreduce ring, allgather,
- * broadcast, alltoallv, barrier, unbound-buffer send/recv) over its TCP
- * transport, rendezvous through the caller's comm_store (StoreAdapter).
+ * Calls: Gloo's own algorithms over its TCP transport, rendezvous through
+ * the caller's comm_store (StoreAdapter): on the sync mesh AllreduceRing /
+ * AllreduceRingChunked, AllgatherRing, BroadcastOneToAll; on the unbound
+ * mesh gloo::allreduce (ring), allgather, broadcast, alltoallv, barrier and
+ * unbound-buffer send/recv.
  *
  * Threading: a group is used by one thread at a time (comm.h); Gloo's TCP
- * device runs one background loop thread per group.
+ * device runs one background loop thread per group, which serves the
+ * unbound mesh only.
+ *
+ * Two meshes (with more than one rank a group connects twice):
+ *   unbound  Gloo's options-style calls on unbound buffers.  Every message
+ *            is a rendezvous (the sender announces, the receiver answers
+ *            ready, then the data) carried by the device's loop thread,
+ *            which wakes the caller through a condition variable: about
+ *            three thread wake-ups per message.  On 2 shared cores a 2048
+ *            float all-reduce took ~400 us, 10x a loopback round trip.
+ *   sync     the same ranks connected again, every pair switched to Gloo's
+ *            sync mode (Pair::setSync): the calling thread writes and reads
+ *            the sockets itself (blocking recv with the group's timeout as
+ *            SO_RCVTIMEO), no loop thread, no rendezvous; Gloo's bound-
+ *            buffer algorithms run on it.  Their objects bind their memory
+ *            when made, so they are cached per call shape (Cached, at most
+ *            CACHE_MAX, least recently used goes) with staging buffers the
+ *            caller's data is copied through; a decode step makes the same
+ *            calls every time and so allocates nothing once warm.
+ *   The sync mesh takes all_reduce (and so reduce_scatter), all_gather and
+ *   broadcast when the largest message is at most SYNC_MAX_BYTES and the
+ *   timeout is the one the group connected with; everything else (larger
+ *   messages, all_to_allv, send / recv, barrier) takes the unbound mesh.
+ *   Both choices depend only on what every rank passes alike.  Gloo's
+ *   busy-poll (spinning on the socket instead of sleeping in recv) is not
+ *   used: with more ranks than cores it stalls the ranks that compute (4
+ *   ranks on 2 cores: over 100x slower in tests/bench/bench_comm.c).
+ *   DS_COMM_SYNC=0 in the environment leaves the sync mesh out (for
+ *   comparing; docs/benchmarks.md).
  *
  * Rendezvous (keys under "<prefix>/", comm.h's scheme):
  *   <rank>/host      this rank's listening host (set before connecting; the
@@ -17,16 +47,20 @@
  *   gloo/...         Gloo's own keys (its pair addresses, one value per
  *                    rank; values longer than COMM_STORE_VALUE_MAX are cut
  *                    into parts "<key>#<i>" behind a header "<key>")
+ *   sync/gloo/...    the sync mesh's keys, likewise
  *   <rank>/ready     set once connected and after a one-byte all-to-all
  *                    (so every pair is up on both ends): line i is the
- *                    local address of this rank's connection to rank i, so
- *                    that a peer's error message ("... [127.0.0.1]:40312")
- *                    names a rank; so does the address rank i published
- *                    in gloo/<i> for us, which Gloo names when it accepted
- *                    the connection before its connect() ran
+ *                    local address of this rank's connection to rank i
+ *                    (unbound mesh, space, sync mesh), so that a peer's
+ *                    error message ("... [127.0.0.1]:40312") names a rank;
+ *                    so does the address rank i published in gloo/<i> for
+ *                    us, which Gloo names when it accepted the connection
+ *                    before its connect() ran
  *
  * Reductions (the order is fixed so results never depend on timing):
- *   all_reduce      gloo::allreduce, ring algorithm chosen explicitly.  The
+ *   all_reduce      sync mesh: make_all_reduce says why AllreduceRing and
+ *                   AllreduceRingChunked give every rank the same bits.
+ *                   Unbound mesh: gloo::allreduce, ring chosen explicitly.  The
  *                   ring cuts the buffer into segments and each segment is
  *                   summed along the ring starting from a rank fixed by its
  *                   position; which rank adds when depends only on W and
@@ -45,8 +79,9 @@
  *
  * Failures: every Gloo call runs inside guarded(), which catches every
  * exception: a message that says it timed out ("Timed out ...", "Connect
- * timeout", "Read timeout") is DS_ETIMEOUT, anything else DS_EIO, naming
- * the peer rank when the message holds one of its addresses (above).  Gloo's TCP loop thread cannot report
+ * timeout", "Read timeout": a sync-mesh recv past SO_RCVTIMEO) is
+ * DS_ETIMEOUT, anything else DS_EIO, naming the peer rank when the message
+ * holds one of its addresses (above).  Gloo's TCP loop thread cannot report
  * everything to the caller: a malformed frame on an established connection
  * fails a GLOO_ENFORCE on that thread, and the exception ends the process
  * (std::terminate).  We install a terminate handler that logs what Gloo
@@ -63,13 +98,18 @@ extern "C" {
 }
 
 #include <gloo/allgather.h>
+#include <gloo/allgather_ring.h>
 #include <gloo/allreduce.h>
+#include <gloo/allreduce_ring.h>
+#include <gloo/allreduce_ring_chunked.h>
 #include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
+#include <gloo/broadcast_one_to_all.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/pair.h>
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
@@ -78,6 +118,7 @@ extern "C" {
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -183,18 +224,48 @@ private:
 	int timeout_ms_;
 };
 
+/* The collectives of the sync mesh (file note, "Two meshes"). */
+enum class Kind { ALL_REDUCE, ALL_GATHER, BROADCAST };
+
+/* One algorithm object of the sync mesh with the staging memory its bound
+ * buffers point at, kept while calls of the same shape come (a decode step
+ * makes the same calls every time).  Declared so that the algorithm goes
+ * before the memory it points into. */
+struct Cached {
+	Kind kind;
+	comm_dtype dt;  /* all_reduce: the dtype as called (bf16 / f16 run as f32) */
+	comm_op op;     /* all_reduce */
+	size_t count;   /* elements (all_reduce), bytes per rank (all_gather), bytes (broadcast) */
+	int root;       /* broadcast */
+	uint64_t used;  /* last use, for eviction */
+	std::vector<char> in, out;
+	std::unique_ptr<gloo::Algorithm> algo;
+};
+
 /* What the C struct points at (C++ members stay out of the C layout). */
 struct Impl {
 	std::shared_ptr<gloo::transport::Device> dev;
-	std::shared_ptr<gloo::rendezvous::Context> ctx;
-	/* [rank]: its end of our connection, and the address it listened on
-	 * for us (Gloo names either in its messages: a pair that accepted the
-	 * connection before connect() was called keeps the published one) */
-	std::vector<std::string> peer_addr, peer_listen;
+	std::shared_ptr<gloo::rendezvous::Context> ctx;  /* unbound buffers, the device's loop */
+	std::shared_ptr<gloo::rendezvous::Context> sctx; /* sync pairs; null for one rank */
+	int sync_timeout_ms;                /* the sync pairs' timeout (fixed at connect) */
+	/* [rank]: its end of our connection (ctx), the same for sctx, and the
+	 * address it listened on for us (Gloo names either in its messages: a
+	 * pair that accepted the connection before connect() was called keeps
+	 * the published one) */
+	std::vector<std::string> peer_addr, speer_addr, peer_listen;
+	std::vector<std::unique_ptr<Cached>> cache; /* at most CACHE_MAX */
+	uint64_t clock = 0;
 	std::vector<char> scratch;          /* widening, reduce_scatter, all_to_allv */
 	std::vector<char> scratch2;
 	std::string prefix;
 };
+
+/* Sync mesh limits: a message larger than SYNC_MAX_BYTES takes the unbound
+ * path (a blocking write of a large message can wait on the peer's reads,
+ * which in sync mode only its own waits make); CACHE_MAX algorithm objects
+ * per group. */
+const size_t SYNC_MAX_BYTES = (size_t)256 << 10;
+const size_t CACHE_MAX = 8;
 
 /* Slot of point-to-point messages: a prefix no Gloo collective uses
  * (theirs are small), so sends and recvs match per pair in call order. */
@@ -251,12 +322,13 @@ static int failure(comm_group *g, const char *call, const char *what, ds_err *er
 	Impl *im = gg(g)->impl;
 	std::string w = what ? what : "";
 	int peer = -1;
-	for (size_t r = 0; r < im->peer_addr.size(); r++) {
+	for (size_t r = 0; peer < 0 && r < im->peer_addr.size(); r++) {
 		if ((!im->peer_addr[r].empty() && w.find(im->peer_addr[r]) != std::string::npos) ||
-		    (!im->peer_listen[r].empty() && w.find(im->peer_listen[r]) != std::string::npos)) {
+		    (!im->peer_listen[r].empty() && w.find(im->peer_listen[r]) != std::string::npos))
 			peer = (int)r;
-			break;
-		}
+		else if (r < im->speer_addr.size() && !im->speer_addr[r].empty() &&
+			 w.find(im->speer_addr[r]) != std::string::npos)
+			peer = (int)r;
 	}
 	bool timeout = w.find("Timed out") != std::string::npos ||
 		       w.find("timeout") != std::string::npos;
@@ -425,12 +497,134 @@ static void ring_all_reduce(comm_group *g, T *buf, size_t n, comm_op op)
 	gloo::allreduce(opts);
 }
 
+/* ---- the sync mesh ---- */
+
+/* Whether a call of `bytes` (the largest single message) takes the sync
+ * mesh.  Every rank decides alike: the sizes are the same on every rank
+ * (comm.h), and so is the timeout when comm_group_set_timeout is called
+ * alike (comm.h: a changed timeout moves a Gloo group onto the unbound
+ * path, whose waits take the timeout per call). */
+static bool sync_path(comm_group *g, size_t bytes)
+{
+	const Impl *im = gg(g)->impl;
+	return im->sctx && bytes > 0 && bytes <= SYNC_MAX_BYTES && g->timeout_ms == im->sync_timeout_ms;
+}
+
+template <class T, comm_op OP> static void reduce_fn(T *x, const T *y, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		x[i] = op_apply<T>(OP, x[i], y[i]);
+}
+
+template <class T> static const gloo::ReductionFunction<T> *reduction(comm_op op)
+{
+	static const gloo::ReductionFunction<T> sum(gloo::CUSTOM, &reduce_fn<T, COMM_SUM>),
+		max(gloo::CUSTOM, &reduce_fn<T, COMM_MAX>), min(gloo::CUSTOM, &reduce_fn<T, COMM_MIN>);
+	return op == COMM_MAX ? &max : op == COMM_MIN ? &min : &sum;
+}
+
+/* The all-reduce object for n elements of T at buf.  Two ranks summing:
+ * AllreduceRing, one exchange each way (each rank adds the other's buffer
+ * to its own: a + b and b + a are the same bits).  Otherwise
+ * AllreduceRingChunked, where each chunk is reduced along the ring by
+ * ranks fixed by its position and the finished chunk is copied around, so
+ * every rank gets the same bits (max / min of -0 and +0, or of a NaN,
+ * depend on the operand order, hence not the plain ring for them). */
+template <class T>
+static gloo::Algorithm *make_all_reduce(Impl *im, int W, char *buf, size_t n, comm_op op)
+{
+	std::vector<T *> ptrs{reinterpret_cast<T *>(buf)};
+	if (W == 2 && op == COMM_SUM)
+		return new gloo::AllreduceRing<T>(im->sctx, ptrs, (int)n, reduction<T>(op));
+	return new gloo::AllreduceRingChunked<T>(im->sctx, ptrs, (int)n, reduction<T>(op));
+}
+
+/* The cached object of this shape, or a new one (made by `make` on the
+ * Cached whose staging vectors it sized; may throw).  Every rank makes the
+ * same calls in the same order, so every rank makes and evicts the same
+ * objects in the same order, and the slots Gloo numbers them by agree. */
+template <class F>
+static Cached *cached(Impl *im, Kind kind, comm_dtype dt, comm_op op, size_t count, int root, F make)
+{
+	for (auto &c : im->cache)
+		if (c->kind == kind && c->dt == dt && c->op == op && c->count == count && c->root == root) {
+			c->used = ++im->clock;
+			return c.get();
+		}
+	if (im->cache.size() >= CACHE_MAX) {
+		auto lru = std::min_element(im->cache.begin(), im->cache.end(),
+					    [](const std::unique_ptr<Cached> &a,
+					       const std::unique_ptr<Cached> &b) { return a->used < b->used; });
+		im->cache.erase(lru);
+	}
+	std::unique_ptr<Cached> c(new Cached());
+	c->kind = kind;
+	c->dt = dt;
+	c->op = op;
+	c->count = count;
+	c->root = root;
+	make(*c);
+	c->used = ++im->clock;
+	im->cache.push_back(std::move(c));
+	return im->cache.back().get();
+}
+
+/* all_reduce on the sync mesh: send is staged (bf16 / f16 widened to f32),
+ * reduced by Gloo, the result copied (rounded) to recv. */
+static int sync_all_reduce(comm_group *g, const char *call, const void *send, void *recv, size_t n,
+			   comm_dtype dt, comm_op op, ds_err *err)
+{
+	Impl *im = gg(g)->impl;
+	const bool wide = dt == COMM_BF16 || dt == COMM_F16;
+	const size_t es = wide ? sizeof(float) : comm_dtype_size(dt);
+	Cached *c = nullptr;
+	int rc = guarded(g, call, err, [&] {
+		c = cached(im, Kind::ALL_REDUCE, dt, op, n, 0, [&](Cached &x) {
+			x.in.resize(n * es);
+			if (dt == COMM_I32)
+				x.algo.reset(make_all_reduce<int32_t>(im, g->size, x.in.data(), n, op));
+			else if (dt == COMM_U8)
+				x.algo.reset(make_all_reduce<uint8_t>(im, g->size, x.in.data(), n, op));
+			else
+				x.algo.reset(make_all_reduce<float>(im, g->size, x.in.data(), n, op));
+		});
+	});
+	if (rc)
+		return rc;
+	if (wide) {
+		float *w = reinterpret_cast<float *>(c->in.data());
+		const uint16_t *s = static_cast<const uint16_t *>(send);
+		for (size_t i = 0; i < n; i++) {
+			uint16_t h;
+			memcpy(&h, s + i, 2);
+			w[i] = dt == COMM_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+		}
+	} else {
+		memcpy(c->in.data(), send, n * es);
+	}
+	if ((rc = guarded(g, call, err, [&] { c->algo->run(); })))
+		return rc;
+	if (wide) {
+		const float *w = reinterpret_cast<const float *>(c->in.data());
+		uint16_t *r = static_cast<uint16_t *>(recv);
+		for (size_t i = 0; i < n; i++) {
+			uint16_t h = dt == COMM_BF16 ? f32_to_bf16(w[i]) : f32_to_f16(w[i]);
+			memcpy(r + i, &h, 2);
+		}
+	} else {
+		memcpy(recv, c->in.data(), n * es);
+	}
+	return DS_OK;
+}
+
 /* recv = op over ranks of send (n elements; send may equal recv), every
  * dtype, by the order of the file's note. */
 static int reduce_into(comm_group *g, const char *call, const void *send, void *recv, size_t n,
 		       comm_dtype dt, comm_op op, ds_err *err)
 {
 	size_t es = comm_dtype_size(dt);
+	if (sync_path(g, n * (dt == COMM_BF16 || dt == COMM_F16 ? sizeof(float) : es)))
+		return sync_all_reduce(g, call, send, recv, n, dt, op, err);
 	if (dt == COMM_BF16 || dt == COMM_F16) {
 		float *w = (float *)scratch(gg(g)->impl->scratch2, n * sizeof(float));
 		if (!w)
@@ -495,6 +689,27 @@ static int gloo_all_gather(comm_group *g, const void *send, void *recv, int64_t 
 			   comm_dtype dt, ds_err *err)
 {
 	size_t n = (size_t)count * comm_dtype_size(dt);
+	if (sync_path(g, n)) { /* AllgatherRing: W - 1 rounds of one slice each */
+		Impl *im = gg(g)->impl;
+		const size_t W = (size_t)g->size;
+		Cached *c = nullptr;
+		int rc = guarded(g, "all_gather", err, [&] {
+			c = cached(im, Kind::ALL_GATHER, COMM_U8, COMM_SUM, n, 0, [&](Cached &x) {
+				x.in.resize(n);
+				x.out.resize(n * W);
+				std::vector<const uint8_t *> in{reinterpret_cast<const uint8_t *>(x.in.data())};
+				x.algo.reset(new gloo::AllgatherRing<uint8_t>(
+					im->sctx, in, reinterpret_cast<uint8_t *>(x.out.data()), (int)n));
+			});
+		});
+		if (rc)
+			return rc;
+		memcpy(c->in.data(), send, n);
+		if ((rc = guarded(g, "all_gather", err, [&] { c->algo->run(); })))
+			return rc;
+		memcpy(recv, c->out.data(), n * W);
+		return DS_OK;
+	}
 	return guarded(g, "all_gather", err, [&] {
 		gloo::AllgatherOptions opts(gg(g)->impl->ctx);
 		char *mine = static_cast<char *>(recv) + (size_t)g->rank * n;
@@ -510,6 +725,26 @@ static int gloo_broadcast(comm_group *g, void *buf, int64_t count, comm_dtype dt
 			  ds_err *err)
 {
 	size_t n = (size_t)count * comm_dtype_size(dt);
+	if (sync_path(g, n)) { /* BroadcastOneToAll: clear-to-send, then the data */
+		Impl *im = gg(g)->impl;
+		Cached *c = nullptr;
+		int rc = guarded(g, "broadcast", err, [&] {
+			c = cached(im, Kind::BROADCAST, COMM_U8, COMM_SUM, n, root, [&](Cached &x) {
+				x.in.resize(n);
+				std::vector<uint8_t *> ptrs{reinterpret_cast<uint8_t *>(x.in.data())};
+				x.algo.reset(new gloo::BroadcastOneToAll<uint8_t>(im->sctx, ptrs, n, root));
+			});
+		});
+		if (rc)
+			return rc;
+		if (g->rank == root)
+			memcpy(c->in.data(), buf, n);
+		if ((rc = guarded(g, "broadcast", err, [&] { c->algo->run(); })))
+			return rc;
+		if (g->rank != root)
+			memcpy(buf, c->in.data(), n);
+		return DS_OK;
+	}
 	return guarded(g, "broadcast", err, [&] {
 		gloo::BroadcastOptions opts(gg(g)->impl->ctx);
 		opts.setOutput(static_cast<uint8_t *>(buf), n);
@@ -614,6 +849,8 @@ static void gloo_free(comm_group *g)
 	gloo_group *x = gg(g);
 	try {
 		if (x->impl) { /* reverse of setup: connections, then the device's thread */
+			x->impl->cache.clear();
+			x->impl->sctx.reset();
 			x->impl->ctx.reset();
 			x->impl->dev.reset();
 		}
@@ -669,6 +906,17 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 	im->ctx->setTimeout(ms(g->timeout_ms));
 	StoreAdapter adapter(st, im->prefix, g->timeout_ms);
 	im->ctx->connectFullMesh(adapter, im->dev);
+	const char *sm = getenv("DS_COMM_SYNC");
+	if (g->size > 1 && !(sm && sm[0] == '0')) { /* the sync mesh: its own keys, the same device */
+		im->sctx = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
+		im->sctx->setTimeout(ms(g->timeout_ms));
+		StoreAdapter sadapter(st, im->prefix + "/sync", g->timeout_ms);
+		im->sctx->connectFullMesh(sadapter, im->dev);
+		for (int r = 0; r < g->size; r++)
+			if (r != g->rank)
+				im->sctx->getPair(r)->setSync(true, false); /* no busy-poll: note */
+		im->sync_timeout_ms = g->timeout_ms;
+	}
 
 	/* One byte to and from every peer: afterwards every connection is
 	 * established on both ends, so each pair's local address is final
@@ -682,11 +930,15 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 		opts.setTimeout(ms(g->timeout_ms));
 		gloo::alltoallv(opts);
 	}
-	/* ready: our end of every connection, one line per rank */
+	/* ready: our end of every connection, one line per rank: the unbound
+	 * mesh's address, then (with more than one rank) the sync mesh's */
 	std::string ready;
 	for (int r = 0; r < g->size; r++) {
-		if (r != g->rank)
+		if (r != g->rank) {
 			ready += im->ctx->getPair(r)->address().str();
+			if (im->sctx)
+				ready += " " + im->sctx->getPair(r)->address().str();
+		}
 		ready += "\n";
 	}
 	if (ready.size() > COMM_STORE_VALUE_MAX)
@@ -697,6 +949,7 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 		throw StoreError(rc, e.msg);
 	im->peer_addr.assign((size_t)g->size, std::string());
 	im->peer_listen.assign((size_t)g->size, std::string());
+	im->speer_addr.assign((size_t)g->size, std::string());
 	for (int r = 0; r < g->size; r++) {
 		if (r == g->rank)
 			continue;
@@ -717,7 +970,11 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 		}
 		if (line) {
 			const char *end = strchr(line, '\n');
-			im->peer_addr[(size_t)r].assign(line, end ? (size_t)(end - line) : strlen(line));
+			std::string both(line, end ? (size_t)(end - line) : strlen(line));
+			size_t sp = both.find(' ');
+			im->peer_addr[(size_t)r] = both.substr(0, sp);
+			if (sp != std::string::npos)
+				im->speer_addr[(size_t)r] = both.substr(sp + 1);
 		}
 		/* rank r's published pair addresses skip r itself */
 		std::vector<char> all = adapter.get(std::to_string(r));
@@ -728,6 +985,13 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 		}
 		log_debug("comm_gloo", "peer address", "group=%s rank=%d peer=%d addr=%s listen=%s", g->name,
 			  g->rank, r, im->peer_addr[(size_t)r].c_str(), im->peer_listen[(size_t)r].c_str());
+	}
+	/* no rank sends on the sync mesh before every rank has taken its pairs
+	 * off the device's loop */
+	if (im->sctx) {
+		gloo::BarrierOptions opts(im->ctx);
+		opts.setTimeout(ms(g->timeout_ms));
+		gloo::barrier(opts);
 	}
 }
 

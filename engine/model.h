@@ -149,6 +149,13 @@ void model_free(model *m);
 
 int model_forward(model *m, const eng_batch *b, float *logits, ds_err *err);
 
+/* The checks of a step against the model (token ids, positions, block
+ * tables; DS_EINVAL / DS_ERANGE naming the first bad entry) that every
+ * forward makes first, before any work or communication: under a plan every
+ * rank gives the same answer for the same step, so a step it refuses is
+ * refused everywhere and the ranks stay in step. */
+int model_check_batch(const model *m, const eng_batch *b, ds_err *err);
+
 /* "auto", "naive" or "absorbed" into *out; DS_EINVAL for anything else
  * (the --attn flag of dsrun and dsagent worker). */
 int model_attn_parse(const char *s, enum model_attn *out);

@@ -152,8 +152,5 @@ int model_weight_window(const kb_backend *be, const model_weight *w, int64_t row
  * same way; NULL on allocation failure. */
 void *model_copy_bytes(const void *p, size_t n, size_t *counter);
 
-/* Shared checks of a step against the base (token ids, positions, block
- * tables); every forward calls it first. */
-int model_check_batch(const model *m, const eng_batch *b, ds_err *err);
 
 #endif

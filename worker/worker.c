@@ -20,8 +20,11 @@
  *     └── any of it fails: ERROR frame (rank 0, id 0), exit 1
  *
  *   SERVING ──frame_next: rank 0 reads a frame from stdin, frame_share
- *            broadcasts header then payload over the world group──> one frame:
- *     STEP  ──step_run (every rank: model_forward)──> LOGITS or ERROR (rank 0)
+ *            broadcasts it over the world group (header and the first
+ *            FRAME_INLINE payload bytes in one call)──> one frame:
+ *     STEP  ──step_run (every rank: model_check_batch, model_forward)──> LOGITS
+ *           or ERROR (rank 0); a refused step goes on, a failed forward with
+ *           more than one rank ends the rank (step_run says why) ─> exit 1
  *     STATS ──stats_run (every rank: comm_all_gather)──> STATS_REPLY (rank 0)
  *     another kind ──reply_error (rank 0)──> ERROR ──────────> SERVING
  *     STOP, or the end of input between frames (rank 0 shares it as STOP) ──> exit 0
@@ -47,7 +50,8 @@
  *   4. every rank handles the same frames in the same order (rank 0's), so
  *      the collectives of a step or a STATS line up.  A step that is
  *      refused is refused by every rank alike (the checks see the same
- *      bytes), so nobody is left waiting.
+ *      bytes, before any collective), so nobody is left waiting; a rank
+ *      whose forward fails leaves the group, so nobody waits long.
  */
 #include "worker/worker.h"
 #include "comm/comm.h"
@@ -69,6 +73,7 @@
 
 #define MAX_PAYLOAD_LIMIT ((uint64_t)1 << 30) /* a STEP frame larger than this is a config error */
 #define JOB_MAX 64
+#define FRAME_INLINE 4080 /* payload bytes that travel with the header (frame_share) */
 
 struct worker_cfg {
 	char *model, *backend, *attn, *log_level, *store, *job, *host;
@@ -133,10 +138,10 @@ typedef struct worker {
 	FILE *in, *out;
 	int vocab, bt, max_ctx, max_seqs, max_blocks, page_size, n_pages;
 	size_t max_payload;
-	uint8_t *payload; /* [max_payload] the frame being handled */
+	uint8_t *frame;   /* [RANKPROTO_HEADER_BYTES + max_payload] the frame being handled */
+	uint8_t *payload; /* frame + RANKPROTO_HEADER_BYTES */
 	float *logits;    /* [bt][vocab] rank 0 only */
 	uint8_t *stats;   /* [W][RANKPROTO_STAT_BYTES] */
-	int32_t *codes;   /* [W] every rank's status of the last step */
 } worker;
 
 /* ---- frames ---- */
@@ -234,57 +239,40 @@ static int step_decode(const worker *w, const uint8_t *p, size_t len, eng_batch 
 	return DS_OK;
 }
 
-/* A failure of a collective: the group is broken (comm.h, contract 4). */
-static int is_comm_failure(int code)
-{
-	return code == DS_EIO || code == DS_ETIMEOUT;
-}
-
-/* With more ranks, every rank learns every rank's status of the step (one
- * small all-gather), so that a step that failed on any rank fails on all:
- * rank 0 never replies logits that a failed rank did not help make.  A
- * broken group is returned as it is (the caller ends the loop). */
-static int step_agree(worker *w, int rc, ds_err *e)
-{
-	if (w->W == 1 || is_comm_failure(rc))
-		return rc;
-	int32_t mine = rc;
-	ds_err ce = {0};
-	int crc = comm_all_gather(w->world, &mine, w->codes, 1, COMM_I32, &ce);
-	if (crc) {
-		*e = ce;
-		return crc;
-	}
-	for (int r = 0; !rc && r < w->W; r++)
-		if (w->codes[r] != 0)
-			rc = ds_err_set(e, w->codes[r], "rank %d: the step failed (%s; its log on stderr "
-					"says why)", r, ds_status_name(w->codes[r]));
-	return rc;
-}
-
-/* Runs one STEP on every rank; rank 0 replies LOGITS or ERROR.  Returned:
- * a failed reply, or (with more than one rank) a broken group, which ends
- * the loop (rank 0 has replied ERROR with it first). */
+/* Runs one STEP on every rank; rank 0 replies LOGITS or ERROR.
+ *
+ * A step the checks refuse (step_decode, model_check_batch: they see the
+ * same bytes on every rank) is refused by every rank alike before any
+ * collective, and the loop goes on.  A step that fails inside model_forward
+ * with more than one rank ends this rank (after rank 0's ERROR reply): its
+ * peers may be inside a collective it will never join, and its exit turns
+ * their wait into DS_EIO naming it at once, where waiting would last the
+ * group's timeout.  So no collective of its own is needed to agree on a
+ * step's status: rank 0 cannot finish a step's collectives without every
+ * rank's part, and replies LOGITS only then.  Returned: a failed reply, or
+ * (with more than one rank) the failure, which ends the loop. */
 static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 {
 	eng_batch b;
 	ds_err e = {0};
 	int rc = step_decode(w, w->payload, len, &b, &e);
 	if (!rc)
-		rc = model_forward(w->m, &b, w->logits, &e);
-	rc = step_agree(w, rc, &e);
+		rc = model_check_batch(w->m, &b, &e);
 	if (rc) {
-		if (is_comm_failure(rc))
-			log_error("worker", "step failed: the group is broken", "rank=%d id=%u error=\"%s\"",
-				  w->rank, id, e.msg);
-		else
-			log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
-		int wrc = reply_error(w, id, &e, err);
-		if (!wrc && w->W > 1 && is_comm_failure(rc)) {
-			*err = e;
-			return rc;
+		log_warn("worker", "step refused", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
+		return reply_error(w, id, &e, err);
+	}
+	if ((rc = model_forward(w->m, &b, w->logits, &e))) {
+		if (w->W == 1) {
+			log_warn("worker", "step failed", "rank=%d id=%u error=\"%s\"", w->rank, id, e.msg);
+			return reply_error(w, id, &e, err);
 		}
-		return wrc;
+		log_error("worker", "step failed: this rank leaves the group", "rank=%d id=%u error=\"%s\"",
+			  w->rank, id, e.msg);
+		int wrc = reply_error(w, id, &e, err);
+		if (!wrc)
+			*err = e;
+		return rc;
 	}
 	int32_t rows = 0;
 	for (int i = 0; i < b.n_tok; i++)
@@ -340,20 +328,28 @@ static int fatal(worker *w, uint32_t id, ds_err *err)
 	return err->code;
 }
 
-/* Rank 0 read the frame from its launcher; every rank gets it here: the
- * header first, then as many payload bytes as the header says (the other
- * ranks check that length against the limit too).  The one-rank group
- * makes both broadcasts no-ops. */
-static int frame_share(worker *w, uint8_t *header, ds_err *err)
+/* Rank 0 read the frame from its launcher into w->frame; every rank gets
+ * it here: one broadcast of a fixed size carries the header and the first
+ * FRAME_INLINE payload bytes (all of a decode step's), a second one the
+ * rest when the header says there is more (the other ranks check that
+ * length against the limit first).  One call a step where there were two,
+ * and always of the same size, so Gloo's broadcast object is made once.
+ * The one-rank group makes the broadcasts no-ops. */
+static int frame_share(worker *w, ds_err *err)
 {
-	int rc = comm_broadcast(w->world, header, RANKPROTO_HEADER_BYTES, COMM_U8, 0, err);
+	size_t inline_bytes = w->max_payload < FRAME_INLINE ? w->max_payload : FRAME_INLINE;
+	int rc = comm_broadcast(w->world, w->frame, (int64_t)(RANKPROTO_HEADER_BYTES + inline_bytes),
+				COMM_U8, 0, err);
 	if (rc)
 		return rc;
-	uint32_t len = get_u32(header + 12);
+	uint32_t len = get_u32(w->frame + 12);
 	if (len > w->max_payload)
 		return ds_err_set(err, DS_ERANGE, "shared frame of %u payload bytes: the limit is %zu", len,
 				  w->max_payload);
-	return comm_broadcast(w->world, w->payload, (int64_t)len, COMM_U8, 0, err);
+	if (len <= inline_bytes)
+		return DS_OK;
+	return comm_broadcast(w->world, w->payload + inline_bytes, (int64_t)(len - inline_bytes),
+			      COMM_U8, 0, err);
 }
 
 /* Rank 0 ends the loop on its own (end of input, a bad frame): the other
@@ -362,17 +358,17 @@ static void stop_peers(worker *w)
 {
 	if (w->W == 1)
 		return;
-	uint8_t h[RANKPROTO_HEADER_BYTES];
 	ds_err e = {0};
-	rankproto_header_put(h, RANKPROTO_STOP, 0, 0);
-	if (frame_share(w, h, &e))
+	rankproto_header_put(w->frame, RANKPROTO_STOP, 0, 0);
+	if (frame_share(w, &e))
 		log_warn("worker", "cannot stop the other ranks", "error=\"%s\"", e.msg);
 }
 
-/* Rank 0: the next frame from stdin into h and w->payload.  1 = a frame,
- * 0 = the end of input between frames, < 0 = fatal (err filled, *id set). */
-static int frame_read(worker *w, uint8_t *h, uint32_t *id, ds_err *err)
+/* Rank 0: the next frame from stdin into w->frame.  1 = a frame, 0 = the
+ * end of input between frames, < 0 = fatal (err filled, *id set). */
+static int frame_read(worker *w, uint32_t *id, ds_err *err)
 {
+	uint8_t *h = w->frame;
 	size_t got = read_full(w->in, h, RANKPROTO_HEADER_BYTES);
 	if (got == 0 && !ferror(w->in))
 		return 0;
@@ -405,10 +401,9 @@ static int frame_read(worker *w, uint8_t *h, uint32_t *id, ds_err *err)
 static int serve(worker *w, ds_err *err)
 {
 	for (uint64_t n_steps = 0;;) {
-		uint8_t h[RANKPROTO_HEADER_BYTES];
 		uint32_t id = 0;
 		if (w->rank == 0) {
-			int got = frame_read(w, h, &id, err);
+			int got = frame_read(w, &id, err);
 			if (got == 0) {
 				log_info("worker", "end of input", "steps=%llu", (unsigned long long)n_steps);
 				stop_peers(w);
@@ -419,11 +414,11 @@ static int serve(worker *w, ds_err *err)
 				return fatal(w, id, err);
 			}
 		}
-		int rc = frame_share(w, h, err);
+		int rc = frame_share(w, err);
 		if (rc)
 			return fatal(w, id, err);
 		rankproto_header hd;
-		rankproto_header_get(h, &hd);
+		rankproto_header_get(w->frame, &hd);
 		id = hd.id;
 		if (hd.kind == RANKPROTO_STOP) {
 			log_info("worker", "stop", "rank=%d steps=%llu", w->rank, (unsigned long long)n_steps);
@@ -452,10 +447,9 @@ static int serve(worker *w, ds_err *err)
 
 static void worker_close(worker *w)
 {
-	free(w->codes);
 	free(w->stats);
 	free(w->logits);
-	free(w->payload);
+	free(w->frame);
 	model_free(w->m);
 	comm_group_free(w->tp);
 	comm_group_free(w->stage);
@@ -565,12 +559,12 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 				  (unsigned long long)maxp, w->bt, w->max_seqs, w->max_blocks,
 				  (unsigned long long)MAX_PAYLOAD_LIMIT);
 	w->max_payload = (size_t)maxp;
-	w->payload = malloc(w->max_payload);
+	w->frame = malloc(RANKPROTO_HEADER_BYTES + w->max_payload);
+	w->payload = w->frame ? w->frame + RANKPROTO_HEADER_BYTES : NULL;
 	w->stats = calloc((size_t)w->W, RANKPROTO_STAT_BYTES);
-	w->codes = calloc((size_t)w->W, sizeof *w->codes);
 	if (w->rank == 0)
 		w->logits = malloc((size_t)w->bt * (size_t)w->vocab * sizeof(float));
-	if (!w->payload || !w->stats || !w->codes || (w->rank == 0 && !w->logits))
+	if (!w->payload || !w->stats || (w->rank == 0 && !w->logits))
 		return ds_err_set(err, DS_ENOMEM, "out of memory for %d rows of %d logits", w->bt, w->vocab);
 	return limits_agree(w, err);
 }
