@@ -49,12 +49,16 @@
  * step or one of its micro-batches), head on the last.  Invariants:
  *   1. a rank holds its share only, each weight an owned window copied out
  *      of the mapping (take): heads [h0, h0 + H) of attention, rows [i0,
- *      i0 + ic) / [s0, s0 + sc) of the dense and shared MLPs, experts [e0,
- *      e0 + ec), lm_head rows [v0, v0 + vc); everything else whole.  On one
- *      rank those ranges are everything and the weights stay the mapping.
+ *      i0 + ic) / [s0, s0 + sc) of the dense and shared MLPs (those three
+ *      split over all tp*ep ranks of the stage), experts [e0, e0 + ec)
+ *      (over ep) and of each its rows [j0, j0 + jc) of the intermediate
+ *      size (over tp), lm_head rows [v0, v0 + vc) (over the stage);
+ *      everything else whole.  On one rank those ranges are everything and
+ *      the weights stay the mapping.
  *   2. after every layer x is the same on every rank of a stage: each split
- *      block ends in one all-reduce (tp after o_proj and the dense MLP, the
- *      stage after the MoE), which adds the partial sums (part) to x.
+ *      block ends in one all-reduce over the stage group (after o_proj,
+ *      after the dense MLP, after the MoE: routed and shared partials in
+ *      one), which adds the partial sums (part) to x.
  *   3. the KV cache holds this stage's layers (cache index L - first_layer)
  *      and the pages of the whole model, so block tables agree everywhere.
  *   4. nothing depends on where b's tokens sit in the step: a micro-batch is
@@ -115,12 +119,13 @@ typedef struct deepseek_model {
 	size_t extra_bytes;
 	/* This rank's share of the plan (model.h; all of it on one rank):
 	 * heads [h0, h0 + H) of H_all, dense MLP rows [i0, i0 + ic), shared
-	 * expert rows [s0, s0 + sc), routed experts [e0, e0 + ec), lm_head rows
-	 * [v0, v0 + vc) (vpad: the largest part, all_gather's count per rank). */
+	 * expert rows [s0, s0 + sc) (those three over the sn ranks of the
+	 * stage), routed experts [e0, e0 + ec) (over ep) and of each of them the
+	 * intermediate rows [j0, j0 + jc) (over tp), lm_head rows [v0, v0 + vc)
+	 * (vpad: the largest part, all_gather's count per rank). */
 	int planned;           /* model_params.rank != NULL: every weight is an owned window */
-	int tp, sn, sl;        /* tp ranks; ranks of the stage (tp * ep) and this one's index */
-	int shared_here;       /* shared experts computed here (ep_rank 0) */
-	int64_t H_all, h0, i0, ic, s0, sc, e0, ec, v0, vc, vpad;
+	int sn, sl;            /* ranks of the stage (tp * ep) and this one's index */
+	int64_t H_all, h0, i0, ic, s0, sc, e0, ec, j0, jc, v0, vc, vpad;
 	void **owned;          /* the windows' copies (free()) */
 	int n_owned, cap_owned;
 	size_t copied;         /* their bytes: base.weight_bytes under a plan */
@@ -343,21 +348,23 @@ static int load_vec(deepseek_model *m, const char *name, int64_t n, float **out,
 
 /* Routed experts of a GGUF: one 3-D tensor [E][n][k] (ggml ne {k, n, E}) per
  * kind; expert e is the row range [e*n, (e+1)*n) of it seen as [E*n][k] (k
- * is a multiple of the type's block, so every range starts on a block).
- * This rank's experts [e0, e0 + ec) are one row window of it (take): views
- * into the mapping on one rank, into one owned copy under a plan. */
-static int load_experts(deepseek_model *m, const char *name, int64_t E, int64_t n, int64_t k, wmat *out,
-			ds_err *err)
+ * is a multiple of the type's block, so every expert starts on a block).
+ * This rank's experts [e0, e0 + ec), each cut to rows [r0, r0 + rn) and
+ * columns [c0, c0 + cn) (its tp slice of the intermediate size) by take:
+ * views into the mapping on one rank, owned copies under a plan. */
+static int load_experts(deepseek_model *m, const char *name, int64_t E, int64_t n, int64_t k, int64_t r0,
+			int64_t rn, int64_t c0, int64_t cn, wmat *out, ds_err *err)
 {
 	int64_t shape[3] = {E, n, k};
 	const gguf_tensor *g = gguf_get_tensor(m->gg, name, GGUF_DTYPE_ANY, 3, shape, err);
 	if (!g)
 		return err->code;
-	wmat all = {.w = g->data, .type = g->dtype, .n = E * n, .k = k};
-	int rc = take(m, &all, m->e0 * n, m->ec * n, 0, k, err);
-	for (int64_t j = 0; !rc && j < m->ec; j++)
-		out[m->e0 + j] = (wmat){.w = (const uint8_t *)all.w + kb_dtype_bytes(all.type, j * n * k),
-					.type = all.type, .n = n, .k = k};
+	int rc = DS_OK;
+	for (int64_t e = m->e0; !rc && e < m->e0 + m->ec; e++) {
+		out[e] = (wmat){.w = (const uint8_t *)g->data + kb_dtype_bytes(g->dtype, e * n * k),
+				.type = g->dtype, .n = n, .k = k};
+		rc = take(m, &out[e], r0, rn, c0, cn, err);
+	}
 	return rc;
 }
 
@@ -643,6 +650,7 @@ static int load_layer(deepseek_model *m, int L, ds_err *err)
 		return DS_OK;
 	}
 	const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size, e0 = m->e0, ec = m->ec;
+	const int64_t j0 = m->j0, jc = m->jc; /* each expert's rows of I here (gate/up rows, down columns) */
 	TRY(load_linear(m, N("mlp.gate.weight", "ffn_gate_inp.weight"), E, D, &ly->router, err));
 	TRY(take(m, &ly->router, 0, E, 0, D, err));
 	/* the GGUF bias is optional, as in llama.cpp (absent: selection without it) */
@@ -660,25 +668,25 @@ static int load_layer(deepseek_model *m, int L, ds_err *err)
 			return ds_err_set(err, DS_EUNSUPPORTED, "%s: tensor %s (gate and up experts fused) is "
 					  "not supported; separate ffn_gate_exps / ffn_up_exps are",
 					  gguf_path(m->gg), name);
-		TRY(load_experts(m, N("", "ffn_gate_exps.weight"), E, I, D, ly->eg, err));
-		TRY(load_experts(m, N("", "ffn_up_exps.weight"), E, I, D, ly->eu, err));
-		TRY(load_experts(m, N("", "ffn_down_exps.weight"), E, D, I, ly->ed, err));
-	} else { /* this rank's experts only (whole), each its own copy under a plan */
+		TRY(load_experts(m, N("", "ffn_gate_exps.weight"), E, I, D, j0, jc, 0, D, ly->eg, err));
+		TRY(load_experts(m, N("", "ffn_up_exps.weight"), E, I, D, j0, jc, 0, D, ly->eu, err));
+		TRY(load_experts(m, N("", "ffn_down_exps.weight"), E, D, I, 0, D, j0, jc, ly->ed, err));
+	} else { /* this rank's experts only (its tp slice of each), each its own copy under a plan */
 		for (int64_t e = e0; e < e0 + ec; e++) {
 			char sub[128];
 			snprintf(sub, sizeof sub, "model.layers.%d.mlp.experts.%lld.", L, (long long)e);
 			snprintf(name, sizeof name, "%sgate_proj.weight", sub);
 			TRY(load_linear(m, name, I, D, &ly->eg[e], err));
-			TRY(take(m, &ly->eg[e], 0, I, 0, D, err));
+			TRY(take(m, &ly->eg[e], j0, jc, 0, D, err));
 			snprintf(name, sizeof name, "%sup_proj.weight", sub);
 			TRY(load_linear(m, name, I, D, &ly->eu[e], err));
-			TRY(take(m, &ly->eu[e], 0, I, 0, D, err));
+			TRY(take(m, &ly->eu[e], j0, jc, 0, D, err));
 			snprintf(name, sizeof name, "%sdown_proj.weight", sub);
 			TRY(load_linear(m, name, D, I, &ly->ed[e], err));
-			TRY(take(m, &ly->ed[e], 0, D, 0, I, err));
+			TRY(take(m, &ly->ed[e], 0, D, j0, jc, err));
 		}
 	}
-	if (m->shared_here) { /* split over tp as the dense MLP: rows [s0, s0 + sc) */
+	if (c->n_shared_experts > 0) { /* split over the stage as the dense MLP: rows [s0, s0 + sc) */
 		const int64_t S = I * c->n_shared_experts;
 		TRY(load_linear(m, N("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"), S, D,
 				&ly->sg, err));
@@ -732,7 +740,7 @@ static int alloc_buffers(deepseek_model *m, ds_err *err)
 	m->rlog = model_act_alloc(be, xb, bt * (E ? E : 1), 4);
 	m->xe = model_act_alloc(be, xb, bt * D, 4);
 	m->ye = model_act_alloc(be, xb, bt * D, 4);
-	int split = m->tp > 1 || m->sn > 1, last = m->base.end_layer == m->base.n_layers;
+	int split = m->sn > 1, last = m->base.end_layer == m->base.n_layers;
 	if (split && !(m->part = model_act_alloc(be, xb, bt * D, 4)))
 		return bad_alloc(err);
 	if (m->sn > 1 && last && (!(m->lgp = model_act_alloc(be, xb, bt * (size_t)m->vpad, 4)) ||
@@ -835,22 +843,25 @@ static int plan_shares(deepseek_model *m, const model_params *p, ds_err *err)
 	if (rc)
 		return rc;
 	const model_rank *r = &m->base.rank;
-	const int tp = r->plan.tp, ep = r->plan.ep;
+	const int tp = r->plan.tp, ep = r->plan.ep, S = tp * ep;
+	const int64_t shared_i = (int64_t)c->moe_intermediate_size * c->n_shared_experts;
+	/* A stage of more ranks than heads (tp*ep > heads, e.g. ep for the
+	 * experts' sake) is fine: the ranks past the heads (or past the rows of
+	 * an MLP) hold none and add zeros to the all-reduce, as ranks without
+	 * experts do.  tp alone beyond the heads has no use and is refused. */
 	if (tp > c->num_attention_heads)
 		return ds_err_set(err, DS_EINVAL, "tp %d is more than the model's %d attention heads: "
 				  "tensor parallelism splits the heads", tp, c->num_attention_heads);
 	m->planned = p->rank != NULL;
-	m->tp = tp;
-	m->sn = tp * ep;
+	m->sn = S;
 	m->sl = r->ep_rank * tp + r->tp_rank;
-	m->shared_here = c->n_shared_experts > 0 && r->ep_rank == 0;
 	int64_t unused;
 	m->H_all = c->num_attention_heads;
-	model_split_range(m->H_all, tp, r->tp_rank, &m->h0, &m->H);
-	model_split_range(c->intermediate_size, tp, r->tp_rank, &m->i0, &m->ic);
-	model_split_range((int64_t)c->moe_intermediate_size * c->n_shared_experts, tp, r->tp_rank, &m->s0,
-			  &m->sc);
-	model_split_range(c->n_routed_experts, m->sn, m->sl, &m->e0, &m->ec);
+	model_split_range(m->H_all, S, m->sl, &m->h0, &m->H);
+	model_split_range(c->intermediate_size, S, m->sl, &m->i0, &m->ic);
+	model_split_range(shared_i, S, m->sl, &m->s0, &m->sc);
+	model_split_range(c->n_routed_experts, ep, r->ep_rank, &m->e0, &m->ec);
+	model_split_range(c->moe_intermediate_size, tp, r->tp_rank, &m->j0, &m->jc);
 	model_split_range(c->vocab_size, m->sn, m->sl, &m->v0, &m->vc);
 	model_split_range(c->vocab_size, m->sn, 0, &unused, &m->vpad);
 	return DS_OK;
@@ -1132,6 +1143,20 @@ static int attention(deepseek_model *m, const eng_batch *b, int L, float *x, ds_
 	const int64_t n = b->n_tok, H = m->H, qk = m->qk, lora = m->lora, rope = m->rope;
 	const int64_t kvw = lora + rope;
 	int rc;
+	if ((rc = linear(m, &ly->kv_a, m->h, m->D, m->kva, kvw, n, 0)) ||
+	    (rc = rmsnorm(m, m->kva, m->kva, ly->kv_a_norm, n, lora, kvw, kvw)))
+		return rc;
+	kb_rope_args rk = {.x = m->kva + lora, .n_tok = n, .n_heads = 1, .tok_stride = kvw,
+				.head_stride = kvw, .rot_dim = rope, .pos = b->pos,
+				.inv_freq = m->inv_freq, .amp = m->rope_amp, .interleaved = 1};
+	if ((rc = kb_rope(m->be, &rk)))
+		return rc;
+	for (int64_t t = 0; t < n; t++)
+		memcpy(cache_row(m, b, L, b->seq[t], b->pos[t]), m->kva + t * kvw, (size_t)kvw * 4);
+	if (H == 0) { /* a rank past the heads of its stage: its cache rows, and zeros to the sum */
+		memset(m->part, 0, (size_t)(n * m->D) * sizeof(float));
+		return reduce_add(m, m->base.rank.stage_grp, x, n, err);
+	}
 	if (c->q_lora_rank > 0) {
 		if ((rc = linear(m, &ly->q_a, m->h, m->D, m->cq, c->q_lora_rank, n, 0)) ||
 		    (rc = rmsnorm(m, m->cq, m->cq, ly->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
@@ -1141,19 +1166,11 @@ static int attention(deepseek_model *m, const eng_batch *b, int L, float *x, ds_
 	} else if ((rc = linear(m, &ly->q_proj, m->h, m->D, m->q, H * qk, n, 0))) {
 		return rc;
 	}
-	if ((rc = linear(m, &ly->kv_a, m->h, m->D, m->kva, kvw, n, 0)) ||
-	    (rc = rmsnorm(m, m->kva, m->kva, ly->kv_a_norm, n, lora, kvw, kvw)))
-		return rc;
 	kb_rope_args rq = {.x = m->q + m->nope, .n_tok = n, .n_heads = H, .tok_stride = H * qk,
 				.head_stride = qk, .rot_dim = rope, .pos = b->pos,
 				.inv_freq = m->inv_freq, .amp = m->rope_amp, .interleaved = 1};
-	kb_rope_args rk = {.x = m->kva + lora, .n_tok = n, .n_heads = 1, .tok_stride = kvw,
-				.head_stride = kvw, .rot_dim = rope, .pos = b->pos,
-				.inv_freq = m->inv_freq, .amp = m->rope_amp, .interleaved = 1};
-	if ((rc = kb_rope(m->be, &rq)) || (rc = kb_rope(m->be, &rk)))
+	if ((rc = kb_rope(m->be, &rq)))
 		return rc;
-	for (int64_t t = 0; t < n; t++)
-		memcpy(cache_row(m, b, L, b->seq[t], b->pos[t]), m->kva + t * kvw, (size_t)kvw * 4);
 
 	/* which tokens take which form */
 	memset(m->seq_ntok, 0, (size_t)b->n_seq * sizeof *m->seq_ntok);
@@ -1181,12 +1198,12 @@ static int attention(deepseek_model *m, const eng_batch *b, int L, float *x, ds_
 				return rc;
 		}
 	}
-	if (m->tp == 1) /* one rank, or attention replicated over ep: x += o_proj o */
+	if (m->sn == 1) /* one rank: x += o_proj o */
 		return linear(m, &ly->o, m->o, H * m->vd, x, m->D, n, 1);
-	/* tp: o_proj over this rank's heads' columns is a partial sum */
+	/* o_proj over this rank's heads' columns is a partial sum over the stage */
 	if ((rc = linear(m, &ly->o, m->o, H * m->vd, m->part, m->D, n, 0)))
 		return rc;
-	return reduce_add(m, m->base.rank.tp_grp, x, n, err);
+	return reduce_add(m, m->base.rank.stage_grp, x, n, err);
 }
 
 static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, const float *x, float *y,
@@ -1194,6 +1211,11 @@ static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, c
 {
 	int rc;
 	const int64_t I = g->n;
+	if (I == 0) { /* a rank past the rows of a split MLP adds zeros */
+		if (!accumulate)
+			memset(y, 0, (size_t)(rows * m->D) * sizeof(float));
+		return DS_OK;
+	}
 	if ((rc = linear(m, g, x, m->D, m->g, I, rows, 0)) ||
 	    (rc = linear(m, u, x, m->D, m->up, I, rows, 0)))
 		return rc;
@@ -1208,19 +1230,20 @@ static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, c
  * h; adds its output to x [n][D]. */
 static int dense(deepseek_model *m, const deepseek_layer *ly, int64_t n, float *x, ds_err *err)
 {
-	if (m->tp == 1)
+	if (m->sn == 1)
 		return mlp(m, &ly->gate, &ly->up, &ly->down, m->h, x, n, 1);
 	int rc = mlp(m, &ly->gate, &ly->up, &ly->down, m->h, m->part, n, 0);
-	return rc ? rc : reduce_add(m, m->base.rank.tp_grp, x, n, err);
+	return rc ? rc : reduce_add(m, m->base.rank.stage_grp, x, n, err);
 }
 
 /* DeepSeekMoE of layer L on h; adds its output to x [n][D].  Every rank of
- * the stage routes every token (the router is replicated) and runs its own
- * experts [e0, e0 + ec) on the tokens that chose them; the shared experts'
- * tp part runs on the ep_rank 0 ranks.  Under a plan these partial sums go
- * to part, and one all-reduce over the stage adds them all: the dispatch
- * needs no communication (the tokens are on every rank already) and the
- * all-reduce is the combine (docs/distributed.md). */
+ * the stage routes every token (the router is replicated) and runs its tp
+ * slice (rows [j0, j0 + jc)) of its ep group's experts [e0, e0 + ec) on the
+ * tokens that chose them, and its 1/sn slice of the shared experts.  Under
+ * a plan these partial sums go to part, and one all-reduce over the stage
+ * adds them all: the dispatch needs no communication (the tokens are on
+ * every rank already) and the all-reduce is the combine
+ * (docs/distributed.md). */
 static int moe(deepseek_model *m, const eng_batch *b, int L, float *x, ds_err *err)
 {
 	deepseek_layer *ly = &m->layers[L];
@@ -1254,7 +1277,7 @@ static int moe(deepseek_model *m, const eng_batch *b, int L, float *x, ds_err *e
 		m->etok[at] = (int32_t)(i / K);
 		m->ew[at] = m->rw[i];
 	}
-	if (m->shared_here) {
+	if (c->n_shared_experts > 0) {
 		if ((rc = mlp(m, &ly->sg, &ly->su, &ly->sd, m->h, y, n, !split)))
 			return rc;
 	} else if (split) {
