@@ -59,11 +59,14 @@ struct comm_group;
  *   - pp stages hold contiguous layer ranges (model_stage_layers); the first
  *     holds the embedding, the last the final norm and lm_head (its vocab
  *     split over the stage's tp*ep ranks, gathered).
- *   - inside a stage, attention and the dense / shared-expert MLPs are split
- *     over the tp ranks (heads; gate/up rows, down columns) and replicated
- *     over the ep index; the routed experts are split as whole experts over
- *     all tp*ep ranks of the stage (model_split_range), combined with one
- *     all-reduce over the stage group.
+ *   - inside a stage (vLLM's meaning of TP and EP for the MoE), DeepSeek's
+ *     attention and dense / shared-expert MLPs are split over all tp*ep
+ *     ranks of the stage (heads; gate/up rows, down columns), each ending in
+ *     an all-reduce over the stage group; the routed experts are split as
+ *     whole experts over the ep index and each expert's intermediate size
+ *     over the tp ranks (model_split_range), and their partial sums with the
+ *     shared expert's go through one all-reduce over the stage group.  The
+ *     Llama-family graph (no experts) splits over the tp ranks only.
  *   - every rank of a stage holds every token of the step (hidden states
  *     are replicated after each all-reduce).
  */
