@@ -76,16 +76,19 @@ def window_bytes(hd, name, r0, rows, c0, cols, block=128):
 
 def share_bytes(d, tp, ep, rank):
     """Weight bytes of `rank` in a one-stage plan tp x ep (docs/distributed.md):
-    attention heads, dense and shared MLP split over tp; routed experts whole
-    over tp*ep; lm_head rows over tp*ep; everything else replicated."""
+    attention heads, dense and shared MLP split over the S = tp*ep ranks of
+    the stage (local index l = rank); routed experts whole over ep, each
+    expert's intermediate size over tp (gate/up rows, down columns); lm_head
+    rows over S; everything else replicated."""
     cfg = json.loads((d / "config.json").read_text())
     hd = headers(d)
     S = tp * ep
     t, e = rank % tp, rank // tp
     H, qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     kvp = cfg["qk_nope_head_dim"] + cfg["v_head_dim"]
-    h0, hn = split(H, tp, t)
-    e0, en = split(cfg["n_routed_experts"], S, rank)
+    h0, hn = split(H, S, rank)
+    e0, en = split(cfg["n_routed_experts"], ep, e)
+    j0, jn = split(cfg["moe_intermediate_size"], tp, t)
     total = 0
     for name, (dt, shape) in hd.items():
         if name.endswith("_scale_inv") or len(shape) != 2:
@@ -103,14 +106,17 @@ def share_bytes(d, tp, ep, rank):
             vd = cfg["v_head_dim"]
             total += window_bytes(hd, name, 0, n, h0 * vd, hn * vd)
         elif re.match(r"mlp\.(shared_experts\.)?(gate|up)_proj\.weight", rest):
-            r0, rn = split(n, tp, t)
-            total += window_bytes(hd, name, r0, rn, 0, k) if (e == 0 or "shared" not in rest) else 0
+            r0, rn = split(n, S, rank)
+            total += window_bytes(hd, name, r0, rn, 0, k)
         elif re.match(r"mlp\.(shared_experts\.)?down_proj\.weight", rest):
-            c0, cn = split(k, tp, t)
-            total += window_bytes(hd, name, 0, n, c0, cn) if (e == 0 or "shared" not in rest) else 0
-        elif (mx := re.match(r"mlp\.experts\.(\d+)\.", rest)):
+            c0, cn = split(k, S, rank)
+            total += window_bytes(hd, name, 0, n, c0, cn)
+        elif (mx := re.match(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj", rest)):
             if e0 <= int(mx.group(1)) < e0 + en:
-                total += window_bytes(hd, name, 0, n, 0, k)
+                if mx.group(2) == "down":
+                    total += window_bytes(hd, name, 0, n, j0, jn)
+                else:
+                    total += window_bytes(hd, name, j0, jn, 0, k)
         elif name == "lm_head.weight":
             r0, rn = split(n, S, rank)
             total += window_bytes(hd, name, r0, rn, 0, k)
