@@ -305,7 +305,8 @@ static int take(deepseek_model *m, wmat *w, int64_t r0, int64_t rn, int64_t c0, 
 	if (!m->planned)
 		return DS_OK;
 	const int64_t blk = kb_dtype_block(w->type);
-	if (kb_dtype_is_quant(w->type) && blk > 1 && (c0 % blk || cn % blk))
+	/* an empty window (a rank past the heads or rows) needs no fallback */
+	if (kb_dtype_is_quant(w->type) && blk > 1 && rn && cn && (c0 % blk || cn % blk))
 		return window_quant_cols(m, w, r0, rn, c0, cn, err);
 	wmat out;
 	void *own = NULL;
@@ -608,7 +609,7 @@ static int load_layer(deepseek_model *m, int L, ds_err *err)
 	} while (0)
 	TRY(load_vec(m, N("input_layernorm.weight", "attn_norm.weight"), D, &ly->attn_norm, err));
 	TRY(load_vec(m, N("post_attention_layernorm.weight", "ffn_norm.weight"), D, &ly->ffn_norm, err));
-	/* attention: q_a, kv_a and the norms whole (replicated over tp); q_b /
+	/* attention: q_a, kv_a and the norms whole (replicated over the stage); q_b /
 	 * q_proj and kv_b the rows of this rank's heads, o_proj their columns */
 	if (ql > 0) {
 		TRY(load_linear(m, N("self_attn.q_a_proj.weight", "attn_q_a.weight"), ql, D, &ly->q_a, err));

@@ -11,8 +11,10 @@ loopback), the product's transport: the tool has no collectives of its own.
 Pass: max |a - b| / max |b| per row <= 1e-5 on every row of every step, and
 the same argmax (greedy id) on every row.
 
-Plans: TP=2, TP=4, PP=2, PP=3, EP=2, EP=4, TP=2xPP=2, TP=2xEP=2, PP=2xEP=2
-over the tiny checkpoints v3 (BF16), v3-fp8 (FP8 with 128x128 scales: its
+Plans: TP=2, TP=4, PP=2, PP=3, EP=2, EP=4, TP=2xPP=2, TP=2xEP=2, PP=2xEP=2,
+TP=2xEP=4 (a stage of 8 ranks over 4 heads: attention, dense and shared MLP
+split over the stage, so half the ranks hold no heads and add zeros; each
+expert's intermediate size split over tp) over the tiny checkpoints v3 (BF16), v3-fp8 (FP8 with 128x128 scales: its
 head windows fall off the scale blocks, so some windows are f32 or on a
 finer grid) and v2-lite (q_proj, softmax routing, 2 shared experts); then
 GGUF files of the tiny models (F16 whole attn_kv_b, BF16 split attn_k_b /
@@ -44,7 +46,7 @@ from tests.fixtures import tiny_models  # noqa: E402
 PLANS = {
     "tp2": (2, 1, 1), "tp4": (4, 1, 1), "pp2": (1, 2, 1), "pp3": (1, 3, 1),
     "ep2": (1, 1, 2), "ep4": (1, 1, 4), "tp2pp2": (2, 2, 1), "tp2ep2": (2, 1, 2),
-    "pp2ep2": (1, 2, 2), "one": (1, 1, 1),
+    "pp2ep2": (1, 2, 2), "tp2ep4": (2, 1, 4), "one": (1, 1, 1),
 }
 TOL = 1e-5
 Q8_TOL = 1e-3
@@ -134,7 +136,7 @@ def ggufs(models, tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("plan", ["tp2", "tp4", "pp3", "ep4", "tp2ep2", "tp2pp2"])
+@pytest.mark.parametrize("plan", ["tp2", "tp4", "pp3", "ep4", "tp2ep2", "tp2pp2", "tp2ep4"])
 @pytest.mark.parametrize("kind", ["v3-f16-kv_b", "v2-lite-bf16-split", "v3-q8-split"])
 def test_gguf_plan_logits_equal_one_rank(ggufs, kind, plan):
     plan_check(ggufs[kind], plan, tol=Q8_TOL if "q8" in kind else TOL)
