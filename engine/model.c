@@ -584,8 +584,17 @@ int model_weight_window(const kb_backend *be, const model_weight *w, int64_t row
 		*out = (model_weight){.type = w->type, .n = rows, .k = cols};
 		return DS_OK;
 	}
-	if (w->type == KB_F8_E4M3 && w->scale)
-		return fp8_window(be, w, row0, rows, col0, cols, out, owned, counter, err);
+	/* After the copy all of w's pages leave the process, not only the
+	 * window's: the kernel's fault-around maps pages next to the ones read
+	 * (up to 64 KiB), and for a window that is part of a weight (a tp slice
+	 * of an expert) those are the other ranks' rows, which would stay. */
+	const size_t w_bytes = kb_dtype_bytes(w->type, w->n * w->k);
+	if (w->type == KB_F8_E4M3 && w->scale) {
+		int rc = fp8_window(be, w, row0, rows, col0, cols, out, owned, counter, err);
+		if (!rc)
+			drop_pages(w->w, w_bytes);
+		return rc;
+	}
 	const int64_t blk = kb_dtype_block(w->type);
 	if (col0 % blk || cols % blk)
 		return ds_err_set(err, DS_EINVAL, "a %s weight splits only on its %lld-element blocks: "
@@ -600,6 +609,7 @@ int model_weight_window(const kb_backend *be, const model_weight *w, int64_t row
 	*out = (model_weight){.w = mem, .type = w->type, .n = rows, .k = cols};
 	*owned = mem;
 	*counter += (size_t)rows * win_bytes;
+	drop_pages(w->w, w_bytes);
 	return DS_OK;
 }
 

@@ -140,7 +140,8 @@ int model_all_gather(model *m, struct comm_group *g, const float *send, float *r
  * and columns [col0, col0+cols) of w [n][k] (a graph's view into the
  * checkpoint, which stays untouched outside the window: the copy reads the
  * mapping in chunks and drops each chunk's pages from the process after it,
- * so peak memory is the copy plus one chunk).  Block dtypes (GGUF) need col0
+ * and all of w's pages at the end, so peak memory is the copy plus one
+ * chunk).  Block dtypes (GGUF) need col0
  * and cols on the block; FP8 block-scaled weights copy their scale grid's
  * matching window, and a window that does not start on a scale block is
  * dequantized to f32 (exact: an e4m3 code times its f32 scale).  *out gets
