@@ -252,7 +252,7 @@ struct Impl {
 	 * address it listened on for us (Gloo names either in its messages: a
 	 * pair that accepted the connection before connect() was called keeps
 	 * the published one) */
-	std::vector<std::string> peer_addr, speer_addr, peer_listen;
+	std::vector<std::string> peer_addr, speer_addr, peer_listen, speer_listen;
 	std::vector<std::unique_ptr<Cached>> cache; /* at most CACHE_MAX */
 	uint64_t clock = 0;
 	std::vector<char> scratch;          /* widening, reduce_scatter, all_to_allv */
@@ -326,8 +326,10 @@ static int failure(comm_group *g, const char *call, const char *what, ds_err *er
 		if ((!im->peer_addr[r].empty() && w.find(im->peer_addr[r]) != std::string::npos) ||
 		    (!im->peer_listen[r].empty() && w.find(im->peer_listen[r]) != std::string::npos))
 			peer = (int)r;
-		else if (r < im->speer_addr.size() && !im->speer_addr[r].empty() &&
-			 w.find(im->speer_addr[r]) != std::string::npos)
+		else if ((r < im->speer_addr.size() && !im->speer_addr[r].empty() &&
+			  w.find(im->speer_addr[r]) != std::string::npos) ||
+			 (r < im->speer_listen.size() && !im->speer_listen[r].empty() &&
+			  w.find(im->speer_listen[r]) != std::string::npos))
 			peer = (int)r;
 	}
 	bool timeout = w.find("Timed out") != std::string::npos ||
@@ -950,6 +952,8 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 	im->peer_addr.assign((size_t)g->size, std::string());
 	im->peer_listen.assign((size_t)g->size, std::string());
 	im->speer_addr.assign((size_t)g->size, std::string());
+	im->speer_listen.assign((size_t)g->size, std::string());
+	StoreAdapter sync_adapter(st, im->prefix + "/sync", g->timeout_ms);
 	for (int r = 0; r < g->size; r++) {
 		if (r == g->rank)
 			continue;
@@ -983,8 +987,19 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 			std::vector<char> one(all.begin() + (long)(idx * per), all.begin() + (long)((idx + 1) * per));
 			im->peer_listen[(size_t)r] = gloo::transport::tcp::Address(one).str();
 		}
-		log_debug("comm_gloo", "peer address", "group=%s rank=%d peer=%d addr=%s listen=%s", g->name,
-			  g->rank, r, im->peer_addr[(size_t)r].c_str(), im->peer_listen[(size_t)r].c_str());
+		if (im->sctx) { /* the same for the sync mesh's listening ends */
+			std::vector<char> sall = sync_adapter.get(std::to_string(r));
+			size_t sper = sall.size() / (size_t)(g->size - 1);
+			if (sper && sall.size() % sper == 0) {
+				std::vector<char> one(sall.begin() + (long)(idx * sper),
+						      sall.begin() + (long)((idx + 1) * sper));
+				im->speer_listen[(size_t)r] = gloo::transport::tcp::Address(one).str();
+			}
+		}
+		log_debug("comm_gloo", "peer address", "group=%s rank=%d peer=%d addr=%s listen=%s "
+			  "sync_addr=%s sync_listen=%s", g->name, g->rank, r, im->peer_addr[(size_t)r].c_str(),
+			  im->peer_listen[(size_t)r].c_str(), im->speer_addr[(size_t)r].c_str(),
+			  im->speer_listen[(size_t)r].c_str());
 	}
 	/* no rank sends on the sync mesh before every rank has taken its pairs
 	 * off the device's loop */
