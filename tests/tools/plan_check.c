@@ -61,6 +61,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#define ADDR_BYTES 64              /* the store address a rank reads from its pipe */
 #define MAXW 16    /* ranks */
 #define MAXSEQ 8   /* sequences of a schedule */
 #define MAXB 8     /* blocks per sequence */
@@ -409,20 +410,39 @@ int main(int argc, char **argv)
 	shared_out *out = shared_map(sizeof(shared_out) + (size_t)offset[nstep] * sizeof(float));
 	if (!out)
 		return 2;
-	comm_store_server *server = comm_store_server_start("127.0.0.1", 0, &err);
-	if (!server) {
-		fprintf(stderr, "plan_check: store: %s\n", err.msg);
+	/* the ranks are forked before the store server's thread exists: a
+	 * child forked beside a running thread can inherit a lock that thread
+	 * held (the allocator's, under the sanitizers) and hang; each rank
+	 * reads the server's address from a pipe instead */
+	int apipe[2];
+	if (pipe(apipe))
 		return 2;
-	}
-	store_addr = comm_store_server_addr(server);
 	pid_t pids[MAXW];
 	for (int r = 0; r < W; r++) {
 		pids[r] = fork();
 		if (pids[r] < 0)
 			return 2;
-		if (pids[r] == 0)
+		if (pids[r] == 0) {
+			static char addr[ADDR_BYTES];
+			close(apipe[1]);
+			if (read(apipe[0], addr, sizeof addr) != (ssize_t)sizeof addr)
+				_exit(2);
+			addr[sizeof addr - 1] = 0;
+			store_addr = addr;
 			_exit(rank_main(r, &plan, path, attn, out, offset));
+		}
 	}
+	close(apipe[0]);
+	comm_store_server *server = comm_store_server_start("127.0.0.1", 0, &err);
+	if (!server)
+		fprintf(stderr, "plan_check: store: %s\n", err.msg);
+	char addr[ADDR_BYTES] = {0};
+	if (server)
+		snprintf(addr, sizeof addr, "%s", comm_store_server_addr(server));
+	for (int r = 0; server && r < W; r++) /* one whole message per rank (< PIPE_BUF) */
+		if (write(apipe[1], addr, sizeof addr) != (ssize_t)sizeof addr)
+			break;
+	close(apipe[1]); /* without a server the ranks read the end and exit */
 	int failed_ranks = 0;
 	for (int r = 0; r < W; r++) {
 		if (waitpid(pids[r], &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
