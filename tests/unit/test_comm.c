@@ -31,6 +31,7 @@
 #include "comm/comm.h"
 #include "comm/comm_impl.h" /* a fake backend for the boundary tests */
 #include "kernels/cpu/cpu.h"
+#include "tests/unit/store_proc.h"
 #include "tests/unit/unit.h"
 
 #include "common/strutil.h"
@@ -742,9 +743,9 @@ TEST(comm_transport_errors_break_the_group)
 
 /* ---- the Gloo backend: W ranks as forked children of the test ----
  *
- * The test process serves the rendezvous store (comm_store_server) and
- * forks one child per rank; each child opens a store client, makes its
- * Gloo group on loopback, runs a body and exits with its number of
+ * A process of its own serves the rendezvous store (store_proc.h); the
+ * test process forks one child per rank; each child opens a store client,
+ * makes its Gloo group on loopback, runs a body and exits with its number of
  * failures (capped), or 120+ when it could not start.  Children draw
  * their inputs from the random state they inherit, so every rank computes
  * the same references (as the header says).  The parent reaps every child
@@ -773,8 +774,8 @@ struct rank_run {
 	int quiet;   /* constructor failures are expected */
 	/* run in the test process once the prefix is chosen: before the fork,
 	 * and after it (before the ranks start) */
-	void (*before)(struct rank_run *rr, comm_store_server *s);
-	void (*after)(struct rank_run *rr, comm_store_server *s);
+	void (*before)(struct rank_run *rr, store_proc *s);
+	void (*after)(struct rank_run *rr, store_proc *s);
 	/* filled by run_ranks */
 	char prefix[96];
 	int status[W_MAX]; /* waitpid status per rank */
@@ -820,10 +821,8 @@ static void rank_main(const char *addr, rank_run *rr, int rank, int go)
 
 /* Forks rr->W ranks against server s and reaps them all (killing those
  * still running after rr->wait_ms).  The ranks start only once all are
- * forked (they wait for the end of a pipe): a child forked while the
- * store's thread serves an earlier child could copy an allocator lock held
- * by that thread (ASan's allocator is not fork-safe; glibc's is). */
-static void run_ranks(comm_store_server *s, rank_run *rr)
+ * forked and rr->after has run (they wait for the end of a pipe). */
+static void run_ranks(store_proc *s, rank_run *rr)
 {
 	pid_t pids[W_MAX];
 	int alive = 0;
@@ -843,7 +842,7 @@ static void run_ranks(comm_store_server *s, rank_run *rr)
 		pids[r] = fork();
 		if (pids[r] == 0) {
 			close(go[1]);
-			rank_main(comm_store_server_addr(s), rr, r, go[0]);
+			rank_main(s->addr, rr, r, go[0]);
 		}
 		if (pids[r] < 0) {
 			ut_fail(__FILE__, __LINE__, "fork: %s", strerror(errno));
@@ -908,24 +907,31 @@ static int ranks_ok(const rank_run *rr)
 	return ok;
 }
 
-/* A store server that is already serving (one round trip): its thread
- * is idle in poll() when the ranks are forked. */
-static comm_store_server *store_start(void)
+/* The store server in its own process (store_proc.h), checked with one
+ * round trip; the test process stays single-threaded when it forks. */
+static store_proc *store_start(void)
 {
 	ds_err err = {0};
 	comm_store cl;
 	size_t len;
 	char v;
-	comm_store_server *s = comm_store_server_start("127.0.0.1", 0, &err);
-	if (!s) {
-		ut_fail(__FILE__, __LINE__, "store server: %s", err.msg);
+	store_proc *s = malloc(sizeof *s);
+	if (!s || store_proc_start(s)) {
+		free(s);
 		return NULL;
 	}
-	if (comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err) ||
-	    cl.set(cl.ctx, "ping", "1", 1, &err) || cl.get(cl.ctx, "ping", &v, 1, &len, 1000, &err))
+	if (comm_store_tcp_open(&cl, s->addr, 2000, &err) || cl.set(cl.ctx, "ping", "1", 1, &err) ||
+	    cl.get(cl.ctx, "ping", &v, 1, &len, 1000, &err))
 		ut_fail(__FILE__, __LINE__, "store server: %s", err.msg);
 	comm_store_tcp_close(&cl);
 	return s;
+}
+
+static void store_stop(store_proc *s)
+{
+	if (s)
+		store_proc_stop(s);
+	free(s);
 }
 
 /* Tolerance of float reductions against the rank-order reference. */
@@ -973,7 +979,7 @@ static int body_collectives(rank_ctx *rc)
 
 static void run_collectives(int w_lo, int w_hi)
 {
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	for (int W = w_lo; W <= w_hi; W++) {
@@ -983,7 +989,7 @@ static void run_collectives(int w_lo, int w_hi)
 		if (getenv("DS_TEST_VERBOSE"))
 			fprintf(stderr, "    W=%d: %.2f s\n", W, rr.seconds);
 	}
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* World sizes 1..8 in tests of a few seconds each (a 2-core machine runs
@@ -1048,7 +1054,7 @@ static int body_p2p(rank_ctx *rc)
 
 TEST(comm_gloo_send_recv_and_barrier)
 {
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	for (int W = 2; W <= W_MAX; W += 3) {
@@ -1056,7 +1062,7 @@ TEST(comm_gloo_send_recv_and_barrier)
 		run_ranks(s, &rr);
 		ranks_ok(&rr);
 	}
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* ---- determinism: every rank, every run, the same bits ---- */
@@ -1118,11 +1124,11 @@ static int body_determinism(rank_ctx *rc)
 
 TEST(comm_gloo_reductions_are_bit_identical_across_ranks_and_runs)
 {
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	comm_store cl = {0};
 	ds_err err = {0};
-	if (!s || comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err)) {
-		comm_store_server_stop(s);
+	if (!s || comm_store_tcp_open(&cl, s->addr, 2000, &err)) {
+		store_stop(s);
 		return;
 	}
 	static const int worlds[] = {3, 8};
@@ -1150,7 +1156,7 @@ TEST(comm_gloo_reductions_are_bit_identical_across_ranks_and_runs)
 		}
 	}
 	comm_store_tcp_close(&cl);
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* ---- failures: each ends in a DS_E* code within the timeout ---- */
@@ -1270,7 +1276,7 @@ static int body_recv_stalls(rank_ctx *rc)
 
 /* The failing rank's own end is not checked (it died or slept); every
  * other rank must have passed its checks. */
-static void run_failure(comm_store_server *s, int W, rank_body body)
+static void run_failure(store_proc *s, int W, rank_body body)
 {
 	rank_run rr = {.W = W, .timeout_ms = FAIL_TIMEOUT_MS, .wait_ms = 15000, .body = body};
 	run_ranks(s, &rr);
@@ -1287,22 +1293,22 @@ static void run_failure(comm_store_server *s, int W, rank_body body)
 
 TEST(comm_gloo_dead_peer_is_eio)
 {
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	run_failure(s, 3, body_peer_dies);
 	run_failure(s, 4, body_peer_exits);
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 TEST(comm_gloo_stalled_peer_is_etimeout)
 {
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	run_failure(s, 3, body_peer_stalls);
 	run_failure(s, 2, body_recv_stalls);
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* A world of W where only W - 1 ranks come: the constructor names the
@@ -1314,7 +1320,7 @@ static int body_nothing(rank_ctx *rc)
 
 TEST(comm_gloo_missing_rank_is_named)
 {
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	rank_run rr = {.W = 3, .ranks = 2, .quiet = 1, .timeout_ms = 800, .wait_ms = 15000,
@@ -1325,27 +1331,27 @@ TEST(comm_gloo_missing_rank_is_named)
 		CHECK(WIFEXITED(rr.status[r]));
 		CHECK_EQ(WEXITSTATUS(rr.status[r]), RANK_EXIT_NEW - DS_ETIMEOUT);
 	}
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* ---- garbage from the store and on the transport ----
  * W = 2, one real rank (0); the test plays rank 1 by writing its keys. */
 
-static void put_key(comm_store_server *s, const char *prefix, const char *suffix, const void *v,
+static void put_key(store_proc *s, const char *prefix, const char *suffix, const void *v,
 		    size_t n)
 {
 	comm_store cl;
 	ds_err err = {0};
 	char key[200];
 	snprintf(key, sizeof key, "%s/%s", prefix, suffix);
-	if (comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err) ||
+	if (comm_store_tcp_open(&cl, s->addr, 2000, &err) ||
 	    cl.set(cl.ctx, key, v, n, &err))
 		ut_fail(__FILE__, __LINE__, "set %s: %s", key, err.msg);
 	comm_store_tcp_close(&cl);
 }
 
 /* Rank 1's Gloo addresses: a header that is not one */
-static void before_bad_header(rank_run *rr, comm_store_server *s)
+static void before_bad_header(rank_run *rr, store_proc *s)
 {
 	put_key(s, rr->prefix, "1/host", "127.0.0.1", 9);
 	put_key(s, rr->prefix, "gloo/rank_1", "x", 1);
@@ -1353,7 +1359,7 @@ static void before_bad_header(rank_run *rr, comm_store_server *s)
 }
 
 /* ... a header announcing 300 random bytes that are not an address */
-static void before_bad_address(rank_run *rr, comm_store_server *s)
+static void before_bad_address(rank_run *rr, store_proc *s)
 {
 	unsigned char junk[300];
 	for (size_t i = 0; i < sizeof junk; i++)
@@ -1365,7 +1371,7 @@ static void before_bad_address(rank_run *rr, comm_store_server *s)
 }
 
 /* ... an address of the right size whose family is nonsense */
-static void before_bad_family(rank_run *rr, comm_store_server *s)
+static void before_bad_family(rank_run *rr, store_proc *s)
 {
 	unsigned char junk[136];
 	for (size_t i = 0; i < sizeof junk; i++)
@@ -1380,9 +1386,9 @@ static void before_bad_family(rank_run *rr, comm_store_server *s)
 
 TEST(comm_gloo_garbage_in_the_store_fails_the_constructor)
 {
-	void (*hooks[])(rank_run *, comm_store_server *) = {before_bad_header, before_bad_address,
+	void (*hooks[])(rank_run *, store_proc *) = {before_bad_header, before_bad_address,
 							     before_bad_family};
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	for (size_t h = 0; h < sizeof hooks / sizeof hooks[0]; h++) {
@@ -1399,7 +1405,7 @@ TEST(comm_gloo_garbage_in_the_store_fails_the_constructor)
 			fprintf(stderr, "    hook %zu: rank 0 failed with %s\n", h,
 				ds_status_name(RANK_EXIT_NEW - WEXITSTATUS(st)));
 	}
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* Garbage on a rank's transport port: the test plays rank 1, connects to
@@ -1411,7 +1417,7 @@ TEST(comm_gloo_garbage_in_the_store_fails_the_constructor)
  * after comm_gloo's terminate handler logs why) or a DS_E* error; what
  * must never happen is a hang. */
 typedef struct attack {
-	comm_store_server *s;
+	store_proc *s;
 	const char *prefix;
 	int done;
 } attack;
@@ -1425,7 +1431,7 @@ static void *attack_main(void *arg)
 	unsigned char addr[COMM_STORE_VALUE_MAX];
 	size_t len = 0;
 	int fd = -1;
-	if (comm_store_tcp_open(&cl, comm_store_server_addr(a->s), 2000, &err))
+	if (comm_store_tcp_open(&cl, a->s->addr, 2000, &err))
 		goto out;
 	snprintf(key, sizeof key, "%s/gloo/0", a->prefix);
 	if (cl.get(cl.ctx, key, hdr, sizeof hdr, &len, 5000, &err))
@@ -1480,7 +1486,7 @@ out:
 	return NULL;
 }
 
-static void after_attack(rank_run *rr, comm_store_server *s)
+static void after_attack(rank_run *rr, store_proc *s)
 {
 	attack *a = rr->arg;
 	a->s = s;
@@ -1495,7 +1501,7 @@ TEST(comm_gloo_garbage_on_the_transport_never_hangs)
 		attack a;
 		pthread_t th;
 	} at = {0};
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	if (!s)
 		return;
 	rank_run rr = {.W = 2, .ranks = 1, .quiet = 1, .timeout_ms = FAIL_TIMEOUT_MS, .wait_ms = 15000,
@@ -1513,7 +1519,7 @@ TEST(comm_gloo_garbage_on_the_transport_never_hangs)
 		fprintf(stderr, "    rank 0: %s\n", aborted ? "aborted (SIGABRT)"
 					     : failed ? ds_status_name(RANK_EXIT_NEW - WEXITSTATUS(st))
 						      : "?");
-	comm_store_server_stop(s);
+	store_stop(s);
 }
 
 /* Without CUDA the NCCL constructor exists and says why it cannot work. */
@@ -1522,11 +1528,11 @@ TEST(comm_nccl_without_cuda_is_unsupported)
 #ifdef DS_HAVE_CUDA
 	UT_SKIP("built with CUDA: NCCL needs GPUs, not run by the unit tier");
 #else
-	comm_store_server *s = store_start();
+	store_proc *s = store_start();
 	comm_store cl = {0};
 	ds_err err = {0};
-	if (!s || comm_store_tcp_open(&cl, comm_store_server_addr(s), 2000, &err)) {
-		comm_store_server_stop(s);
+	if (!s || comm_store_tcp_open(&cl, s->addr, 2000, &err)) {
+		store_stop(s);
 		return;
 	}
 	comm_params p = comm_default_params();
@@ -1534,6 +1540,6 @@ TEST(comm_nccl_without_cuda_is_unsupported)
 	CHECK_EQ(err.code, DS_EUNSUPPORTED);
 	CHECK(strstr(err.msg, "CUDA") != NULL);
 	comm_store_tcp_close(&cl);
-	comm_store_server_stop(s);
+	store_stop(s);
 #endif
 }

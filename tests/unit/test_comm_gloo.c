@@ -16,6 +16,7 @@
  * Each rank writes its outputs into a shared mapping; the parent compares.
  */
 #include "comm/comm.h"
+#include "tests/unit/store_proc.h"
 #include "tests/unit/unit.h"
 
 #include <math.h>
@@ -113,25 +114,32 @@ static void rank_collectives(const char *addr, int rank, int W, rank_out *o)
 	_exit(0);
 }
 
+/* Forks W ranks running fn against a store server in its own process
+ * (store_proc.h: the test process has one thread when it forks) and reaps
+ * them; the number of ranks that did not exit with 0. */
 static int run_ranks(int W, void (*fn)(const char *, int, int, rank_out *), rank_out *out)
 {
-	ds_err err = {0};
-	comm_store_server *srv = comm_store_server_start("127.0.0.1", 0, &err);
-	if (!srv)
+	store_proc sp;
+	if (store_proc_start(&sp))
 		return -1;
 	pid_t pid[WMAX];
+	fflush(NULL);
 	for (int r = 0; r < W; r++) {
 		pid[r] = fork();
 		if (pid[r] == 0)
-			fn(comm_store_server_addr(srv), r, W, &out[r]);
+			fn(sp.addr, r, W, &out[r]);
 	}
 	int bad = 0;
 	for (int r = 0; r < W; r++) {
 		int st = 0;
+		if (pid[r] < 0) {
+			bad++;
+			continue;
+		}
 		waitpid(pid[r], &st, 0);
 		bad += !WIFEXITED(st) || WEXITSTATUS(st) != 0;
 	}
-	comm_store_server_stop(srv);
+	store_proc_stop(&sp);
 	return bad;
 }
 
