@@ -34,6 +34,7 @@ comm_params comm_default_params(void)
 		.timeout_ms = COMM_TIMEOUT_MS_DEFAULT,
 		.name = "world",
 		.stream = NULL,
+		.spin = 0,
 	};
 }
 

@@ -117,12 +117,16 @@ typedef struct comm_params {
 	const char *name; /* for messages and logs ("world", "tp", "ep"); copied */
 	void *stream;   /* device groups: the stream work is queued on (NULL = the
 			 * device's default stream); host groups ignore it */
+	int spin;       /* host groups: wait for peers by polling the socket instead
+			 * of sleeping in the kernel (Gloo's sync mesh); only where
+			 * every rank of the machine has a core of its own: a polling
+			 * rank sharing a core stalls the one computing on it */
 } comm_params;
 
 #define COMM_TIMEOUT_MS_DEFAULT 60000
 #define COMM_STORE_VALUE_MAX 4096
 
-/* rank 0 of 1, timeout COMM_TIMEOUT_MS_DEFAULT, name "world", no stream. */
+/* rank 0 of 1, timeout COMM_TIMEOUT_MS_DEFAULT, name "world", no stream, no spin. */
 comm_params comm_default_params(void);
 
 /* The rendezvous store a multi-rank constructor takes (contract above).

@@ -35,9 +35,13 @@
  *   timeout is the one the group connected with; everything else (larger
  *   messages, all_to_allv, send / recv, barrier) takes the unbound mesh.
  *   Both choices depend only on what every rank passes alike.  Gloo's
- *   busy-poll (spinning on the socket instead of sleeping in recv) is not
- *   used: with more ranks than cores it stalls the ranks that compute (4
- *   ranks on 2 cores: over 100x slower in tests/bench/bench_comm.c).
+ *   busy-poll (spinning on the socket instead of sleeping in recv) is on
+ *   when comm_params.spin asks for it (the worker's --comm-spin): a decode
+ *   step waits on ~12 collectives, and a rank woken from sleep on each
+ *   lost 15-20% of a tp2 step on 2 cores (docs/benchmarks.md); with more
+ *   ranks than cores it stalls the ranks that compute (4 ranks on 2
+ *   cores: over 100x slower in tests/bench/bench_comm.c), so it is off by
+ *   default.
  *   DS_COMM_SYNC=0 in the environment leaves the sync mesh out (for
  *   comparing; docs/benchmarks.md).
  *
@@ -248,6 +252,7 @@ struct Impl {
 	std::shared_ptr<gloo::rendezvous::Context> ctx;  /* unbound buffers, the device's loop */
 	std::shared_ptr<gloo::rendezvous::Context> sctx; /* sync pairs; null for one rank */
 	int sync_timeout_ms;                /* the sync pairs' timeout (fixed at connect) */
+	bool spin = false;                  /* comm_params.spin: the sync pairs busy-poll */
 	/* [rank]: its end of our connection (ctx), the same for sctx, and the
 	 * address it listened on for us (Gloo names either in its messages: a
 	 * pair that accepted the connection before connect() was called keeps
@@ -916,7 +921,7 @@ static void connect_group(comm_group *g, Impl *im, const comm_store *st, const c
 		im->sctx->connectFullMesh(sadapter, im->dev);
 		for (int r = 0; r < g->size; r++)
 			if (r != g->rank)
-				im->sctx->getPair(r)->setSync(true, false); /* no busy-poll: note */
+				im->sctx->getPair(r)->setSync(true, im->spin); /* busy-poll: note */
 		im->sync_timeout_ms = g->timeout_ms;
 	}
 
@@ -1043,6 +1048,7 @@ extern "C" comm_group *comm_gloo_new(const comm_params *p, const comm_store *sto
 	try {
 		x->impl = new Impl();
 		x->impl->prefix = key_prefix;
+		x->impl->spin = p->spin != 0;
 	} catch (...) {
 		free(x);
 		ds_err_set(err, DS_ENOMEM, "comm gloo: out of memory");

@@ -574,6 +574,7 @@ static int argv_build(rank_argv *a, const driver_launch *l, const model_params *
 			OPT("--comm-timeout-ms", "%d", l->comm_timeout_ms);
 		OPT("--log-level", "%s", l->log_level ? l->log_level : "warn");
 		OPT("--parent-pid", "%d", (int)getpid());
+		OPT("--local-ranks", "%d", W);
 		if (p->weights == MODEL_WEIGHTS_MMAP)
 			v[n++] = (char *)"--mmap";
 #undef OPT

@@ -44,7 +44,7 @@ const char *rankproto_kind_name(unsigned kind)
 		[RANKPROTO_STEP] = "STEP",     [RANKPROTO_STOP] = "STOP",
 		[RANKPROTO_READY] = "READY",   [RANKPROTO_LOGITS] = "LOGITS",
 		[RANKPROTO_ERROR] = "ERROR",   [RANKPROTO_STATS] = "STATS",
-		[RANKPROTO_STATS_REPLY] = "STATS_REPLY",
+		[RANKPROTO_STATS_REPLY] = "STATS_REPLY", [RANKPROTO_IDLE] = "IDLE",
 	};
 	if (kind < sizeof names / sizeof names[0] && names[kind])
 		return names[kind];

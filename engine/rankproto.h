@@ -32,6 +32,12 @@
  *
  *   STOP payload: empty.  Every rank exits 0 without a reply.
  *
+ *   IDLE payload: empty.  Between ranks only: rank 0 shares one with its
+ *   peers when no frame came for a quarter of the comm timeout, so that
+ *   their wait for the next frame (a broadcast) never times out while the
+ *   launcher has nothing to ask.  A launcher does not send it; if it does,
+ *   rank 0 answers ERROR.
+ *
  *   READY payload (sent once, after every rank loaded its part and joined
  *   its groups, before any request is read), RANKPROTO_READY_BYTES:
  *     10 x i32  rank, world_size, vocab_size, max_batch_tokens (the most
@@ -57,7 +63,9 @@
  *   exits with an error (load failure: id 0).
  *
  * Version history: 1 = STEP/STOP/READY(10 x i32)/LOGITS/ERROR; 2 adds
- * STATS/STATS_REPLY and READY's eos ids, arch and backend.
+ * STATS/STATS_REPLY and READY's eos ids, arch and backend.  IDLE (kind 8)
+ * came later without a version change: the launcher's side of the
+ * protocol did not change.
  */
 #ifndef DS_ENGINE_RANKPROTO_H
 #define DS_ENGINE_RANKPROTO_H
@@ -84,6 +92,7 @@ enum rankproto_kind {
 	RANKPROTO_ERROR = 5,
 	RANKPROTO_STATS = 6,
 	RANKPROTO_STATS_REPLY = 7,
+	RANKPROTO_IDLE = 8,
 };
 
 typedef struct rankproto_header {

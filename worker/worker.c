@@ -27,6 +27,9 @@
  *           more than one rank ends the rank (step_run says why) ─> exit 1
  *     STATS ──stats_run (every rank: comm_all_gather)──> STATS_REPLY (rank 0)
  *     another kind ──reply_error (rank 0)──> ERROR ──────────> SERVING
+ *     no frame for comm-timeout-ms / 4 (rank 0: input_ready) ──rank 0 shares
+ *           an IDLE frame, every rank goes on──> SERVING (the peers' wait
+ *           for the next frame is a collective bounded by the timeout)
  *     STOP, or the end of input between frames (rank 0 shares it as STOP) ──> exit 0
  *     bad header, end of input inside a frame ──fatal (rank 0 shares a
  *       STOP first)──> ERROR frame, exit 1
@@ -63,6 +66,9 @@
 #include "engine/model.h"
 #include "engine/rankproto.h"
 
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -76,9 +82,9 @@
 #define FRAME_INLINE 4080 /* payload bytes that travel with the header (frame_share) */
 
 struct worker_cfg {
-	char *model, *backend, *attn, *log_level, *store, *job, *host;
+	char *model, *backend, *attn, *log_level, *store, *job, *host, *comm_spin;
 	int threads, rank, world_size, tp, pp, ep, max_batch_tokens, max_ctx, max_seqs, page_size;
-	int n_pages, comm_timeout_ms, mmap_weights, parent_pid, help;
+	int n_pages, comm_timeout_ms, mmap_weights, parent_pid, local_ranks, help;
 };
 
 #define O(f) offsetof(struct worker_cfg, f)
@@ -109,7 +115,13 @@ static const cfg_opt opts[] = {
 	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
 	 "keep safetensors weights in the file mapping (as dsrun --mmap)"},
 	{"comm-timeout-ms", CFG_INT, O(comm_timeout_ms), "60000", 1, 1 << 30,
-	 "longest wait of one collective (and of the rendezvous) for its peers"},
+	 "longest wait of one collective (and of the rendezvous) for its peers; an idle rank 0 "
+	 "tells its peers it lives every quarter of it"},
+	{"local-ranks", CFG_INT, O(local_ranks), "1", 1, 65536,
+	 "ranks of this run on this machine (comm-spin auto counts their threads against the cores)"},
+	{"comm-spin", CFG_STR, O(comm_spin), "auto", 1, 0,
+	 "inside a step, wait for peers by polling the socket: on, off, or auto (on when "
+	 "local-ranks x threads fit the CPUs this process may use)"},
 	{"parent-pid", CFG_INT, O(parent_pid), "0", 0, 1 << 30,
 	 "exit at once unless the parent process is this pid (0 = no check): a launcher that "
 	 "died before this rank started"},
@@ -135,6 +147,7 @@ typedef struct worker {
 	comm_group *world, *stage, *tp;
 	model_rank mr;
 	int rank, W;
+	int idle_ms; /* rank 0: an IDLE frame to the peers after this long without input */
 	FILE *in, *out;
 	int vocab, bt, max_ctx, max_seqs, max_blocks, page_size, n_pages;
 	size_t max_payload;
@@ -364,6 +377,21 @@ static void stop_peers(worker *w)
 		log_warn("worker", "cannot stop the other ranks", "error=\"%s\"", e.msg);
 }
 
+/* Rank 0, between frames: 1 when input came within w->idle_ms (or the end
+ * of input or an error, which frame_read reports), 0 when none did: the
+ * peers then get an IDLE frame, so that their wait for the next frame, a
+ * collective, stays within the comm timeout while nothing is asked.
+ * w->in is unbuffered (worker_main), so poll sees every byte not read. */
+static int input_ready(worker *w)
+{
+	struct pollfd p = {.fd = fileno(w->in), .events = POLLIN};
+	int r;
+	do
+		r = poll(&p, 1, w->idle_ms);
+	while (r < 0 && errno == EINTR);
+	return r != 0;
+}
+
 /* Rank 0: the next frame from stdin into w->frame.  1 = a frame, 0 = the
  * end of input between frames, < 0 = fatal (err filled, *id set). */
 static int frame_read(worker *w, uint32_t *id, ds_err *err)
@@ -402,7 +430,11 @@ static int serve(worker *w, ds_err *err)
 {
 	for (uint64_t n_steps = 0;;) {
 		uint32_t id = 0;
-		if (w->rank == 0) {
+		int beat = 0;
+		if (w->rank == 0 && w->W > 1 && !input_ready(w)) {
+			rankproto_header_put(w->frame, RANKPROTO_IDLE, 0, 0);
+			beat = 1;
+		} else if (w->rank == 0) {
 			int got = frame_read(w, &id, err);
 			if (got == 0) {
 				log_info("worker", "end of input", "steps=%llu", (unsigned long long)n_steps);
@@ -424,6 +456,8 @@ static int serve(worker *w, ds_err *err)
 			log_info("worker", "stop", "rank=%d steps=%llu", w->rank, (unsigned long long)n_steps);
 			return DS_OK;
 		}
+		if (hd.kind == RANKPROTO_IDLE && (beat || w->rank != 0))
+			continue; /* rank 0 lives; a launcher's IDLE gets rank 0's ERROR below */
 		if (hd.kind == RANKPROTO_STEP) {
 			n_steps++;
 			rc = step_run(w, id, hd.length, err);
@@ -458,16 +492,30 @@ static void worker_close(worker *w)
 		comm_store_tcp_close(&w->store);
 }
 
+/* --comm-spin: 1 when the step's groups should poll for their peers.
+ * auto: only when every rank of this machine can have a core per thread
+ * (a polling rank that shares a core stalls the one computing on it). */
+static int spin_wanted(const struct worker_cfg *c)
+{
+	if (strcmp(c->comm_spin, "auto") != 0)
+		return strcmp(c->comm_spin, "on") == 0;
+	cpu_set_t set;
+	int ncpu = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+	int threads = c->threads > 0 ? c->threads : ncpu;
+	return (long)c->local_ranks * threads <= ncpu;
+}
+
 /* One group of the plan: the one-rank group when it has one rank, else
  * Gloo under "<job>/<name>". */
 static comm_group *group_new(worker *w, const struct worker_cfg *c, const char *name, int rank,
-			     int size, ds_err *err)
+			     int size, int spin, ds_err *err)
 {
 	comm_params cp = comm_default_params();
 	cp.rank = rank;
 	cp.world_size = size;
 	cp.timeout_ms = c->comm_timeout_ms;
 	cp.name = name;
+	cp.spin = spin;
 	if (size == 1)
 		return comm_single_new(&cp, err);
 	char prefix[JOB_MAX + 32];
@@ -478,7 +526,9 @@ static comm_group *group_new(worker *w, const struct worker_cfg *c, const char *
 	return g;
 }
 
-/* The world, stage and tp groups of this rank (model.h's layout). */
+/* The world, stage and tp groups of this rank (model.h's layout).  The
+ * world group carries the frames, whose wait may be long (idle), so it
+ * never spins; the stage and tp groups carry a step's collectives. */
 static int groups_open(worker *w, const struct worker_cfg *c, ds_err *err)
 {
 	model_plan plan = {.tp = c->tp, .pp = c->pp, .ep = c->ep};
@@ -493,10 +543,14 @@ static int groups_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	snprintf(sname, sizeof sname, "stage%d", stage);
 	snprintf(tname, sizeof tname, "tp%d.%d", stage, ep_rank);
 	const int S = plan.tp * plan.ep;
-	if (!(w->world = group_new(w, c, "world", w->rank, w->W, err)) ||
-	    !(w->stage = group_new(w, c, sname, w->rank % S, S, err)) ||
-	    !(w->tp = group_new(w, c, tname, tp_rank, plan.tp, err)))
+	int spin = spin_wanted(c);
+	if (!(w->world = group_new(w, c, "world", w->rank, w->W, 0, err)) ||
+	    !(w->stage = group_new(w, c, sname, w->rank % S, S, spin, err)) ||
+	    !(w->tp = group_new(w, c, tname, tp_rank, plan.tp, spin, err)))
 		return err->code;
+	if (w->W > 1)
+		log_info("worker", "step collectives", "rank=%d spin=%s (comm-spin %s, %d local ranks)",
+			 w->rank, spin ? "on" : "off", c->comm_spin, c->local_ranks);
 	w->mr = (model_rank){.plan = plan, .rank = w->rank, .stage = stage, .tp_rank = tp_rank,
 			     .ep_rank = ep_rank, .world = w->world, .stage_grp = w->stage,
 			     .tp_grp = w->tp};
@@ -620,6 +674,12 @@ static int cfg_check(struct worker_cfg *c)
 		fprintf(stderr, "dsagent worker: --job is longer than %d bytes\n", JOB_MAX);
 		return 2;
 	}
+	if (strcmp(c->comm_spin, "auto") != 0 && strcmp(c->comm_spin, "on") != 0 &&
+	    strcmp(c->comm_spin, "off") != 0) {
+		fprintf(stderr, "dsagent worker: --comm-spin must be auto, on or off, got '%s'\n",
+			c->comm_spin);
+		return 2;
+	}
 	/* set explicitly, as the agent does: the log's own default is not
 	 * relied on */
 	if (log_level_parse(c->log_level, &lv) != DS_OK) {
@@ -677,6 +737,8 @@ int worker_main(int argc, char **argv)
 		goto out;
 	w.rank = cfg.rank;
 	w.W = cfg.world_size;
+	w.idle_ms = cfg.comm_timeout_ms / 4 > 0 ? cfg.comm_timeout_ms / 4 : 1;
+	setvbuf(w.in, NULL, _IONBF, 0); /* input_ready polls the descriptor */
 	if (worker_open(&w, &cfg, &err) != DS_OK) {
 		rc = 1;
 		log_error("worker", "cannot start", "rank=%d error=\"%s\"", cfg.rank, err.msg);

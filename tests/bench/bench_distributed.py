@@ -6,11 +6,14 @@ Uses the FP8 V3-shaped checkpoint that bench_engine.py writes (cached under
     dsrun -m DIR --bench --prompt-len P -n N --batch 1 --json  --tp 1 --threads 2
     dsrun -m DIR --bench ... --tp 2 --threads 1
     dsrun -m DIR --bench ... --ep 2 --threads 1
+    dsrun -m DIR --bench ... --tp 2 --threads 1   with DSWORKER_COMM_SPIN=off
 
 It reports batch-1 decode tokens/s of each plan, the ratio of each two-rank
 plan to the one-rank baseline (the same cores: 2 threads in one process
 against 1 thread in each of 2 ranks; the issue's target is >= 0.8), and the
-communication seconds per step.
+communication seconds per step.  The two-rank plans run with the worker's
+default --comm-spin auto (on here: 2 ranks x 1 thread fit 2 cores); the last
+row turns it off, to show what sleeping in recv at every collective costs.
 
 Memory: for each rank of the two-rank plans, the weight bytes the rank
 reports (model_weight_bytes: what it copied out of the checkpoint) against
@@ -125,13 +128,14 @@ def share_bytes(d, tp, ep, rank):
     return total
 
 
-def run(d, plan, threads, prompt_len, n):
+def run(d, plan, threads, prompt_len, n, env=None):
     cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
            "-n", str(n), "--batch", "1", "--threads", str(threads), "--json",
            "--ctx", str(prompt_len + n + 64)]
     for k, v in plan.items():
         cmd += [f"--{k}", str(v)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                       env=dict(os.environ, **(env or {})))
     if r.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -148,11 +152,12 @@ def main():
     cfg = json.loads((d / "config.json").read_text())
     kv_row = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
     plans = [("tp1 x 2 threads", {"tp": 1}, 2), ("tp2 x 1 thread", {"tp": 2}, 1),
-             ("ep2 x 1 thread", {"ep": 2}, 1)]
+             ("ep2 x 1 thread", {"ep": 2}, 1), ("tp2, spin off", {"tp": 2}, 1)]
+    envs = {"tp2, spin off": {"DSWORKER_COMM_SPIN": "off"}}
     res = {}
     for rnd in range(a.rounds):  # interleaved rounds: each plan sees the same machine
         for label, plan, threads in plans:
-            r = run(d, plan, threads, prompt_len, n)
+            r = run(d, plan, threads, prompt_len, n, envs.get(label))
             if label not in res or r["decode_tok_s"] > res[label]["decode_tok_s"]:
                 res[label] = r
     base = res[plans[0][0]]["decode_tok_s"]
@@ -172,7 +177,7 @@ def main():
     print(f"{'plan':<10}{'rank':>5}{'weights MB':>12}{'share MB':>10}{'diff':>8}"
           f"{'peak RSS MB':>13}{'limit MB':>10}{'ok':>4}")
     kv_bytes = kv_row * (prompt_len + n)
-    for label, plan, _ in plans[1:]:
+    for label, plan, _ in plans[1:3]:
         tp, ep = plan.get("tp", 1), plan.get("ep", 1)
         for x in res[label]["ranks"]:
             share = share_bytes(d, tp, ep, x["rank"])

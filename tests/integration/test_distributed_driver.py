@@ -17,7 +17,8 @@
   ranks with it within a few seconds (PR_SET_PDEATHSIG), and SIGTERM does
   too (its handler); on the one-rank plan and --tp 2.
 - engine/sched.c runs unchanged over the driver (tests/tools/sched_check.c
-  with DS_SCHED_PLAN).
+  with DS_SCHED_PLAN), also when the steps are further apart than the
+  ranks' comm timeout (rank 0 tells its idle peers it lives).
 """
 import json
 import os
@@ -246,4 +247,29 @@ def test_scheduler_runs_unchanged_over_the_driver(models, plan, tmp_path):
     local = run(dict(os.environ))
     drv = run(dict(os.environ, DS_SCHED_PLAN=plan, DS_DSAGENT=binary("dsagent")))
     assert len(local) == 3 and all(len(t) == 8 for t in local)
+    assert drv == local
+
+
+def test_idle_ranks_outlive_the_comm_timeout(models, tmp_path):
+    """The scheduler sleeps 2.5 s before each step (--step-delay-us) while
+    the ranks' comm timeout is 1 s: rank 1 waits for the next frame in a
+    broadcast, which would time out without the IDLE frames rank 0 shares
+    every quarter of the timeout.  The tokens equal the local model's."""
+    reqs = [dict(prompt=[3, 17, 5, 9, 22], max_tokens=3, ignore_eos=True)]
+    path = tmp_path / "reqs.json"
+    path.write_text(json.dumps(reqs))
+    cmd = [binary("tests/sched_check"), str(models["v3"]), "--threads", "1", "--requests",
+           str(path), "--step-delay-us", "2500000"]
+
+    def run(env):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res = json.loads(r.stdout)["results"]
+        assert all(x["error"] == "" for x in res), res
+        return [x["tokens"] for x in res]
+
+    local = run(dict(os.environ))
+    drv = run(dict(os.environ, DS_SCHED_PLAN="2,1,1", DS_DSAGENT=binary("dsagent"),
+                   DS_SCHED_COMM_TIMEOUT_MS="1000"))
+    assert len(local[0]) == 3
     assert drv == local

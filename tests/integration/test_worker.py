@@ -257,6 +257,10 @@ def test_bad_steps_get_errors_and_the_worker_goes_on(worker):
     w.send(header(LOGITS, 3, 11) + b"abc")
     r = w.reply(11)
     assert r[0] == "error" and "kind 4" in r[2], r
+    # IDLE is between ranks only: from the launcher it is refused too
+    w.send(header(8, 0, 13))
+    r = w.reply(13)
+    assert r[0] == "error" and "kind 8 (IDLE)" in r[2], r
     # and a good step still works
     r = w.step(12, tokens=[1, 2, 3], pos=[0, 1, 2], seq=[0, 0, 0], tables=table)
     assert r[0] == "logits" and r[1].shape == (3, V), r
@@ -328,6 +332,7 @@ def test_stats_answers_with_this_ranks_record(worker):
     (["--tp", "2", "--world-size", "3"], "--tp 2 x --pp 1 x --ep 1 = 2 ranks"),
     (["--tp", "2", "--rank", "2"], "--rank 2 is outside 0..1"),
     (["--pp", "2"], "need --store HOST:PORT"),
+    (["--comm-spin", "yes"], "--comm-spin must be auto, on or off, got 'yes'"),
 ])
 def test_bad_plans_are_refused(models, args, want):
     r = subprocess.run([binary("dsagent"), "worker", "--model", str(models["llama"]), *args],
@@ -351,6 +356,7 @@ def test_help_lists_the_options():
                        timeout=TIMEOUT)
     assert r.returncode == 0
     for opt in ("--model", "--backend", "--threads", "--rank", "--world-size", "--tp", "--pp",
-                "--ep", "--store", "--job", "--host", "--comm-timeout-ms",
+                "--ep", "--store", "--job", "--host", "--comm-timeout-ms", "--comm-spin",
+                "--local-ranks",
                 "--max-batch-tokens", "--max-ctx", "--page-size", "--n-pages"):
         assert opt in r.stdout

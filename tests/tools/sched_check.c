@@ -37,7 +37,8 @@
  *
  * Environment: DS_SCHED_PLAN="TP,PP,EP" runs the model through the distributed
  * driver (engine/driver.h) with that plan, its ranks `$DS_DSAGENT worker`:
- * the scheduler must run unchanged over it.
+ * the scheduler must run unchanged over it.  DS_SCHED_COMM_TIMEOUT_MS sets
+ * the ranks' --comm-timeout-ms (with --step-delay-us beyond it: idle ranks).
  *
  * Output: {"results": [{"tokens", "finish" (stop|length|abort|error|
  * released|rejected), "error", "logprobs", "top": [[[id, lp], ..], ..]}],
@@ -539,6 +540,8 @@ int main(int argc, char **argv)
 		const char *argvr[] = {getenv("DS_DSAGENT"), "worker", NULL};
 		driver_launch l = driver_default_launch();
 		l.argv = argvr;
+		const char *ct = getenv("DS_SCHED_COMM_TIMEOUT_MS");
+		l.comm_timeout_ms = ct ? atoi(ct) : 0;
 		if (!argvr[0] || sscanf(plan, "%d,%d,%d", &l.plan.tp, &l.plan.pp, &l.plan.ep) != 3) {
 			fprintf(stderr, "sched_check: DS_SCHED_PLAN=TP,PP,EP needs DS_DSAGENT too\n");
 			return 2;

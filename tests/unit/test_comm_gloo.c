@@ -10,9 +10,10 @@
  *     call, and values within rounding of a reference computed here (the
  *     inputs are a function of rank and index, so the parent recomputes
  *     them);
+ *   - busy-polling sync pairs (comm_params.spin) give the same bits;
  *   - a peer that dies is DS_EIO naming its rank, a peer that never calls
- *     is DS_ETIMEOUT, on the sync path (the unbound path's are the driver
- *     tests' business).
+ *     is DS_ETIMEOUT, on the sync path, sleeping or polling (the unbound
+ *     path's are the driver tests' business).
  * Each rank writes its outputs into a shared mapping; the parent compares.
  */
 #include "comm/comm.h"
@@ -53,6 +54,8 @@ static float input_f(int rank, int i)
 	return ((float)(h >> 8) / 16777216.0f - 0.5f) * 8.0f; /* [-4, 4) */
 }
 
+static int spin_mode; /* comm_params.spin of the ranks forked next */
+
 static comm_group *join(const char *addr, const char *prefix, int rank, int W, int timeout_ms,
 			comm_store *st, ds_err *err)
 {
@@ -63,6 +66,7 @@ static comm_group *join(const char *addr, const char *prefix, int rank, int W, i
 	p.world_size = W;
 	p.timeout_ms = timeout_ms;
 	p.name = "test";
+	p.spin = spin_mode;
 	return comm_gloo_new(&p, st, prefix, "127.0.0.1", err);
 }
 
@@ -143,63 +147,95 @@ static int run_ranks(int W, void (*fn)(const char *, int, int, rank_out *), rank
 	return bad;
 }
 
+/* W ranks run rank_collectives; checks their outputs against each other
+ * and the reference.  The outputs (a shared mapping the caller unmaps), or
+ * NULL. */
+static rank_out *check_collectives(int W)
+{
+	rank_out *o = mmap(NULL, WMAX * sizeof *o, PROT_READ | PROT_WRITE,
+			   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	CHECK(o != MAP_FAILED);
+	if (o == MAP_FAILED)
+		return NULL;
+	CHECK_EQ(run_ranks(W, rank_collectives, o), 0);
+	for (int r = 0; r < W; r++) {
+		for (int k = 0; k < 16; k++)
+			if (o[r].rc[k])
+				ut_fail(__FILE__, __LINE__, "W=%d rank %d call %d: %d %s", W, r, k,
+					o[r].rc[k], o[r].msg);
+		/* every rank the same bits as rank 0, and a rerun too */
+		CHECK(memcmp(o[r].small[0], o[0].small[0], sizeof o[0].small[0]) == 0);
+		CHECK(memcmp(o[r].small[1], o[0].small[0], sizeof o[0].small[0]) == 0);
+		CHECK(memcmp(o[r].big[0], o[0].big[0], sizeof o[0].big[0]) == 0);
+		CHECK(memcmp(o[r].big[1], o[0].big[0], sizeof o[0].big[0]) == 0);
+		CHECK(memcmp(o[r].bf, o[0].bf, sizeof o[0].bf) == 0);
+		CHECK(memcmp(o[r].i32, o[0].i32, sizeof o[0].i32) == 0);
+		CHECK(memcmp(o[r].mx, o[0].mx, sizeof o[0].mx) == 0);
+		CHECK(memcmp(o[r].gath, o[0].gath, (size_t)W * NGATHER * sizeof(float)) == 0);
+	}
+	/* against the reference */
+	int bad = 0;
+	for (int i = 0; i < NSMALL; i++) {
+		float s = 0, m = -INFINITY;
+		uint32_t is = 0;
+		for (int r = 0; r < W; r++) {
+			s += input_f(r, i);
+			m = fmaxf(m, input_f(r, i));
+			is += 0x7FFFFF00u + (uint32_t)(r * 1000 + i);
+		}
+		bad += fabsf(o[0].small[0][i] - s) > 1e-5f * 4 * W;
+		bad += o[0].mx[i] != m;
+		bad += (uint32_t)o[0].i32[i] != is;
+		uint32_t u = (uint32_t)o[0].bf[i] << 16;
+		float b;
+		memcpy(&b, &u, 4);
+		bad += fabsf(b - s) > 0.02f * 4 * W;
+	}
+	for (int i = 0; i < NBIG; i += 97) {
+		float s = 0;
+		for (int r = 0; r < W; r++)
+			s += input_f(r, i);
+		bad += fabsf(o[0].big[0][i] - s) > 1e-5f * 4 * W;
+	}
+	for (int r = 0; r < W; r++)
+		for (int i = 0; i < NGATHER; i++)
+			bad += o[0].gath[r * NGATHER + i] != input_f(r, i + 1);
+	for (int r = 0; r < W; r++)
+		for (int i = 0; i < NFRAME; i++)
+			bad += o[r].frame[i] != (uint8_t)(i * 13 + 5);
+	CHECK_EQ(bad, 0);
+	return o;
+}
+
 TEST(comm_gloo_collectives_agree_bit_for_bit)
 {
+	spin_mode = 0;
 	for (int W = 2; W <= WMAX; W++) {
-		rank_out *o = mmap(NULL, WMAX * sizeof *o, PROT_READ | PROT_WRITE,
-				   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-		CHECK(o != MAP_FAILED);
-		if (o == MAP_FAILED)
-			return;
-		CHECK_EQ(run_ranks(W, rank_collectives, o), 0);
-		for (int r = 0; r < W; r++) {
-			for (int k = 0; k < 16; k++)
-				if (o[r].rc[k])
-					ut_fail(__FILE__, __LINE__, "W=%d rank %d call %d: %d %s", W, r, k,
-						o[r].rc[k], o[r].msg);
-			/* every rank the same bits as rank 0, and a rerun too */
-			CHECK(memcmp(o[r].small[0], o[0].small[0], sizeof o[0].small[0]) == 0);
-			CHECK(memcmp(o[r].small[1], o[0].small[0], sizeof o[0].small[0]) == 0);
-			CHECK(memcmp(o[r].big[0], o[0].big[0], sizeof o[0].big[0]) == 0);
-			CHECK(memcmp(o[r].big[1], o[0].big[0], sizeof o[0].big[0]) == 0);
-			CHECK(memcmp(o[r].bf, o[0].bf, sizeof o[0].bf) == 0);
-			CHECK(memcmp(o[r].i32, o[0].i32, sizeof o[0].i32) == 0);
-			CHECK(memcmp(o[r].mx, o[0].mx, sizeof o[0].mx) == 0);
-			CHECK(memcmp(o[r].gath, o[0].gath, (size_t)W * NGATHER * sizeof(float)) == 0);
-		}
-		/* against the reference */
-		int bad = 0;
-		for (int i = 0; i < NSMALL; i++) {
-			float s = 0, m = -INFINITY;
-			uint32_t is = 0;
-			for (int r = 0; r < W; r++) {
-				s += input_f(r, i);
-				m = fmaxf(m, input_f(r, i));
-				is += 0x7FFFFF00u + (uint32_t)(r * 1000 + i);
-			}
-			bad += fabsf(o[0].small[0][i] - s) > 1e-5f * 4 * W;
-			bad += o[0].mx[i] != m;
-			bad += (uint32_t)o[0].i32[i] != is;
-			uint32_t u = (uint32_t)o[0].bf[i] << 16;
-			float b;
-			memcpy(&b, &u, 4);
-			bad += fabsf(b - s) > 0.02f * 4 * W;
-		}
-		for (int i = 0; i < NBIG; i += 97) {
-			float s = 0;
-			for (int r = 0; r < W; r++)
-				s += input_f(r, i);
-			bad += fabsf(o[0].big[0][i] - s) > 1e-5f * 4 * W;
-		}
-		for (int r = 0; r < W; r++)
-			for (int i = 0; i < NGATHER; i++)
-				bad += o[0].gath[r * NGATHER + i] != input_f(r, i + 1);
-		for (int r = 0; r < W; r++)
-			for (int i = 0; i < NFRAME; i++)
-				bad += o[r].frame[i] != (uint8_t)(i * 13 + 5);
-		CHECK_EQ(bad, 0);
-		munmap(o, WMAX * sizeof *o);
+		rank_out *o = check_collectives(W);
+		if (o)
+			munmap(o, WMAX * sizeof *o);
 	}
+}
+
+/* Busy-polling sync pairs (comm_params.spin, two ranks: one core each on
+ * the smallest CI machine) give the same bits as sleeping ones. */
+TEST(comm_gloo_spinning_sync_mesh_gives_the_same_bits)
+{
+	spin_mode = 0;
+	rank_out *a = check_collectives(2);
+	spin_mode = 1;
+	rank_out *b = check_collectives(2);
+	spin_mode = 0;
+	if (a && b) {
+		CHECK(memcmp(a[0].small, b[0].small, sizeof a[0].small) == 0);
+		CHECK(memcmp(a[0].big, b[0].big, sizeof a[0].big) == 0);
+		CHECK(memcmp(a[0].bf, b[0].bf, sizeof a[0].bf) == 0);
+		CHECK(memcmp(a[0].gath, b[0].gath, 2 * NGATHER * sizeof(float)) == 0);
+	}
+	if (a)
+		munmap(a, WMAX * sizeof *a);
+	if (b)
+		munmap(b, WMAX * sizeof *b);
 }
 
 /* Rank 0 calls; rank 1 dies after joining (mode 0) or sleeps past the
@@ -233,7 +269,10 @@ static void rank_failure(const char *addr, int rank, int W, rank_out *o)
 
 TEST(comm_gloo_dead_and_silent_peers_on_the_sync_path)
 {
-	for (failure_mode = 0; failure_mode < 2; failure_mode++) {
+	/* sleeping and busy-polling sync pairs alike */
+	for (int k = 0; k < 4; k++) {
+		failure_mode = k % 2;
+		spin_mode = k / 2;
 		rank_out *o = mmap(NULL, 2 * sizeof *o, PROT_READ | PROT_WRITE,
 				   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 		CHECK(o != MAP_FAILED);
@@ -248,4 +287,5 @@ TEST(comm_gloo_dead_and_silent_peers_on_the_sync_path)
 			ut_fail(__FILE__, __LINE__, "a dead peer is not named: %s", o[0].msg);
 		munmap(o, 2 * sizeof *o);
 	}
+	spin_mode = 0;
 }
