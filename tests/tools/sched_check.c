@@ -541,7 +541,11 @@ int main(int argc, char **argv)
 		driver_launch l = driver_default_launch();
 		l.argv = argvr;
 		const char *ct = getenv("DS_SCHED_COMM_TIMEOUT_MS");
-		l.comm_timeout_ms = ct ? atoi(ct) : 0;
+		if (ct && ds_parse_int(ct, 1, 1 << 30, &l.comm_timeout_ms) != DS_OK) {
+			fprintf(stderr, "sched_check: DS_SCHED_COMM_TIMEOUT_MS must be 1..2^30 ms, got '%s'\n",
+				ct);
+			return 2;
+		}
 		if (!argvr[0] || sscanf(plan, "%d,%d,%d", &l.plan.tp, &l.plan.pp, &l.plan.ep) != 3) {
 			fprintf(stderr, "sched_check: DS_SCHED_PLAN=TP,PP,EP needs DS_DSAGENT too\n");
 			return 2;
