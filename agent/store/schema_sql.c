@@ -30,14 +30,17 @@
 EMBED(store_sql_0001, "schema/0001_init.sql");
 EMBED(store_sql_0002, "schema/0002_cluster.sql");
 EMBED(store_sql_0003, "schema/0003_member_events_ts.sql");
+EMBED(store_sql_0004, "schema/0004_plans.sql");
 
 extern const char store_sql_0001[];
 extern const char store_sql_0002[];
 extern const char store_sql_0003[];
+extern const char store_sql_0004[];
 
 const store_migration store_migrations[] = {
 	{.version = 1, .file = "schema/0001_init.sql", .sql = store_sql_0001},
 	{.version = 2, .file = "schema/0002_cluster.sql", .sql = store_sql_0002},
 	{.version = 3, .file = "schema/0003_member_events_ts.sql", .sql = store_sql_0003},
+	{.version = 4, .file = "schema/0004_plans.sql", .sql = store_sql_0004},
 	{.version = 0},
 };

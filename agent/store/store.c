@@ -1335,3 +1335,433 @@ out:
 	pthread_mutex_unlock(&s->mu);
 	return rc;
 }
+
+/* ---- shard plans (schema/0004_plans.sql) ---- */
+
+static const char *const plan_statuses[] = {"planned", "launching", "serving", "failed",
+					    "stopped", "superseded", NULL};
+
+static int plan_status_ok(const char *st)
+{
+	for (int i = 0; st && plan_statuses[i]; i++)
+		if (strcmp(st, plan_statuses[i]) == 0)
+			return 1;
+	return 0;
+}
+
+/* 1 when text is a JSON object (want_array 0) or an array of integers in
+ * [0, world) (want_array 1). */
+static int json_text_ok(const char *text, int want_array, int world)
+{
+	if (!text)
+		return 0;
+	json_t *j = json_loads(text, JSON_REJECT_DUPLICATES, NULL);
+	int ok = j && (want_array ? json_is_array(j) : json_is_object(j));
+	if (ok && want_array) {
+		size_t i;
+		json_t *v;
+		json_array_foreach(j, i, v)
+		{
+			if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+			    json_integer_value(v) >= world)
+				ok = 0;
+		}
+		ok = ok && json_array_size(j) > 0;
+	}
+	json_decref(j);
+	return ok;
+}
+
+static int plan_check(const store_plan *p, ds_err *err)
+{
+	if (p->epoch <= 0)
+		return ds_err_set(err, DS_EINVAL, "plan: epoch %lld is not a positive election epoch",
+				  (long long)p->epoch);
+	if (!p->model || !p->model[0])
+		return ds_err_set(err, DS_EINVAL, "plan: no model path");
+	if (p->tp < 1 || p->pp < 1 || p->ep < 1 || (int64_t)p->tp * p->pp * p->ep != p->world_size)
+		return ds_err_set(err, DS_EINVAL, "plan: tp %d x pp %d x ep %d is not its world size %d",
+				  p->tp, p->pp, p->ep, p->world_size);
+	if (p->head_id[0] && !valid_id(p->head_id))
+		return ds_err_set(err, DS_EINVAL, "plan: head id '%s' is not 32 hex digits", p->head_id);
+	if (!plan_status_ok(p->status))
+		return ds_err_set(err, DS_EINVAL, "plan: status '%s' is not one of planned, launching, "
+				  "serving, failed, stopped, superseded", p->status);
+	if (!json_text_ok(p->document, 0, 0))
+		return ds_err_set(err, DS_EINVAL, "plan: the document is not a JSON object");
+	if (!p->ranks)
+		return ds_err_set(err, DS_EINVAL, "plan: no ranks");
+	for (int r = 0; r < p->world_size; r++) {
+		const store_plan_rank *k = &p->ranks[r];
+		if (k->rank != r)
+			return ds_err_set(err, DS_EINVAL, "plan: rank row %d says rank %d (rows must be "
+					  "ranks 0..%d in order)", r, k->rank, p->world_size - 1);
+		if (!valid_id(k->node_id))
+			return ds_err_set(err, DS_EINVAL, "plan: rank %d: node id '%s' is not 32 hex "
+					  "digits", r, k->node_id);
+		if (k->device < -1 || k->stage < 0 || k->stage >= p->pp || k->tp_rank < 0 ||
+		    k->tp_rank >= p->tp || k->ep_rank < 0 || k->ep_rank >= p->ep)
+			return ds_err_set(err, DS_EINVAL, "plan: rank %d: device %d, stage %d, tp rank "
+					  "%d, ep rank %d outside the plan %dx%dx%d", r, k->device,
+					  k->stage, k->tp_rank, k->ep_rank, p->tp, p->pp, p->ep);
+		if (k->layer_first < 0 || k->layer_count < 0 || k->expert_first < 0 ||
+		    k->expert_count < 0)
+			return ds_err_set(err, DS_EINVAL, "plan: rank %d: a negative layer or expert "
+					  "range", r);
+		if (!json_text_ok(k->env, 0, 0))
+			return ds_err_set(err, DS_EINVAL, "plan: rank %d: env is not a JSON object", r);
+	}
+	for (size_t i = 0; i < p->n_groups; i++) {
+		const store_comm_group *g = &p->groups[i];
+		if (!g->name[0] || !json_text_ok(g->ranks, 1, p->world_size))
+			return ds_err_set(err, DS_EINVAL, "plan: comm group '%s': ranks must be a "
+					  "non-empty JSON array of world ranks 0..%d", g->name,
+					  p->world_size - 1);
+	}
+	return DS_OK;
+}
+
+/* The newest plan's epoch (0 when there is none); under s->mu. */
+static int plan_epoch_newest(store *s, int64_t *out, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc = prep(s, "SELECT COALESCE(MAX(epoch), 0) FROM plans", &st, err);
+	if (rc)
+		return rc;
+	if (sqlite3_step(st) == SQLITE_ROW)
+		*out = sqlite3_column_int64(st, 0);
+	else
+		rc = db_fail(s, err, "reading the plans' epoch");
+	sqlite3_finalize(st);
+	return rc;
+}
+
+/* Runs one prepared statement to completion; under s->mu. */
+static int step_done(store *s, sqlite3_stmt *st, const char *what, ds_err *err)
+{
+	return sqlite3_step(st) == SQLITE_DONE ? DS_OK : db_fail(s, err, what);
+}
+
+static void bind_known(sqlite3_stmt *st, int i, int64_t v)
+{
+	if (v >= 0)
+		sqlite3_bind_int64(st, i, v);
+	else
+		sqlite3_bind_null(st, i);
+}
+
+int store_plan_insert(store *s, store_plan *p, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc = plan_check(p, err), in_tx = 0;
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&s->mu);
+	rc = exec(s, "BEGIN IMMEDIATE", "writing a plan", err);
+	if (rc)
+		goto out;
+	in_tx = 1;
+	int64_t newest = 0;
+	rc = plan_epoch_newest(s, &newest, err);
+	if (rc)
+		goto out;
+	if (p->epoch < newest) {
+		rc = ds_err_set(err, DS_EPERM, "plan of epoch %lld refused: the newest plan is of epoch "
+				"%lld (a newer head planned since)", (long long)p->epoch,
+				(long long)newest);
+		goto out;
+	}
+	rc = prep(s, "UPDATE plans SET status = 'superseded', status_at = ?1 "
+		  "WHERE status IN ('planned', 'launching', 'serving')", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, p->created);
+	if ((rc = step_done(s, st, "superseding the plans", err)))
+		goto out;
+	sqlite3_finalize(st);
+	rc = prep(s,
+		  "INSERT INTO plans (epoch, created, head_id, model, tp, pp, ep, world_size, max_ctx, "
+		  "max_seqs, status, status_at, reason, document) "
+		  "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+		  &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, p->epoch);
+	sqlite3_bind_int64(st, 2, p->created);
+	bind_str(st, 3, p->head_id);
+	sqlite3_bind_text(st, 4, p->model, -1, SQLITE_STATIC);
+	sqlite3_bind_int(st, 5, p->tp);
+	sqlite3_bind_int(st, 6, p->pp);
+	sqlite3_bind_int(st, 7, p->ep);
+	sqlite3_bind_int(st, 8, p->world_size);
+	bind_count(st, 9, p->max_ctx);
+	bind_count(st, 10, p->max_seqs);
+	sqlite3_bind_text(st, 11, p->status, -1, SQLITE_STATIC);
+	sqlite3_bind_int64(st, 12, p->status_at ? p->status_at : p->created);
+	bind_str(st, 13, p->reason);
+	sqlite3_bind_text(st, 14, p->document, -1, SQLITE_STATIC);
+	if ((rc = step_done(s, st, "writing a plan", err)))
+		goto out;
+	sqlite3_finalize(st);
+	int64_t id = sqlite3_last_insert_rowid(s->db);
+	rc = prep(s,
+		  "INSERT INTO plan_ranks (plan_id, rank, node_id, node_name, device, stage, tp_rank, "
+		  "ep_rank, layer_first, layer_count, expert_first, expert_count, weight_bytes, "
+		  "kv_bytes, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, "
+		  "?15)",
+		  &st, err);
+	if (rc)
+		goto out;
+	for (int r = 0; r < p->world_size; r++) {
+		const store_plan_rank *k = &p->ranks[r];
+		sqlite3_reset(st);
+		sqlite3_bind_int64(st, 1, id);
+		sqlite3_bind_int(st, 2, k->rank);
+		sqlite3_bind_text(st, 3, k->node_id, -1, SQLITE_STATIC);
+		bind_str(st, 4, k->node_name);
+		sqlite3_bind_int(st, 5, k->device);
+		sqlite3_bind_int(st, 6, k->stage);
+		sqlite3_bind_int(st, 7, k->tp_rank);
+		sqlite3_bind_int(st, 8, k->ep_rank);
+		sqlite3_bind_int(st, 9, k->layer_first);
+		sqlite3_bind_int(st, 10, k->layer_count);
+		sqlite3_bind_int(st, 11, k->expert_first);
+		sqlite3_bind_int(st, 12, k->expert_count);
+		bind_known(st, 13, k->weight_bytes);
+		bind_known(st, 14, k->kv_bytes);
+		sqlite3_bind_text(st, 15, k->env, -1, SQLITE_STATIC);
+		if ((rc = step_done(s, st, "writing a plan's ranks", err)))
+			goto out;
+	}
+	sqlite3_finalize(st);
+	rc = prep(s, "INSERT INTO comm_groups (plan_id, name, ranks) VALUES (?1, ?2, ?3)", &st, err);
+	if (rc)
+		goto out;
+	for (size_t i = 0; i < p->n_groups; i++) {
+		sqlite3_reset(st);
+		sqlite3_bind_int64(st, 1, id);
+		sqlite3_bind_text(st, 2, p->groups[i].name, -1, SQLITE_STATIC);
+		sqlite3_bind_text(st, 3, p->groups[i].ranks, -1, SQLITE_STATIC);
+		if ((rc = step_done(s, st, "writing a plan's comm groups", err)))
+			goto out;
+	}
+	sqlite3_finalize(st);
+	st = NULL;
+	rc = exec(s, "COMMIT", "writing a plan", err);
+	if (rc == DS_OK) {
+		in_tx = 0;
+		p->id = id;
+	}
+out:
+	sqlite3_finalize(st);
+	if (in_tx)
+		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}
+
+static char *col_dup(sqlite3_stmt *st, int i)
+{
+	const unsigned char *t = sqlite3_column_text(st, i);
+	return strdup(t ? (const char *)t : "");
+}
+
+static int64_t col_known(sqlite3_stmt *st, int i)
+{
+	return sqlite3_column_type(st, i) == SQLITE_NULL ? -1 : sqlite3_column_int64(st, i);
+}
+
+void store_plan_free(store_plan *p)
+{
+	if (!p)
+		return;
+	for (int r = 0; p->ranks && r < p->world_size; r++)
+		free(p->ranks[r].env);
+	for (size_t i = 0; p->groups && i < p->n_groups; i++)
+		free(p->groups[i].ranks);
+	free(p->ranks);
+	free(p->groups);
+	free(p->model);
+	free(p->document);
+	memset(p, 0, sizeof *p);
+}
+
+/* Reads the ranks and groups of out->id; under s->mu. */
+static int plan_parts_get(store *s, store_plan *out, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc = prep(s,
+		      "SELECT rank, node_id, node_name, device, stage, tp_rank, ep_rank, layer_first, "
+		      "layer_count, expert_first, expert_count, weight_bytes, kv_bytes, env "
+		      "FROM plan_ranks WHERE plan_id = ?1 ORDER BY rank",
+		      &st, err);
+	if (rc)
+		return rc;
+	sqlite3_bind_int64(st, 1, out->id);
+	out->ranks = calloc((size_t)out->world_size, sizeof *out->ranks);
+	int n = 0, step;
+	while (out->ranks && (step = sqlite3_step(st)) == SQLITE_ROW) {
+		if (n >= out->world_size || sqlite3_column_int(st, 0) != n) {
+			rc = ds_err_set(err, DS_EFORMAT, "%s: plan %lld: rank rows do not match its world "
+					"size %d", s->path, (long long)out->id, out->world_size);
+			break;
+		}
+		store_plan_rank *k = &out->ranks[n++];
+		k->rank = sqlite3_column_int(st, 0);
+		text_col(st, 1, k->node_id, sizeof k->node_id);
+		text_col(st, 2, k->node_name, sizeof k->node_name);
+		k->device = sqlite3_column_int(st, 3);
+		k->stage = sqlite3_column_int(st, 4);
+		k->tp_rank = sqlite3_column_int(st, 5);
+		k->ep_rank = sqlite3_column_int(st, 6);
+		k->layer_first = sqlite3_column_int(st, 7);
+		k->layer_count = sqlite3_column_int(st, 8);
+		k->expert_first = sqlite3_column_int(st, 9);
+		k->expert_count = sqlite3_column_int(st, 10);
+		k->weight_bytes = col_known(st, 11);
+		k->kv_bytes = col_known(st, 12);
+		k->env = col_dup(st, 13);
+	}
+	if (!out->ranks)
+		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+	else if (!rc && n != out->world_size)
+		rc = ds_err_set(err, DS_EFORMAT, "%s: plan %lld has %d rank rows for a world of %d",
+				s->path, (long long)out->id, n, out->world_size);
+	sqlite3_finalize(st);
+	if (rc)
+		return rc;
+	rc = prep(s, "SELECT name, ranks FROM comm_groups WHERE plan_id = ?1 ORDER BY rowid", &st,
+		  err);
+	if (rc)
+		return rc;
+	sqlite3_bind_int64(st, 1, out->id);
+	size_t cap = 0;
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		if (out->n_groups == cap) {
+			size_t nc = cap ? cap * 2 : 8;
+			store_comm_group *g = realloc(out->groups, nc * sizeof *g);
+			if (!g) {
+				rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+				break;
+			}
+			out->groups = g;
+			cap = nc;
+		}
+		store_comm_group *g = &out->groups[out->n_groups++];
+		text_col(st, 0, g->name, sizeof g->name);
+		g->ranks = col_dup(st, 1);
+	}
+	sqlite3_finalize(st);
+	return rc;
+}
+
+int store_plan_get(store *s, int64_t id, store_plan *out, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	memset(out, 0, sizeof *out);
+	pthread_mutex_lock(&s->mu);
+	int rc = prep(s,
+		      "SELECT id, epoch, created, head_id, model, tp, pp, ep, world_size, max_ctx, "
+		      "max_seqs, status, status_at, reason, document FROM plans "
+		      "WHERE ?1 = 0 OR id = ?1 ORDER BY id DESC LIMIT 1",
+		      &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, id);
+	int step = sqlite3_step(st);
+	if (step == SQLITE_DONE) {
+		rc = id ? ds_err_set(err, DS_ENOTFOUND, "no plan of version %lld", (long long)id)
+			: ds_err_set(err, DS_ENOTFOUND, "no plan yet");
+		goto out;
+	}
+	if (step != SQLITE_ROW) {
+		rc = db_fail(s, err, "reading a plan");
+		goto out;
+	}
+	out->id = sqlite3_column_int64(st, 0);
+	out->epoch = sqlite3_column_int64(st, 1);
+	out->created = sqlite3_column_int64(st, 2);
+	text_col(st, 3, out->head_id, sizeof out->head_id);
+	out->model = col_dup(st, 4);
+	out->tp = sqlite3_column_int(st, 5);
+	out->pp = sqlite3_column_int(st, 6);
+	out->ep = sqlite3_column_int(st, 7);
+	out->world_size = sqlite3_column_int(st, 8);
+	out->max_ctx = (int)col_known(st, 9);
+	out->max_seqs = (int)col_known(st, 10);
+	text_col(st, 11, out->status, sizeof out->status);
+	out->status_at = sqlite3_column_int64(st, 12);
+	text_col(st, 13, out->reason, sizeof out->reason);
+	out->document = col_dup(st, 14);
+	sqlite3_finalize(st);
+	st = NULL;
+	if (!out->model || !out->document)
+		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+	else if (out->world_size < 1 || out->world_size > 1 << 20)
+		rc = ds_err_set(err, DS_EFORMAT, "%s: plan %lld: world size %d", s->path,
+				(long long)out->id, out->world_size);
+	else
+		rc = plan_parts_get(s, out, err);
+out:
+	sqlite3_finalize(st);
+	pthread_mutex_unlock(&s->mu);
+	if (rc)
+		store_plan_free(out);
+	return rc;
+}
+
+int store_plan_set_status(store *s, int64_t id, int64_t epoch, const char *status,
+			  const char *reason, int64_t now, ds_err *err)
+{
+	sqlite3_stmt *st = NULL;
+	int rc, in_tx = 0;
+	if (!plan_status_ok(status))
+		return ds_err_set(err, DS_EINVAL, "plan status '%s' is not one of planned, launching, "
+				  "serving, failed, stopped, superseded", status ? status : "");
+	pthread_mutex_lock(&s->mu);
+	rc = exec(s, "BEGIN IMMEDIATE", "setting a plan's status", err);
+	if (rc)
+		goto out;
+	in_tx = 1;
+	rc = prep(s, "SELECT epoch FROM plans WHERE id = ?1", &st, err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, id);
+	int step = sqlite3_step(st);
+	if (step != SQLITE_ROW) {
+		rc = step == SQLITE_DONE ? ds_err_set(err, DS_ENOTFOUND, "no plan of version %lld",
+						      (long long)id)
+					 : db_fail(s, err, "reading a plan");
+		goto out;
+	}
+	int64_t plan_epoch = sqlite3_column_int64(st, 0);
+	sqlite3_finalize(st);
+	st = NULL;
+	if (epoch < plan_epoch) {
+		rc = ds_err_set(err, DS_EPERM, "plan %lld is of epoch %lld: a head of epoch %lld may "
+				"not change it", (long long)id, (long long)plan_epoch,
+				(long long)epoch);
+		goto out;
+	}
+	rc = prep(s, "UPDATE plans SET status = ?2, reason = ?3, status_at = ?4 WHERE id = ?1", &st,
+		  err);
+	if (rc)
+		goto out;
+	sqlite3_bind_int64(st, 1, id);
+	sqlite3_bind_text(st, 2, status, -1, SQLITE_STATIC);
+	bind_str(st, 3, reason);
+	sqlite3_bind_int64(st, 4, now);
+	if ((rc = step_done(s, st, "setting a plan's status", err)))
+		goto out;
+	sqlite3_finalize(st);
+	st = NULL;
+	rc = exec(s, "COMMIT", "setting a plan's status", err);
+	if (rc == DS_OK)
+		in_tx = 0;
+out:
+	sqlite3_finalize(st);
+	if (in_tx)
+		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	pthread_mutex_unlock(&s->mu);
+	return rc;
+}

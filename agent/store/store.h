@@ -170,4 +170,69 @@ int store_vote_last(store *s, int64_t *epoch, char cand[STORE_ID_HEX], ds_err *e
 /* The highest epoch in elections or votes (0 when none). */
 int store_epoch_max(store *s, int64_t *out, ds_err *err);
 
+/* ---- shard plans (schema/0004_plans.sql, docs/cluster.md) ---- */
+
+#define STORE_PLAN_STATUS_MAX 16
+#define STORE_GROUP_NAME_MAX 64
+
+/* One world rank of a plan.  env is a JSON object as text (the rank's
+ * process environment); from store_plan_get it is malloc'd. */
+typedef struct store_plan_rank {
+	int rank;
+	char node_id[STORE_ID_HEX];
+	char node_name[STORE_NAME_MAX + 1]; /* "" = unknown */
+	int device;                         /* GPU index on its node; -1 = a CPU rank */
+	int stage, tp_rank, ep_rank;
+	int layer_first, layer_count;
+	int expert_first, expert_count;
+	int64_t weight_bytes, kv_bytes;     /* -1 = unknown */
+	char *env;
+} store_plan_rank;
+
+/* One communicator: ranks is a JSON array of world ranks as text (malloc'd
+ * from store_plan_get). */
+typedef struct store_comm_group {
+	char name[STORE_GROUP_NAME_MAX + 1];
+	char *ranks;
+} store_comm_group;
+
+/* One row of plans.  model and document are borrowed on insert and
+ * malloc'd from store_plan_get. */
+typedef struct store_plan {
+	int64_t id;       /* the version: set by store_plan_insert */
+	int64_t epoch;    /* election epoch of the head that wrote it (> 0) */
+	int64_t created;
+	char head_id[STORE_ID_HEX]; /* "" = unknown */
+	char *model;
+	int tp, pp, ep, world_size;
+	int max_ctx, max_seqs;      /* -1 = unknown */
+	char status[STORE_PLAN_STATUS_MAX]; /* planned | launching | serving | failed | stopped | superseded */
+	int64_t status_at;
+	char reason[256];           /* "" = none */
+	char *document;             /* the whole plan, a JSON object as text */
+	store_plan_rank *ranks;     /* [world_size], by rank */
+	store_comm_group *groups;
+	size_t n_groups;
+} store_plan;
+
+/* Inserts p with its ranks and groups in one transaction and sets p->id (the
+ * new version).  Every earlier plan still planned, launching or serving
+ * becomes superseded.  Refused with nothing written: DS_EPERM when p->epoch
+ * is older than the newest plan's (a deposed head: fencing); DS_EINVAL when
+ * tp * pp * ep != world_size, the ranks are not 0..world_size-1 once each, a
+ * node id is malformed, env or document is not a JSON object, a group's ranks
+ * are not a JSON array of world ranks, or the status is unknown. */
+int store_plan_insert(store *s, store_plan *p, ds_err *err);
+
+/* The plan of version id, or the newest when id == 0, with its ranks and
+ * groups; DS_ENOTFOUND when there is none.  Free with store_plan_free. */
+int store_plan_get(store *s, int64_t id, store_plan *out, ds_err *err);
+void store_plan_free(store_plan *p);
+
+/* Sets the status (and reason, NULL = none) of plan id at now.  DS_EPERM
+ * when epoch is older than the plan's (fencing), DS_ENOTFOUND for an
+ * unknown id, DS_EINVAL for an unknown status. */
+int store_plan_set_status(store *s, int64_t id, int64_t epoch, const char *status,
+			  const char *reason, int64_t now, ds_err *err);
+
 #endif
