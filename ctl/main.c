@@ -913,6 +913,129 @@ static int cmd_nodes(const struct ctl_opts *o, const struct cmd_flags *fl, int a
 	return 0;
 }
 
+/* ---- the shard plan ---- */
+
+/* One rank row of GET /v1/cluster/plan as table cells. */
+static void plan_rank_row(const json_t *k, char (*row)[CELL])
+{
+	long long v[8] = {0}, w = -1, kv = -1;
+	static const char *const f[8] = {"rank", "device", "stage", "tp_rank", "ep_rank",
+					  "layer_first", "layer_count", "expert_first"};
+	for (int i = 0; i < 8; i++)
+		jint(k, f[i], &v[i]);
+	long long ec = 0;
+	jint(k, "expert_count", &ec);
+	jint(k, "weight_bytes", &w);
+	jint(k, "kv_bytes", &kv);
+	snprintf(row[0], CELL, "%lld", v[0]);
+	snprintf(row[1], CELL, "%s", jstr(k, "node_name", jstr(k, "node_id", "?")));
+	if (v[1] < 0)
+		snprintf(row[2], CELL, "cpu");
+	else
+		snprintf(row[2], CELL, "gpu%lld", v[1]);
+	snprintf(row[3], CELL, "%lld", v[2]);
+	snprintf(row[4], CELL, "%lld", v[3]);
+	snprintf(row[5], CELL, "%lld", v[4]);
+	snprintf(row[6], CELL, "%lld-%lld", v[5], v[5] + v[6] - 1);
+	if (ec > 0)
+		snprintf(row[7], CELL, "%lld-%lld", v[7], v[7] + ec - 1);
+	else
+		snprintf(row[7], CELL, "-");
+	if (w >= 0)
+		fmt_gib(w, row[8], CELL);
+	else
+		snprintf(row[8], CELL, "-");
+	if (kv >= 0)
+		fmt_gib(kv, row[9], CELL);
+	else
+		snprintf(row[9], CELL, "-");
+}
+
+/* The environment of each node: that of its first rank (a node's ranks
+ * share the fabric variables; per-rank ones show in --json). */
+static void print_plan_env(const json_t *ranks)
+{
+	for (size_t i = 0; i < json_array_size(ranks); i++) {
+		const json_t *k = json_array_get(ranks, i);
+		const char *node = jstr(k, "node_id", "?");
+		int seen = 0;
+		for (size_t j = 0; j < i && !seen; j++)
+			seen = strcmp(jstr(json_array_get(ranks, j), "node_id", ""), node) == 0;
+		const json_t *env = json_object_get(k, "env");
+		if (seen || !json_is_object(env))
+			continue;
+		printf("\n  environment of %s (rank %lld)\n", jstr(k, "node_name", node),
+		       (long long)json_integer_value(json_object_get(k, "rank")));
+		const char *name;
+		const json_t *val;
+		json_object_foreach((json_t *)env, name, val)
+		{
+			printf("    %s=%s\n", name, json_is_string(val) ? json_string_value(val) : "?");
+		}
+	}
+}
+
+static int cmd_plan_show(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
+			 char **argv)
+{
+	json_t *v = call(o, "GET", "/v1/cluster/plan", NULL, 1);
+	if (!v)
+		return 1;
+	if (o->json) {
+		int rc = print_json(v);
+		json_decref(v);
+		return rc;
+	}
+	long long ver = 0, ep = 0, tp = 0, pp = 0, epn = 0, W = 0, ctx = -1, seqs = -1;
+	jint(v, "version", &ver);
+	jint(v, "epoch", &ep);
+	jint(v, "tp", &tp);
+	jint(v, "pp", &pp);
+	jint(v, "ep", &epn);
+	jint(v, "world_size", &W);
+	jint(v, "max_ctx", &ctx);
+	jint(v, "max_seqs", &seqs);
+	char since[64];
+	fmt_ago(json_object_get(v, "status_at"), since, sizeof since);
+	printf("plan v%lld (epoch %lld): %s since %s%s%s\n", ver, ep, jstr(v, "status", "?"), since,
+	       json_is_string(json_object_get(v, "reason")) ? ": " : "", jstr(v, "reason", ""));
+	printf("model:   %s\n", jstr(v, "model", "?"));
+	printf("ranks:   tp %lld x pp %lld x ep %lld = %lld\n", tp, pp, epn, W);
+	if (ctx >= 0)
+		printf("kv:      max context %lld, %s%lld sequences of it at once\n", ctx,
+		       seqs < 0 ? "? " : "", seqs < 0 ? 0 : seqs);
+	const json_t *ranks = json_object_get(v, "ranks");
+	enum { NC = 10 };
+	static const char *head[NC] = {"RANK", "NODE", "DEVICE", "STAGE", "TP", "EP",
+				      "LAYERS", "EXPERTS", "WEIGHTS GiB", "KV GiB"};
+	size_t rows = json_array_size(ranks);
+	char(*cells)[16][CELL] = calloc(rows + 1, sizeof *cells);
+	if (!cells) {
+		json_decref(v);
+		return 1;
+	}
+	for (int c = 0; c < NC; c++)
+		snprintf(cells[0][c], CELL, "%s", head[c]);
+	for (size_t r = 0; r < rows; r++)
+		plan_rank_row(json_array_get(ranks, r), cells[r + 1]);
+	printf("\n");
+	print_table(cells, rows + 1, NC);
+	free(cells);
+	const json_t *groups = json_object_get(v, "comm_groups");
+	if (json_array_size(groups))
+		printf("\n  comm groups\n");
+	for (size_t i = 0; i < json_array_size(groups); i++) {
+		const json_t *g = json_array_get(groups, i);
+		char *r = json_dumps(json_object_get(g, "ranks"), JSON_COMPACT);
+		printf("    %-12s %s\n", jstr(g, "name", "?"), r ? r : "?");
+		free(r);
+	}
+	print_plan_env(ranks);
+	printf("\n(`dsctl plan show --json` for the whole plan, the planner's document included)\n");
+	json_decref(v);
+	return 0;
+}
+
 static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
 			      char **argv)
 {
@@ -1050,6 +1173,9 @@ static const struct command {
 	 .args = "",
 	 .help = "membership and election as the agent sees them: head, epoch, lease, quorum, "
 		 "members, recent elections"},
+	{.word = "plan", .sub = "show", .fn = cmd_plan_show, .flags = no_flags, .args = "",
+	 .help = "the current shard plan from the head: version, epoch, status, tp x pp x ep, each "
+		 "rank's node, device, layers and experts, the comm groups, each node's environment"},
 	{.word = "nodes", .fn = cmd_nodes, .flags = no_flags, .args = "[NAME]",
 	 .help = "one row per node: address, status, role, GPUs, GPU memory, temperature, ECC, IB "
 		 "ports, last seen; with NAME, that node in full (GPUs, topology, ports, NICs, "

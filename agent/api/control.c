@@ -391,6 +391,26 @@ static void get_cluster_nodes(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, out);
 }
 
+static void get_cluster_plan(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	int who = cluster_auth(c, req, resp, sender);
+	if (!who)
+		return;
+	json_t *out = NULL;
+	ds_err e = {0};
+	int rc = cluster_plan_json(c->cluster, who == AUTH_ADMIN, &out, &e);
+	if (rc == DS_ENOTFOUND)
+		http_resp_error(resp, 404, "not_found_error", "no_plan", "%s", e.msg);
+	else if (rc == DS_EBUSY)
+		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
+	else if (rc)
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	else
+		reply(resp, out);
+}
+
 static void post_election(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
@@ -427,6 +447,7 @@ const http_route control_routes[] = {
 	{.method = "GET", .path = "/v1/node", .fn = get_node},
 	{.method = "GET", .path = "/v1/cluster/state", .fn = get_cluster_state},
 	{.method = "GET", .path = "/v1/cluster/nodes", .fn = get_cluster_nodes},
+	{.method = "GET", .path = "/v1/cluster/plan", .fn = get_cluster_plan},
 	{.method = "POST", .path = "/v1/cluster/election", .fn = post_election},
 	{0},
 };

@@ -1155,6 +1155,54 @@ out:;
 	return o;
 }
 
+/* GET path from the head, whose answer must be a JSON object with "source":
+ * "head"; it gets "via": this node.  NULL with why in reason when the head
+ * is not known, not reachable or answered something else (status: its HTTP
+ * status, 0 when none came; the answer's error message joins the reason). */
+static json_t *forward_get(cluster *c, const election_status *es, const char *path, size_t max,
+			   int *status, char *reason, size_t rsize)
+{
+	size_t nv = 0;
+	gossip_member *v = view_copy(c, &nv);
+	const gossip_member *h = find_member(v, nv, es->head);
+	gossip_meta md;
+	rpc_call call;
+	json_t *out = NULL;
+	*status = 0;
+	memset(&call, 0, sizeof call);
+	buf_init(&call.resp, 0);
+	if (!h || !meta_of(h, &md) || !md.control_port) {
+		snprintf(reason, rsize, "the head is not in this node's member list or has no control "
+			 "port");
+	} else if (dropped_name(c, h->name)) {
+		snprintf(reason, rsize, "head %s unreachable: dropped (test)", h->name);
+	} else if (rpc_call_init(&call, h->addr, md.control_port, "GET", path, NULL, 0) != DS_OK) {
+		snprintf(reason, rsize, "head %s: %s", h->name, call.err);
+	} else {
+		rpc_run(&call, 1, c->auth, FORWARD_TIMEOUT_MS, max);
+		*status = call.rc == DS_OK ? call.status : 0;
+		json_t *doc = call.rc == DS_OK ? jsonx_parse(call.resp.data, call.resp.len, 32, NULL)
+					       : NULL;
+		const char *src = json_string_value(json_object_get(doc, "source"));
+		if (call.status == 200 && json_is_object(doc) && src && strcmp(src, "head") == 0) {
+			json_object_set_new(doc, "via", json_string(c->p.node_name));
+			out = doc;
+			doc = NULL;
+		} else if (call.rc != DS_OK) {
+			snprintf(reason, rsize, "head %s unreachable: %s", h->name, call.err);
+		} else {
+			const char *msg = json_string_value(
+				json_object_get(json_object_get(doc, "error"), "message"));
+			snprintf(reason, rsize, "head %s answered %d%s%s", h->name, call.status,
+				 msg ? ": " : " without its record", msg ? msg : "");
+		}
+		json_decref(doc);
+	}
+	rpc_call_free(&call);
+	free(v);
+	return out;
+}
+
 int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err)
 {
 	election_status es;
@@ -1170,48 +1218,91 @@ int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err)
 	} else if (!forward) {
 		snprintf(reason, sizeof reason, "asked by a peer: answered locally (no forwarding)");
 	} else {
-		size_t nv = 0;
-		gossip_member *v = view_copy(c, &nv);
-		const gossip_member *h = find_member(v, nv, es.head);
-		gossip_meta md;
-		rpc_call call;
-		memset(&call, 0, sizeof call);
-		buf_init(&call.resp, 0);
-		if (!h || !meta_of(h, &md) || !md.control_port) {
-			snprintf(reason, sizeof reason,
-				 "the head is not in this node's member list or has no control port");
-		} else if (dropped_name(c, h->name)) {
-			snprintf(reason, sizeof reason, "head %s unreachable: dropped (test)", h->name);
-		} else if (rpc_call_init(&call, h->addr, md.control_port, "GET", "/v1/cluster/nodes",
-					 NULL, 0) != DS_OK) {
-			snprintf(reason, sizeof reason, "head %s: %s", h->name, call.err);
-		} else {
-			rpc_run(&call, 1, c->auth, FORWARD_TIMEOUT_MS, NODES_MAX);
-			json_t *doc = call.rc == DS_OK && call.status == 200
-					      ? jsonx_parse(call.resp.data, call.resp.len, 32, NULL)
-					      : NULL;
-			const char *src = json_string_value(json_object_get(doc, "source"));
-			if (json_is_object(doc) && src && strcmp(src, "head") == 0) {
-				json_object_set_new(doc, "via", json_string(c->p.node_name));
-				*out = doc;
-			} else {
-				if (call.rc != DS_OK)
-					snprintf(reason, sizeof reason, "head %s unreachable: %s",
-						 h->name, call.err);
-				else
-					snprintf(reason, sizeof reason,
-						 "head %s answered %d without its record", h->name,
-						 call.status);
-				json_decref(doc);
-			}
-		}
-		rpc_call_free(&call);
-		free(v);
+		int status;
+		*out = forward_get(c, &es, "/v1/cluster/nodes", NODES_MAX, &status, reason,
+				   sizeof reason);
 		if (*out)
 			return DS_OK;
 	}
 	*out = local_nodes(c, reason);
 	return *out ? DS_OK : ds_err_set(err, DS_ENOMEM, "out of memory");
+}
+
+/* ---- the shard plan (store_plan_*; docs/cluster.md "Shard plans in SQLite") ---- */
+
+/* A JSON text column as a value (null when it does not parse). */
+static json_t *json_col(const char *text)
+{
+	json_t *j = text ? jsonx_parse(text, strlen(text), 64, NULL) : NULL;
+	return j ? j : json_null();
+}
+
+static json_t *known_int(int64_t v)
+{
+	return v >= 0 ? json_integer((json_int_t)v) : json_null();
+}
+
+/* The plan as `GET /v1/cluster/plan` answers it: the plans row, "ranks"
+ * (plan_ranks rows) and "comm_groups", each column under its own name. */
+static json_t *plan_json(const store_plan *p)
+{
+	json_t *ranks = json_array(), *groups = json_array();
+	for (int r = 0; r < p->world_size; r++) {
+		const store_plan_rank *k = &p->ranks[r];
+		json_array_append_new(
+			ranks, json_pack("{s:i,s:s,s:s?,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:o,s:o,s:o}",
+					 "rank", k->rank, "node_id", k->node_id, "node_name",
+					 k->node_name[0] ? k->node_name : NULL, "device", k->device,
+					 "stage", k->stage, "tp_rank", k->tp_rank, "ep_rank",
+					 k->ep_rank, "layer_first", k->layer_first, "layer_count",
+					 k->layer_count, "expert_first", k->expert_first,
+					 "expert_count", k->expert_count, "weight_bytes",
+					 known_int(k->weight_bytes), "kv_bytes", known_int(k->kv_bytes),
+					 "env", json_col(k->env)));
+	}
+	for (size_t i = 0; i < p->n_groups; i++)
+		json_array_append_new(groups, json_pack("{s:s,s:o}", "name", p->groups[i].name,
+							"ranks", json_col(p->groups[i].ranks)));
+	return json_pack("{s:I,s:I,s:I,s:s?,s:s,s:i,s:i,s:i,s:i,s:o,s:o,s:s,s:I,s:s?,s:o,s:o,s:o}",
+			 "version", (json_int_t)p->id, "epoch", (json_int_t)p->epoch, "created",
+			 (json_int_t)p->created, "head_id", p->head_id[0] ? p->head_id : NULL,
+			 "model", p->model, "tp", p->tp, "pp", p->pp, "ep", p->ep, "world_size",
+			 p->world_size, "max_ctx", known_int(p->max_ctx), "max_seqs",
+			 known_int(p->max_seqs), "status", p->status, "status_at",
+			 (json_int_t)p->status_at, "reason", p->reason[0] ? p->reason : NULL,
+			 "document", json_col(p->document), "ranks", ranks, "comm_groups", groups);
+}
+
+int cluster_plan_json(cluster *c, int forward, json_t **out, ds_err *err)
+{
+	election_status es;
+	char reason[512];
+	*out = NULL;
+	election_status_get(c->el, cluster_now_ms(), &es);
+	if (es.has_head && es.role == GOSSIP_ROLE_HEAD) {
+		store_plan p;
+		int rc = store_plan_get(c->st, 0, &p, err);
+		if (rc)
+			return rc;
+		json_t *doc = plan_json(&p);
+		store_plan_free(&p);
+		if (doc && json_object_set_new(doc, "source", json_string("head")) == 0 &&
+		    json_object_set_new(doc, "answered_by", json_string(c->p.node_name)) == 0) {
+			*out = doc;
+			return DS_OK;
+		}
+		json_decref(doc);
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	}
+	if (!es.has_head)
+		return ds_err_set(err, DS_EBUSY, "no head: %s", es.why);
+	if (!forward)
+		return ds_err_set(err, DS_EBUSY, "asked by a peer: only the head answers with the plan");
+	int status;
+	*out = forward_get(c, &es, "/v1/cluster/plan", NODES_MAX, &status, reason, sizeof reason);
+	if (*out)
+		return DS_OK;
+	return ds_err_set(err, status == 404 ? DS_ENOTFOUND : DS_EBUSY, "%s", reason);
 }
 
 int cluster_election_post(cluster *c, const char *sender, const char *body, size_t len,

@@ -88,6 +88,13 @@ json_t *cluster_state_json(cluster *c);
  * *out, or DS_ENOMEM. */
 int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err);
 
+/* GET /v1/cluster/plan: the current shard plan (the newest row of plans,
+ * with its ranks and comm groups) from the head's store, with "source":
+ * "head".  Another node forwards to the head when forward is set.
+ * DS_ENOTFOUND when there is no plan yet; DS_EBUSY with the reason when
+ * there is no head or it cannot be reached (the caller answers 503). */
+int cluster_plan_json(cluster *c, int forward, json_t **out, ds_err *err);
+
 /* POST /v1/cluster/election from sender (hex id, authenticated): parses the
  * message, checks that it comes from sender, and hands it to the election.
  * DS_OK and *reply; DS_EFORMAT / DS_EPERM with a message for a 400 / 403. */

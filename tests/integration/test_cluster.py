@@ -232,6 +232,96 @@ def test_single_node_is_its_own_head(tmp_path):
         assert a.stop() == 0
 
 
+# ------------------------------------------------------------- shard plans --
+
+def seed_plan(db_path, rng, epoch):
+    """Writes a random plan straight into an agent's SQLite file (as the head
+    will once it plans): tp x pp x ep ranks on the nodes of its nodes table.
+    Returns the plan's version."""
+    db = sqlite3.connect(str(db_path), timeout=10)
+    try:
+        nodes = [r[0] for r in db.execute("SELECT id FROM nodes ORDER BY id")]
+        tp, pp, ep = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.choice([1, 2])
+        S, W = tp * ep, tp * pp * ep
+        doc = {"why": f"random plan {rng.randrange(10**6)}", "tp": tp}
+        cur = db.execute(
+            "INSERT INTO plans (epoch, created, head_id, model, tp, pp, ep, world_size, max_ctx, "
+            "max_seqs, status, status_at, reason, document) "
+            "VALUES (?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, 'planned', ?, NULL, ?)",
+            (epoch, 1700000000, f"/models/m{rng.randrange(1000)}", tp, pp, ep, W,
+             rng.randrange(1, 65536), rng.randrange(1, 64), 1700000000, json.dumps(doc)))
+        pid = cur.lastrowid
+        for r in range(W):
+            env = {"NCCL_IB_HCA": f"=mlx5_{rng.randrange(8)}:1", "RANK": str(r)}
+            db.execute("INSERT INTO plan_ranks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (pid, r, rng.choice(nodes), None, rng.randrange(-1, 8), r // S, r % tp,
+                        (r % S) // tp, (r // S) * 7, 7, ((r % S) // tp) * 4, 4,
+                        rng.randrange(1 << 40), rng.randrange(1 << 30), json.dumps(env)))
+        db.execute("INSERT INTO comm_groups VALUES (?, 'world', ?)", (pid, json.dumps(list(range(W)))))
+        for st in range(pp):
+            db.execute("INSERT INTO comm_groups VALUES (?, ?, ?)",
+                       (pid, f"stage{st}", json.dumps(list(range(st * S, st * S + S)))))
+        db.commit()
+        return pid
+    finally:
+        db.close()
+
+
+def plan_rows(db_path, pid):
+    """The plan's rows as GET /v1/cluster/plan names them (JSON columns parsed)."""
+    db = sqlite3.connect(str(db_path), timeout=10)
+    db.row_factory = sqlite3.Row
+    try:
+        p = dict(db.execute("SELECT * FROM plans WHERE id = ?", (pid,)).fetchone())
+        p["version"] = p.pop("id")
+        p["document"] = json.loads(p["document"])
+        ranks = []
+        for r in db.execute("SELECT * FROM plan_ranks WHERE plan_id = ? ORDER BY rank", (pid,)):
+            r = dict(r)
+            del r["plan_id"]
+            r["env"] = json.loads(r["env"])
+            ranks.append(r)
+        groups = [{"name": g["name"], "ranks": json.loads(g["ranks"])} for g in
+                  db.execute("SELECT * FROM comm_groups WHERE plan_id = ? ORDER BY rowid", (pid,))]
+        return p, ranks, groups
+    finally:
+        db.close()
+
+
+def check_plan_doc(doc, db_path, pid):
+    p, ranks, groups = plan_rows(db_path, pid)
+    for k, v in p.items():
+        assert doc.get(k) == v, (k, doc.get(k), v)
+    assert [{k: x.get(k) for k in r} for x, r in zip(doc["ranks"], ranks)] == ranks
+    assert len(doc["ranks"]) == len(ranks) == p["world_size"]
+    assert doc["comm_groups"] == groups
+
+
+def test_plan_show_matches_the_heads_sqlite(tmp_path, rng):
+    a = start_agent(tmp_path, "--name", "solo", "--threads", "1", "--kv-cache-mb", "8")
+    try:
+        base = ["--agent", a.url, "--data-dir", str(a.data_dir)]
+        r = dsctl(*base, "plan", "show")
+        assert r.returncode == 1 and "404" in r.stderr and "no plan yet" in r.stderr, r.stderr
+        db = a.data_dir / "dsagent.db"
+        seed_plan(db, rng, 1)
+        pid = seed_plan(db, rng, 1)     # the newest row is the current plan
+        r = dsctl(*base, "plan", "show", "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["source"] == "head" and doc["version"] == pid
+        check_plan_doc(doc, db, pid)
+        r = dsctl(*base, "plan", "show")
+        assert r.returncode == 0, r.stderr
+        assert re.search(rf"^plan v{pid} \(epoch 1\): planned since ", r.stdout, re.M), r.stdout
+        assert f"= {doc['world_size']}" in r.stdout
+        assert len(re.findall(r"^\d+\s+[0-9a-f]{32}\s+(cpu|gpu\d)\s", r.stdout, re.M)) == \
+            doc["world_size"], r.stdout
+        assert "NCCL_IB_HCA=" + doc["ranks"][0]["env"]["NCCL_IB_HCA"] in r.stdout
+    finally:
+        assert a.stop() == 0, agent_log(a)[-2000:]
+
+
 # ------------------------------------------------------- fixture inventories --
 
 def first_diff(a, b, path="$"):
@@ -480,6 +570,21 @@ def test_five_agents_elect_one_head(five):
                      rf"{epoch}\s+yes\s+0$", r.stdout, re.M), r.stdout
     row = next(e for e in hnode.state()["elections"] if e["epoch"] == epoch)
     assert row["outcome"] == "won" and row["votes"] >= 3 and row["quorum"] == 3
+
+
+def test_plan_show_from_a_follower_is_forwarded_to_the_head(five, rng):
+    nodes = five["nodes"]
+    wait_for(lambda: agreed(nodes), 15, "one head everywhere")
+    ok, (head, epoch) = agreed(nodes)
+    hnode = next(n for n in nodes if n.node_id == head)
+    other = next(n for n in nodes if n is not hnode)
+    pid = seed_plan(hnode.data / "dsagent.db", rng, epoch)
+    r = dsctl("--agent", other.url, "--data-dir", str(other.data), "plan", "show", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["source"] == "head" and doc["via"] == other.name
+    assert doc["answered_by"] == hnode.name and doc["version"] == pid
+    check_plan_doc(doc, hnode.data / "dsagent.db", pid)
 
 
 def test_head_killed_new_head_no_preemption(five):
