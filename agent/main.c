@@ -23,6 +23,7 @@
 #include "agent/auth/clusterkey_file.h"
 #include "agent/auth/keys.h"
 #include "agent/options.h"
+#include "agent/plan/plan.h"
 #include "agent/api/serve.h"
 #include "agent/store/store.h"
 #include "common/log.h"
@@ -42,7 +43,8 @@
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: dsagent [options]\n"
-		   "       dsagent worker [options]   (a rank process: dsagent worker --help)\n\n"
+		   "       dsagent worker [options]   (a rank process: dsagent worker --help)\n"
+		   "       dsagent plan [options]     (a shard plan from inventories: dsagent plan --help)\n\n"
 		   "Options (each also DSAGENT_<NAME> or 'name = value' in --config FILE):\n");
 	cfg_print_help(agent_opts_table, "DSAGENT", f);
 }
@@ -117,6 +119,9 @@ int main(int argc, char **argv)
 	/* `dsagent worker ...` is the rank process (worker/worker.h), not an agent */
 	if (argc > 1 && strcmp(argv[1], "worker") == 0)
 		return worker_main(argc - 1, argv + 1);
+	/* `dsagent plan ...` prints a shard plan and exits (agent/plan/plan.h) */
+	if (argc > 1 && strcmp(argv[1], "plan") == 0)
+		return plan_main(argc - 1, argv + 1);
 
 	agent_opts opts;
 	ds_err err = {0};

@@ -40,9 +40,10 @@ allowed_for() {
 	agent/store/*) echo "common agent/store" ;;
 	agent/auth/*) echo "common agent/store agent/auth" ;;
 	agent/cluster/*) echo "common agent/node agent/store agent/auth agent/cluster" ;;
+	agent/plan/*) echo "common kernels comm engine agent/plan" ;;
 	agent/api/*) echo "common kernels engine agent/node agent/store agent/auth agent/cluster agent/api" ;;
 	agent/*/*) echo "(no rule for this room: add it to tools/check.sh)" ;;
-	agent/*) echo "common kernels comm engine worker agent agent/node agent/store agent/auth agent/cluster agent/api" ;;
+	agent/*) echo "common kernels comm engine worker agent agent/node agent/store agent/auth agent/cluster agent/api agent/plan" ;;
 	ctl/*) echo "common ctl" ;;
 	*) echo "*" ;;
 	esac
