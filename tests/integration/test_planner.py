@@ -1,0 +1,455 @@
+"""The shard planner (agent/plan/, `dsagent plan`; docs/cluster.md "The shard planner").
+
+Inventories come from `dsagent --discover --fake-gpus SPEC --sysroot ROOT` on the
+sysfs fixtures of tests/fixtures/sysroots.py (the h100 tree has 8 NDR ports with
+mlx5_5 DOWN; the noib tree has no RDMA device).  Models are config.json files with
+no weights (DeepSeek-V3 and V2-Lite values of ../shared/docs/deepseek_v3_spec.md),
+and one tiny checkpoint whose safetensors headers give the bytes.
+
+Every expected number is computed here from the config, the split rules of
+docs/distributed.md and the planner's stated constants (4 GiB reserve per GPU, f32
+KV cache rows of kv_lora_rank + qk_rope_head_dim values); nothing is copied from
+the planner's output.
+"""
+import json
+import math
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from conftest import binary  # noqa: E402
+from tests.fixtures import sysroots as sr  # noqa: E402
+
+GiB = 1 << 30
+RESERVE_GPU = 4 * GiB
+KV_ELEM = 4  # the engine's cache is f32
+
+V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+      "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+      "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+      "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+      "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+      "first_k_dense_replace": 3, "moe_layer_freq": 1, "topk_method": "noaux_tc",
+      "max_position_embeddings": 163840, "num_nextn_predict_layers": 1,
+      "torch_dtype": "bfloat16",
+      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                              "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+V3_BF16 = {k: v for k, v in V3.items() if k != "quantization_config"}
+V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+           "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+           "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+           "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+           "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy",
+           "max_position_embeddings": 163840, "torch_dtype": "bfloat16"}
+
+
+# ---- the split rules, written out independently ------------------------------------------
+
+def split_range(n, parts, i):
+    base, rem = divmod(n, parts)
+    return i * base + min(i, rem), base + (1 if i < rem else 0)
+
+
+def stage_layers(n_layers, pp, s):
+    first, count = split_range(n_layers, pp, s)
+    return first, first + count
+
+
+def tensors(cfg):
+    """(where, layer, split, n, expert, bytes) of every weight the engine loads:
+    where in all/first/last/layer, split in whole/stage/expert."""
+    fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    D, H, V = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    kvl, rope, vd = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    ql, I, mI = cfg.get("q_lora_rank") or 0, cfg["intermediate_size"], cfg["moe_intermediate_size"]
+    E, ns = cfg["n_routed_experts"], cfg["n_shared_experts"]
+
+    def lin(rows, cols, quant=True):
+        if fp8 and quant:  # e4m3 weight + f32 scale per 128x128 block
+            return [rows * cols, math.ceil(rows / 128) * math.ceil(cols / 128) * 4]
+        return [rows * cols * 2]
+
+    out = [("first", -1, "whole", 0, -1, b) for b in lin(V, D, False)]
+    for L in range(cfg["num_hidden_layers"]):
+        def add(split, n, parts, e=-1):
+            out.extend(("layer", L, split, n, e, b) for b in parts)
+        add("whole", 0, [D * 2, D * 2])  # the two layer norms
+        if ql:
+            add("whole", 0, lin(ql, D) + [ql * 2])
+            add("stage", H, lin(H * qk, ql))
+        else:
+            add("stage", H, lin(H * qk, D))
+        add("whole", 0, lin(kvl + rope, D) + [kvl * 2])
+        add("stage", H, lin(H * (cfg["qk_nope_head_dim"] + vd), kvl))
+        add("stage", H, lin(D, H * vd))
+        if L < cfg["first_k_dense_replace"]:
+            add("stage", I, lin(I, D) * 2 + lin(D, I))
+            continue
+        add("whole", 0, lin(E, D, False))
+        if cfg.get("topk_method") == "noaux_tc":
+            add("whole", 0, [E * 4])
+        for e in range(E):
+            add("expert", mI, lin(mI, D) * 2 + lin(D, mI), e)
+        add("stage", ns * mI, lin(ns * mI, D) * 2 + lin(D, ns * mI))
+    out.append(("last", -1, "whole", 0, -1, D * 2))
+    out.extend(("last", -1, "stage", V, -1, b) for b in lin(V, D, False))
+    return out
+
+
+def rank_weights(cfg, tp, pp, ep, r, cache={}):
+    key = json.dumps(cfg, sort_keys=True)
+    if key not in cache:
+        cache.clear()
+        cache[key] = tensors(cfg)
+    S = tp * ep
+    stage, local = divmod(r, S)
+    ep_rank, tp_rank = divmod(local, tp)
+    f, e = stage_layers(cfg["num_hidden_layers"], pp, stage)
+    e0, ec = split_range(cfg["n_routed_experts"], ep, ep_rank)
+    total = 0
+    for where, layer, split, n, expert, b in cache[key]:
+        if where == "first" and stage != 0 or where == "last" and stage != pp - 1:
+            continue
+        if where == "layer" and not f <= layer < e:
+            continue
+        if split == "whole":
+            total += b
+        elif split == "stage":
+            total += b * split_range(n, S, local)[1] // n
+        elif e0 <= expert < e0 + ec:
+            total += b * split_range(n, tp, tp_rank)[1] // n
+    return total
+
+
+def kv_per_token(cfg, pp, stage):
+    f, e = stage_layers(cfg["num_hidden_layers"], pp, stage)
+    return (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * KV_ELEM * (e - f)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def discover(tmp, spec, kind, host):
+    root = tmp / f"root-{kind}"
+    if not root.exists():
+        sr.build(kind, str(root))
+    r = subprocess.run([binary("dsagent"), "--discover", "--fake-gpus", spec, "--sysroot",
+                        str(root)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    inv = json.loads(r.stdout)
+    inv["host"]["hostname"] = host
+    path = tmp / f"{host}.json"
+    path.write_text(json.dumps(inv))
+    return path, inv
+
+
+def model_dir(tmp, name, cfg):
+    d = tmp / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def plan(invs, model, *extra, addrs=None):
+    args = [binary("dsagent"), "plan", "--json", "--model", str(model)]
+    for i, p in enumerate(invs):
+        args += ["--inventory", str(p)]
+        if addrs and addrs[i]:
+            args += ["--addr", addrs[i]]
+    r = subprocess.run(args + list(extra), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def devices(invs):
+    return [(n, g) for n, inv in enumerate(invs) for g in inv["gpus"]]
+
+
+def check_plan(doc, cfg, invs, frac=0.9, max_ctx=4096):
+    """The plan fits its KV budget by our arithmetic, and follows the layout rules."""
+    tp, pp, ep = doc["tp"], doc["pp"], doc["ep"]
+    devs = devices(invs)
+    assert tp * pp * ep == len(devs) == doc["world"]
+    S = tp * ep
+    tokens = doc["kv"]["tokens"]
+    assert tokens >= max_ctx
+    assert doc["kv"]["concurrency"] == tokens // max_ctx
+    assert doc["kv"]["bytes_per_token_layer"] == (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    for r, rank in enumerate(doc["ranks"]):
+        node, gpu = devs[r]
+        stage, local = divmod(r, S)
+        ep_rank, tp_rank = divmod(local, tp)
+        assert (rank["rank"], rank["node"], rank["device"]) == (r, node, gpu["index"])
+        assert (rank["stage"], rank["tp_rank"], rank["ep_rank"]) == (stage, tp_rank, ep_rank)
+        assert tuple(rank["layers"]) == stage_layers(cfg["num_hidden_layers"], pp, stage)
+        e0, ec = split_range(cfg["n_routed_experts"], ep, ep_rank)
+        assert tuple(rank["experts"]) == (e0, e0 + ec)
+        w = rank_weights(cfg, tp, pp, ep, r)
+        kv = tokens * kv_per_token(cfg, pp, stage)
+        mem = rank["memory"]
+        assert (mem["weights"], mem["kv"], mem["reserve"]) == (w, kv, RESERVE_GPU)
+        assert w + kv + RESERVE_GPU <= frac * gpu["memory_total_bytes"]
+        assert mem["total"] == gpu["memory_total_bytes"]
+    # groups: world rank = stage*tp*ep + ep_rank*tp + tp_rank
+    assert doc["groups"]["world"] == list(range(len(devs)))
+    assert doc["groups"]["stages"] == [list(range(s * S, (s + 1) * S)) for s in range(pp)]
+    assert doc["groups"]["tp"] == [list(range(s * S + e * tp, s * S + e * tp + tp))
+                                   for s in range(pp) for e in range(ep)]
+    # TP inside one node's NVLink/NVSwitch domain
+    for g in doc["groups"]["tp"]:
+        nodes = {devs[r][0] for r in g}
+        assert len(nodes) == 1
+        gpus = [devs[r][1] for r in g]
+        if len(g) > 1:
+            assert all(x["nvswitch"] or x["nvlinks"] > 0 for x in gpus)
+
+
+def active_hca(inv):
+    ports = [f"{p['device']}:{p['port']}" for p in inv["ib_ports"] if p["usable"]]
+    return "=" + ",".join(ports) if ports else None
+
+
+def check_env(doc, invs, ifnames):
+    for n, inv in enumerate(invs):
+        env = doc["nodes"][n]["env"]
+        hca = active_hca(inv)
+        if hca:
+            assert env["NCCL_IB_HCA"] == hca
+            assert "NCCL_IB_DISABLE" not in env
+        else:
+            assert "NCCL_IB_HCA" not in env
+            assert env["NCCL_IB_DISABLE"] == "1"
+        if ifnames[n]:
+            assert env["NCCL_SOCKET_IFNAME"] == "=" + ifnames[n]
+            assert env["GLOO_SOCKET_IFNAME"] == ifnames[n]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("planner")
+
+
+# ---- the issue's cases ---------------------------------------------------------------------
+
+def test_v3_fp8_2x8_h100_one_port_down(tmp):
+    invs = [discover(tmp, "8xH100-80GB:nvswitch", "h100", f"h100-{i}") for i in range(2)]
+    m = model_dir(tmp, "v3", V3)
+    rc, doc = plan([p for p, _ in invs], m, addrs=["10.1.0.11", "10.1.0.11"])
+    inv = [i for _, i in invs]
+    assert rc == 0 and doc["fits"]
+    assert doc["fp8_dequant"] == "native"
+    assert "config.json" in doc["model"]["weights_source"]
+    assert doc["model"]["weight_bytes"] == sum(t[-1] for t in tensors(V3))
+    check_plan(doc, V3, inv)
+    check_env(doc, inv, ["eth0", "eth0"])
+    hca = doc["nodes"][0]["env"]["NCCL_IB_HCA"]
+    assert hca == "=mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_4:1,mlx5_6:1,mlx5_7:1"
+    # GPU 5's own NIC is DOWN: its nearest active one (mlx5_4) is across a host bridge
+    assert doc["nodes"][0]["env"]["NCCL_NET_GDR_LEVEL"] == "PHB"
+    assert "NCCL_IB_GID_INDEX" not in doc["nodes"][0]["env"]  # InfiniBand, not RoCE
+
+
+def test_v3_fp8_2x8_h20(tmp):
+    invs = [discover(tmp, "8xH20-96GB:nvswitch", "h100", f"h20-{i}") for i in range(2)]
+    rc, doc = plan([p for p, _ in invs], model_dir(tmp, "v3", V3), addrs=["10.1.0.11"] * 2)
+    assert rc == 0 and doc["fits"] and doc["fp8_dequant"] == "native"
+    check_plan(doc, V3, [i for _, i in invs])
+    check_env(doc, [i for _, i in invs], ["eth0", "eth0"])
+
+
+@pytest.mark.parametrize("cfg,name,dequant", [(V3, "v3", "in-kernel"), (V3_BF16, "v3bf16", None)])
+def test_v3_4x8_a100(tmp, cfg, name, dequant):
+    invs = [discover(tmp, "8xA100-80GB:nvswitch", "h100", f"a100-{i}") for i in range(4)]
+    rc, doc = plan([p for p, _ in invs], model_dir(tmp, name, cfg), addrs=["10.1.0.11"] * 4)
+    assert rc == 0 and doc["fits"]
+    assert doc["fp8_dequant"] == dequant  # FP8 below compute capability 8.9: planned, flagged
+    assert doc["model"]["dtype"] == ("fp8" if dequant else "bf16")
+    check_plan(doc, cfg, [i for _, i in invs])
+    check_env(doc, [i for _, i in invs], ["eth0"] * 4)
+
+
+def test_v2_lite_1x1_a100(tmp):
+    path, inv = discover(tmp, "1xA100-80GB", "h100", "a100-single")
+    rc, doc = plan([path], model_dir(tmp, "v2lite", V2_LITE), addrs=["10.1.0.11"])
+    assert rc == 0 and (doc["tp"], doc["pp"], doc["ep"]) == (1, 1, 1)
+    assert doc["ranks"][0]["memory"]["weights"] == sum(t[-1] for t in tensors(V2_LITE))
+    check_plan(doc, V2_LITE, [inv])
+    check_env(doc, [inv], ["eth0"])
+
+
+def test_one_node_without_ib_socket_fallback(tmp):
+    a = discover(tmp, "8xH100-80GB:nvswitch", "h100", "ib-node")
+    b = discover(tmp, "8xH100-80GB:nvswitch", "noib", "socket-node")
+    rc, doc = plan([a[0], b[0]], model_dir(tmp, "v3", V3), addrs=["10.1.0.11", "172.16.4.3"])
+    assert rc == 0 and doc["fits"]
+    check_plan(doc, V3, [a[1], b[1]])
+    check_env(doc, [a[1], b[1]], ["eth0", "eno1"])
+    assert doc["nodes"][0]["rdma"] and not doc["nodes"][1]["rdma"]
+    # the IB node keeps IB; only the node without a usable port falls back to sockets
+    assert "NCCL_IB_DISABLE" not in doc["nodes"][0]["env"]
+    assert doc["nodes"][1]["env"]["NCCL_IB_DISABLE"] == "1"
+    # 10 Gb/s assumed for the socket node, shared by its 8 GPUs
+    assert doc["nodes"][1]["net_bytes_per_s_per_device"] == pytest.approx(1.25e9 / 8)
+
+
+def test_l40s_pcie_prefers_pp_over_tp(tmp):
+    path, inv = discover(tmp, "8xL40S-48GB:pcie", "h100", "l40s")
+    rc, doc = plan([path], model_dir(tmp, "v2lite", V2_LITE), addrs=["10.1.0.11"])
+    assert rc == 0 and doc["fits"]
+    assert doc["tp"] == 1  # no NVLink: no TP
+    assert doc["nodes"][0]["nvlink_domain"] == 1
+    check_plan(doc, V2_LITE, [inv])
+    # every rejected layout with tp > 1 was rejected for leaving the NVLink domain
+    for x in doc["cost"]["rejected"]:
+        if x["tp"] > 1:
+            assert "NVLink" in x["reason"]
+    # an explicit --tp 2 is honoured, with a warning
+    rc, forced = plan([path], model_dir(tmp, "v2lite", V2_LITE), "--tp", "2")
+    assert forced["tp"] == 2 and any("NVLink" in w for w in forced["warnings"])
+
+
+def shortfall(cfg, tp, pp, ep, mem, frac=0.9, ctx=4096):
+    usable = math.floor(frac * mem)
+    shorts = [rank_weights(cfg, tp, pp, ep, r) + RESERVE_GPU
+              + ctx * kv_per_token(cfg, pp, r // (tp * ep)) - usable
+              for r in range(tp * pp * ep)]
+    return max(shorts), sum(s for s in shorts if s > 0)
+
+
+def test_v3_bf16_2x8_a100_40gb_does_not_fit(tmp):
+    invs = [discover(tmp, "8xA100-40GB:nvswitch", "h100", f"a40-{i}") for i in range(2)]
+    mem = invs[0][1]["gpus"][0]["memory_total_bytes"]
+    m = model_dir(tmp, "v3bf16", V3_BF16)
+    rc, doc = plan([p for p, _ in invs], m, "--tp", "8", "--pp", "2", "--ep", "1")
+    assert rc == 1 and not doc["fits"]
+    worst, total = shortfall(V3_BF16, 8, 2, 1, mem)
+    assert worst > 0
+    assert doc["shortfall"]["bytes"] == worst
+    assert doc["shortfall"]["total_bytes"] == total
+    sug = " ".join(doc["shortfall"]["suggestions"])
+    assert "more nodes" in sug and "FP8" in sug
+    # the whole model cannot fit 16 such GPUs whatever the layout
+    rc, auto = plan([p for p, _ in invs], m)
+    assert rc == 1 and not auto["fits"]
+    floor_bytes = sum(t[-1] for t in tensors(V3_BF16)) + 16 * RESERVE_GPU - 16 * math.floor(0.9 * mem)
+    assert auto["shortfall"]["total_bytes"] >= floor_bytes > 0
+    # the human summary says it too
+    r = subprocess.run([binary("dsagent"), "plan", "--model", str(m), "--inventory",
+                        str(invs[0][0]), "--inventory", str(invs[1][0]), "--tp", "8", "--pp", "2"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1 and f"short by {worst} bytes" in r.stdout
+
+
+def test_max_ctx_and_mem_fraction(tmp):
+    path, inv = discover(tmp, "1xA100-80GB", "h100", "a100-ctx")
+    m = model_dir(tmp, "v2lite", V2_LITE)
+    rc, doc = plan([path], m, "--max-ctx", "32768", "--mem-fraction", "0.8")
+    assert rc == 0
+    check_plan(doc, V2_LITE, [inv], frac=0.8, max_ctx=32768)
+    w = sum(t[-1] for t in tensors(V2_LITE))
+    room = math.floor(0.8 * inv["gpus"][0]["memory_total_bytes"]) - w - RESERVE_GPU
+    assert doc["kv"]["tokens"] == room // kv_per_token(V2_LITE, 1, 0)
+
+
+# ---- weights from safetensors headers ------------------------------------------------------
+
+TINY = dict(V2_LITE, vocab_size=512, hidden_size=64, intermediate_size=96,
+            moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            max_position_embeddings=2048)
+
+
+def write_safetensors(path, items):
+    """items: [(name, bytes)] as BF16 1-D tensors; the data is zeros."""
+    header, off = {}, 0
+    for name, nbytes in items:
+        header[name] = {"dtype": "BF16", "shape": [nbytes // 2], "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + bytes(off))
+
+
+def test_safetensors_headers_give_the_bytes(tmp):
+    d = model_dir(tmp, "tiny", TINY)
+    D, H, mI, V = 64, 4, 32, 512
+    qk, kvd = 16 + 8, 16 + 16
+    items = [("model.embed_tokens.weight", V * D * 2), ("model.norm.weight", D * 2),
+             ("lm_head.weight", V * D * 2)]
+    for L in range(4):
+        p = f"model.layers.{L}."
+        items += [(p + "input_layernorm.weight", D * 2), (p + "post_attention_layernorm.weight", D * 2),
+                  (p + "self_attn.q_proj.weight", H * qk * D * 2),
+                  (p + "self_attn.kv_a_proj_with_mqa.weight", (32 + 8) * D * 2),
+                  (p + "self_attn.kv_a_layernorm.weight", 32 * 2),
+                  (p + "self_attn.kv_b_proj.weight", H * kvd * 32 * 2),
+                  (p + "self_attn.o_proj.weight", D * H * 16 * 2)]
+        if L == 0:
+            items += [(p + f"mlp.{k}.weight", 96 * D * 2) for k in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        items.append((p + "mlp.gate.weight", 8 * D * 2))
+        for e in range(8):
+            items += [(p + f"mlp.experts.{e}.{k}.weight", mI * D * 2)
+                      for k in ("gate_proj", "up_proj", "down_proj")]
+        items += [(p + f"mlp.shared_experts.{k}.weight", mI * D * 2)
+                  for k in ("gate_proj", "up_proj", "down_proj")]
+    items.append(("model.layers.4.self_attn.o_proj.weight", 12345 * 2))  # MTP: not loaded
+    write_safetensors(d / "model-00001-of-00002.safetensors", items[: len(items) // 2])
+    write_safetensors(d / "model-00002-of-00002.safetensors", items[len(items) // 2:])
+    invs = [discover(tmp, "4xH100-80GB:nvswitch", "h100", f"tiny-{i}") for i in range(2)]
+    rc, doc = plan([p for p, _ in invs], d, "--tp", "2", "--pp", "2", "--ep", "2")
+    assert rc == 0
+    assert doc["model"]["weights_source"] == "safetensors headers"
+    assert doc["model"]["weight_bytes"] == sum(b for n, b in items) - 12345 * 2
+    # the same bytes as the config arithmetic for BF16: the per-rank shares agree
+    check_plan(doc, TINY, [i for _, i in invs], max_ctx=2048)
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+def run_plan(*args):
+    return subprocess.run([binary("dsagent"), "plan", *args], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT)
+
+
+def test_bad_flags_and_files_exit_2(tmp):
+    path, _ = discover(tmp, "8xH100-80GB:nvswitch", "h100", "flags")
+    m = model_dir(tmp, "v3", V3)
+    gguf = tmp / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    bad_inv = tmp / "bad.json"
+    bad_inv.write_text("{not json")
+    cases = [
+        (["--model", str(m)], "--inventory"),
+        (["--inventory", str(path)], "--model"),
+        (["--inventory", str(tmp / "missing.json"), "--model", str(m)], "missing.json"),
+        (["--inventory", str(bad_inv), "--model", str(m)], "bad.json"),
+        (["--inventory", str(path), "--model", str(tmp / "nomodel")], "nomodel"),
+        (["--inventory", str(path), "--model", str(gguf)], "GGUF"),
+        (["--inventory", str(path), "--model", str(m), "--tp", "x"], "--tp"),
+        (["--inventory", str(path), "--model", str(m), "--tp", "3"], "--tp"),
+        (["--inventory", str(path), "--model", str(m), "--mem-fraction", "1.5"], "--mem-fraction"),
+        (["--inventory", str(path), "--model", str(m), "--max-ctx", "999999999"], "max_position"),
+        (["--inventory", str(path), "--model", str(m), "--bogus"], "--bogus"),
+        (["--inventory", str(path), "--inventory", str(path), "--model", str(m), "--tp", "16"],
+         "span nodes"),
+        (["--addr", "10.0.0.1", "--inventory", str(path), "--model", str(m)], "--addr"),
+    ]
+    for args, word in cases:
+        r = run_plan(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert word in r.stderr, (args, r.stderr)
+    r = run_plan("--help")
+    assert r.returncode == 0 and "--inventory" in r.stdout
