@@ -94,6 +94,10 @@ struct plan {
 	int chosen;               /* index in cands */
 	int overridden;
 	json_t *warnings;
+	/* when the chosen layout does not fit and the file is not FP8: the same
+	 * layout with the FP8 checkpoint of this config (-1 = not computed) */
+	int fp8_fits;
+	int64_t fp8_bytes, fp8_worst_short;
 };
 
 plan_params plan_default_params(void)
@@ -530,7 +534,7 @@ static double allreduce_s(const plan *pl, const int *ranks, int n, double bytes)
 static void eval(const plan *pl, cand *c)
 {
 	const plan_mcfg *mc = &pl->m.c;
-	const int S = c->tp * c->ep, W = S * c->pp;
+	const int S = c->tp * c->ep;
 	double frac = mc->experts > 0 ? (double)mc->top_k / mc->experts : 0;
 	int64_t kv_min = INT64_MAX;
 	c->fits = 1;
@@ -574,7 +578,6 @@ static void eval(const plan *pl, cand *c)
 			c->comm_s += al + (double)mc->hidden * ACT_BYTES / bw;
 		}
 	}
-	(void)W;
 	c->kv_tokens = kv_min == INT64_MAX ? 0 : kv_min;
 	c->cost_s = c->read_s + c->comm_s;
 }
@@ -744,6 +747,20 @@ int plan_make(const plan_params *p, plan **out, ds_err *err)
 	}
 	if ((rc = choose(pl, err)) != DS_OK)
 		goto out;
+	pl->fp8_fits = -1;
+	if (!pl->cands[pl->chosen].fits && !mc->fp8) {
+		plan what = *pl; /* shallow: only m differs, and eval reads only */
+		plan_mcfg qc = *mc;
+		cand c = pl->cands[pl->chosen];
+		qc.fp8 = 1;
+		if ((rc = plan_model_from_config(&qc, &what.m, err)) != DS_OK)
+			goto out;
+		eval(&what, &c);
+		pl->fp8_fits = c.fits;
+		pl->fp8_bytes = what.m.total_bytes;
+		pl->fp8_worst_short = c.worst_short;
+		plan_model_free(&what.m);
+	}
 	*out = pl;
 	pl = NULL;
 out:
@@ -885,14 +902,11 @@ json_t *plan_to_json(const plan *pl)
 	json_object_set_new(json_object_get(o, "cost"), "rejected", rej);
 	rej = NULL;
 	if (!c->fits) {
-		const pdev *d = &pl->dev[c->worst_rank];
 		int st, tpr, epr;
 		model_plan mp = {.tp = c->tp, .pp = c->pp, .ep = c->ep};
 		model_rank_coords(&mp, c->worst_rank, &st, &tpr, &epr);
 		int64_t w, ro;
 		rank_weights(pl, c, c->worst_rank, &w, &ro);
-		int64_t room = usable_of(pl, d) - w - reserve_of(pl, d);
-		int64_t kvpt = stage_kv_per_token(pl, c, st);
 		json_t *sj = json_object(), *sug = json_array();
 		json_object_set_new(sj, "bytes", json_integer(c->worst_short));
 		json_object_set_new(sj, "rank", json_integer(c->worst_rank));
@@ -918,17 +932,34 @@ json_t *plan_to_json(const plan *pl)
 				 (long long)nodes_needed, pl->node[0].host);
 			json_array_append_new(sug, json_string(msg));
 		}
-		if (room > 0 && kvpt > 0) {
-			int64_t ctx = room / kvpt;
+		/* the longest context every rank holds once its weights and reserve fit */
+		int64_t ctx = INT64_MAX;
+		for (int r = 0; r < W && ctx > 0; r++) {
+			model_rank_coords(&mp, r, &st, &tpr, &epr);
+			rank_weights(pl, c, r, &w, &ro);
+			int64_t rm = usable_of(pl, &pl->dev[r]) - w - reserve_of(pl, &pl->dev[r]);
+			int64_t kt = stage_kv_per_token(pl, c, st);
+			int64_t x = rm > 0 && kt > 0 ? rm / kt : 0;
+			if (x < ctx)
+				ctx = x;
+		}
+		if (ctx > 0 && ctx < pl->max_ctx) {
 			json_object_set_new(sj, "max_ctx_that_fits", json_integer(ctx));
 			snprintf(msg, sizeof msg, "a smaller context: --max-ctx %lld fits", (long long)ctx);
 			json_array_append_new(sug, json_string(msg));
 		} else {
 			json_object_set_new(sj, "max_ctx_that_fits", json_null());
 		}
-		if (!mc->fp8) {
-			snprintf(msg, sizeof msg, "a quantized file: an FP8 checkpoint holds the linear "
-				 "weights in 1 byte instead of %d", mc->elem_bytes);
+		if (pl->fp8_fits >= 0) {
+			json_object_set_new(sj, "fp8_weight_bytes", json_integer(pl->fp8_bytes));
+			json_object_set_new(sj, "fp8_fits", json_boolean(pl->fp8_fits));
+			if (pl->fp8_fits)
+				snprintf(msg, sizeof msg, "a quantized file: the FP8 checkpoint of this model "
+					 "(%lld bytes of weights) fits this layout", (long long)pl->fp8_bytes);
+			else
+				snprintf(msg, sizeof msg, "a quantized file: the FP8 checkpoint (%lld bytes) "
+					 "would still be short by %lld bytes on a device", (long long)pl->fp8_bytes,
+					 (long long)pl->fp8_worst_short);
 			json_array_append_new(sug, json_string(msg));
 		}
 		json_object_set_new(sj, "suggestions", sug);

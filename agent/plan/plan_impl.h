@@ -53,6 +53,8 @@ typedef struct plan_model {
 } plan_model;
 
 int plan_model_load(const char *path, plan_model *m, ds_err *err);
+/* The tensor list of config c alone (no files): what-if sizing. */
+int plan_model_from_config(const plan_mcfg *c, plan_model *m, ds_err *err);
 void plan_model_free(plan_model *m);
 int plan_layer_is_moe(const plan_mcfg *c, int L);
 

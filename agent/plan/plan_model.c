@@ -368,6 +368,18 @@ static int tensors_from_files(plan_model *m, const char *dir, ds_err *err)
 	return rc;
 }
 
+int plan_model_from_config(const plan_mcfg *c, plan_model *m, ds_err *err)
+{
+	int rc;
+	memset(m, 0, sizeof *m);
+	m->c = *c;
+	if ((rc = tensors_from_config(m)) != DS_OK) {
+		plan_model_free(m);
+		return ds_err_set(err, rc, "out of memory listing the model's tensors");
+	}
+	return DS_OK;
+}
+
 int plan_layer_is_moe(const plan_mcfg *c, int L)
 {
 	return c->experts > 0 && L >= c->first_dense && L % c->moe_freq == 0;

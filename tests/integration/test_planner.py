@@ -339,6 +339,12 @@ def test_v3_bf16_2x8_a100_40gb_does_not_fit(tmp):
     assert doc["shortfall"]["total_bytes"] == total
     sug = " ".join(doc["shortfall"]["suggestions"])
     assert "more nodes" in sug and "FP8" in sug
+    # what would fit: the FP8 file of the same config, sized by our arithmetic
+    fp8_worst, _ = shortfall(V3, 8, 2, 1, mem)
+    assert doc["shortfall"]["fp8_weight_bytes"] == sum(t[-1] for t in tensors(V3))
+    assert doc["shortfall"]["fp8_fits"] == (fp8_worst <= 0)
+    # the weights alone do not fit: no context would
+    assert doc["shortfall"]["max_ctx_that_fits"] is None
     # the whole model cannot fit 16 such GPUs whatever the layout
     rc, auto = plan([p for p, _ in invs], m)
     assert rc == 1 and not auto["fits"]
@@ -349,6 +355,49 @@ def test_v3_bf16_2x8_a100_40gb_does_not_fit(tmp):
                         str(invs[0][0]), "--inventory", str(invs[1][0]), "--tp", "8", "--pp", "2"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 1 and f"short by {worst} bytes" in r.stdout
+
+
+def test_v3_fp8_on_one_8xh100_node_is_short(tmp):
+    """8 x 80 GB cannot hold V3's FP8 weights: whatever layout the planner picks,
+    its shortfall is the one our arithmetic gives for that layout."""
+    path, inv = discover(tmp, "8xH100-80GB:nvswitch", "h100", "h100-ctx")
+    mem = inv["gpus"][0]["memory_total_bytes"]
+    rc, doc = plan([path], model_dir(tmp, "v3", V3), "--max-ctx", "163840")
+    assert rc == 1 and not doc["fits"]
+    tp, pp, ep = doc["tp"], doc["pp"], doc["ep"]
+    worst, total = shortfall(V3, tp, pp, ep, mem, ctx=163840)
+    assert (doc["shortfall"]["bytes"], doc["shortfall"]["total_bytes"]) == (worst, total)
+
+
+def test_long_context_on_16_gpus_names_the_context_that_fits(tmp):
+    invs = [discover(tmp, "8xH100-80GB:nvswitch", "h100", f"h100-lc{i}") for i in range(2)]
+    mem = invs[0][1]["gpus"][0]["memory_total_bytes"]
+    rc, doc = plan([p for p, _ in invs], model_dir(tmp, "v3", V3), "--max-ctx", "163840",
+                   "--mem-fraction", "0.6", "--tp", "8", "--pp", "2")
+    assert rc == 1
+    usable = math.floor(0.6 * mem)
+    fit = min((usable - rank_weights(V3, 8, 2, 1, r) - RESERVE_GPU) // kv_per_token(V3, 2, r // 8)
+              for r in range(16))
+    assert 0 < fit < 163840
+    assert doc["shortfall"]["max_ctx_that_fits"] == fit
+    rc, ok = plan([p for p, _ in invs], model_dir(tmp, "v3", V3), "--max-ctx", str(fit),
+                  "--mem-fraction", "0.6", "--tp", "8", "--pp", "2")
+    assert rc == 0 and ok["kv"]["tokens"] >= fit
+
+
+def test_roce_gid_index_and_exact_ports(tmp):
+    path, inv = discover(tmp, "4xH100-80GB:nvswitch", "roce", "roce")
+    rc, doc = plan([path], model_dir(tmp, "v2lite", V2_LITE), addrs=["192.168.1.20"])
+    assert rc == 0
+    env = doc["nodes"][0]["env"]
+    # mlx5_1 port 2 is DOWN: port-exact names keep it out
+    assert env["NCCL_IB_HCA"] == active_hca(inv) == "=mlx5_0:1,mlx5_1:1"
+    roce = [p["gid_index"] for p in inv["ib_ports"] if p["usable"] and p["link_layer"] == "Ethernet"]
+    assert env["NCCL_IB_GID_INDEX"] == roce[0]
+    assert env["NCCL_SOCKET_IFNAME"] == "=eth0"
+    if len(set(roce)) > 1:
+        assert any("GID" in n for n in doc["nodes"][0]["notes"])
+    check_plan(doc, V2_LITE, [inv])
 
 
 def test_max_ctx_and_mem_fraction(tmp):
