@@ -877,8 +877,8 @@ json_t *plan_to_json(const plan *pl)
 	groups = NULL;
 	for (int i = 0; i < pl->n_node; i++) {
 		const pnode *n = &pl->node[i];
-		json_t *nj = json_pack("{s:i, s:s, s:s, s:s, s:i, s:i, s:b, s:f, s:O, s:O}", "index", i,
-			"hostname", n->host, "address", n->addr, "kind", n->gpu ? "gpu" : "cpu",
+		json_t *nj = json_pack("{s:i, s:s, s:s?, s:s, s:i, s:i, s:b, s:f, s:O, s:O}", "index", i,
+			"hostname", n->host, "address", n->addr[0] ? n->addr : NULL, "kind", n->gpu ? "gpu" : "cpu",
 			"devices", n->n_dev, "nvlink_domain", n->domain_max, "rdma", n->rdma,
 			"net_bytes_per_s_per_device", n->net_bw, "env", n->env, "notes", n->notes);
 		json_array_append_new(nodes, nj);

@@ -27,6 +27,7 @@
 
 #define HEADER_MAX ((uint64_t)256 << 20) /* a safetensors JSON header; larger = malformed */
 #define FP8_BLOCK 128
+#define TENSOR_MAX ((json_int_t)1 << 42) /* 4 TiB: keeps bytes * split count in int64 */
 
 static int add_tensor(plan_model *m, const plan_tensor *t)
 {
@@ -327,7 +328,8 @@ static int read_header(plan_model *m, const char *path, ds_err *err)
 		json_t *off = json_object_get(v, "data_offsets");
 		json_t *a = json_array_get(off, 0), *b = json_array_get(off, 1);
 		if (!json_is_integer(a) || !json_is_integer(b) ||
-		    json_integer_value(b) < json_integer_value(a) || json_integer_value(a) < 0) {
+		    json_integer_value(b) < json_integer_value(a) || json_integer_value(a) < 0 ||
+		    json_integer_value(b) - json_integer_value(a) > TENSOR_MAX) {
 			rc = ds_err_set(err, DS_EFORMAT, "%s: tensor %s: bad data_offsets", path, key);
 			goto out;
 		}

@@ -400,6 +400,29 @@ def test_roce_gid_index_and_exact_ports(tmp):
     check_plan(doc, V2_LITE, [inv])
 
 
+def test_cpu_nodes(tmp):
+    """Nodes without GPUs: one rank per NUMA node, its memory, 1 GiB reserve."""
+    root = tmp / "root-cpu"
+    sr.build("noib", str(root))
+    r = subprocess.run([binary("dsagent"), "--discover", "--sysroot", str(root)],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT)
+    inv = json.loads(r.stdout)
+    path = tmp / "cpu.json"
+    path.write_text(r.stdout)
+    rc, doc = plan([path, path], model_dir(tmp, "v2lite", V2_LITE), "--pp", "2",
+                   addrs=["172.16.4.3", "172.16.4.3"])
+    assert rc == 0 and doc["fits"] and doc["world"] == 4
+    mems = [n["memory_bytes"] for n in inv["host"]["numa_nodes"]] * 2
+    tok = doc["kv"]["tokens"]
+    for r, rank in enumerate(doc["ranks"]):
+        w = rank_weights(V2_LITE, doc["tp"], 2, doc["ep"], r)
+        kv = tok * kv_per_token(V2_LITE, 2, rank["stage"])
+        assert (rank["memory"]["weights"], rank["memory"]["reserve"]) == (w, GiB)
+        assert w + kv + GiB <= 0.9 * mems[r]
+    assert doc["nodes"][1]["env"]["NCCL_IB_DISABLE"] == "1"
+    assert doc["nodes"][1]["env"]["GLOO_SOCKET_IFNAME"] == "eno1"
+
+
 def test_max_ctx_and_mem_fraction(tmp):
     path, inv = discover(tmp, "1xA100-80GB", "h100", "a100-ctx")
     m = model_dir(tmp, "v2lite", V2_LITE)
