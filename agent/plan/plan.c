@@ -896,7 +896,9 @@ json_t *plan_to_json(const plan *pl)
 		json_t *xj = json_pack("{s:i, s:i, s:i, s:b, s:f, s:s}", "tp", x->tp, "pp", x->pp,
 			"ep", x->ep, "fits", x->fits, "seconds_per_token", x->cost_s, "reason",
 			!x->ok ? x->why : !x->fits ? "does not fit" :
-			c->fits ? "slower" : "short by more bytes");
+			!c->fits ? "short by more bytes" :
+			fabs(x->cost_s - c->cost_s) <= 1e-9 * c->cost_s ? "same cost: larger tp, then smaller pp, kept" :
+			"slower");
 		json_array_append_new(rej, xj);
 	}
 	json_object_set_new(json_object_get(o, "cost"), "rejected", rej);
