@@ -39,7 +39,7 @@ allowed_for() {
 	agent/node/*) echo "common agent/node" ;;
 	agent/store/*) echo "common agent/store" ;;
 	agent/auth/*) echo "common agent/store agent/auth" ;;
-	agent/cluster/*) echo "common agent/node agent/store agent/auth agent/cluster" ;;
+	agent/cluster/*) echo "common agent/node agent/store agent/auth agent/cluster agent/plan" ;;
 	agent/plan/*) echo "common kernels comm engine agent/plan" ;;
 	agent/api/*) echo "common kernels engine agent/node agent/store agent/auth agent/cluster agent/api" ;;
 	agent/*/*) echo "(no rule for this room: add it to tools/check.sh)" ;;

@@ -411,6 +411,43 @@ static void get_cluster_plan(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, out);
 }
 
+static void post_cluster_plan(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	int who = cluster_auth(c, req, resp, sender);
+	if (!who)
+		return;
+	json_t *out = NULL;
+	ds_err e = {0};
+	int rc = cluster_plan_post(c->cluster, who == AUTH_ADMIN, req->body, req->body_len, &out,
+				   &e);
+	if (rc == DS_OK) {
+		reply(resp, out);
+		return;
+	}
+	if (rc == DS_ERANGE && json_is_object(out) && !json_object_get(out, "error")) {
+		/* the plan that does not fit, with its shortfall, under an error */
+		json_t *body = json_pack("{s:{s:s,s:s,s:s},s:o}", "error", "message", e.msg, "type",
+					 "invalid_request_error", "code", "does_not_fit", "plan", out);
+		reply_status(resp, 422, body);
+		return;
+	}
+	json_decref(out);
+	if (rc == DS_EINVAL)
+		http_resp_error(resp, 400, "invalid_request_error", "invalid_plan_request", "%s", e.msg);
+	else if (rc == DS_ENOTFOUND)
+		http_resp_error(resp, 404, "not_found_error", "not_found", "%s", e.msg);
+	else if (rc == DS_ERANGE)
+		http_resp_error(resp, 422, "invalid_request_error", "does_not_fit", "%s", e.msg);
+	else if (rc == DS_EBUSY || rc == DS_EPERM)
+		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
+	else if (rc == DS_EUNSUPPORTED || rc == DS_EFORMAT)
+		http_resp_error(resp, 400, "invalid_request_error", "unsupported_model", "%s", e.msg);
+	else
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+}
+
 static void post_election(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
@@ -448,6 +485,7 @@ const http_route control_routes[] = {
 	{.method = "GET", .path = "/v1/cluster/state", .fn = get_cluster_state},
 	{.method = "GET", .path = "/v1/cluster/nodes", .fn = get_cluster_nodes},
 	{.method = "GET", .path = "/v1/cluster/plan", .fn = get_cluster_plan},
+	{.method = "POST", .path = "/v1/cluster/plan", .fn = post_cluster_plan},
 	{.method = "POST", .path = "/v1/cluster/election", .fn = post_election},
 	{0},
 };

@@ -39,6 +39,7 @@
  */
 #include "agent/cluster/cluster.h"
 #include "agent/auth/clusterkey_file.h"
+#include "agent/plan/plan.h"
 #include "common/hex.h"
 #include "common/jsonx.h"
 #include "common/log.h"
@@ -1155,12 +1156,15 @@ out:;
 	return o;
 }
 
-/* GET path from the head, whose answer must be a JSON object with "source":
- * "head"; it gets "via": this node.  NULL with why in reason when the head
- * is not known, not reachable or answered something else (status: its HTTP
- * status, 0 when none came; the answer's error message joins the reason). */
-static json_t *forward_get(cluster *c, const election_status *es, const char *path, size_t max,
-			   int *status, char *reason, size_t rsize)
+/* METHOD path (with body) at the head, whose answer must be a JSON object
+ * with "source": "head"; it gets "via": this node.  NULL with why in reason
+ * when the head is not known, not reachable or answered something else
+ * (status: its HTTP status, 0 when none came; the answer's error message
+ * joins the reason; *answer, when answer is not NULL, gets that answer if it
+ * was a JSON object). */
+static json_t *forward_call(cluster *c, const election_status *es, const char *method,
+			    const char *path, const char *body, size_t body_len, size_t max,
+			    int *status, json_t **answer, char *reason, size_t rsize)
 {
 	size_t nv = 0;
 	gossip_member *v = view_copy(c, &nv);
@@ -1169,6 +1173,8 @@ static json_t *forward_get(cluster *c, const election_status *es, const char *pa
 	rpc_call call;
 	json_t *out = NULL;
 	*status = 0;
+	if (answer)
+		*answer = NULL;
 	memset(&call, 0, sizeof call);
 	buf_init(&call.resp, 0);
 	if (!h || !meta_of(h, &md) || !md.control_port) {
@@ -1176,7 +1182,8 @@ static json_t *forward_get(cluster *c, const election_status *es, const char *pa
 			 "port");
 	} else if (dropped_name(c, h->name)) {
 		snprintf(reason, rsize, "head %s unreachable: dropped (test)", h->name);
-	} else if (rpc_call_init(&call, h->addr, md.control_port, "GET", path, NULL, 0) != DS_OK) {
+	} else if (rpc_call_init(&call, h->addr, md.control_port, method, path, body, body_len) !=
+		   DS_OK) {
 		snprintf(reason, rsize, "head %s: %s", h->name, call.err);
 	} else {
 		rpc_run(&call, 1, c->auth, FORWARD_TIMEOUT_MS, max);
@@ -1195,12 +1202,23 @@ static json_t *forward_get(cluster *c, const election_status *es, const char *pa
 				json_object_get(json_object_get(doc, "error"), "message"));
 			snprintf(reason, rsize, "head %s answered %d%s%s", h->name, call.status,
 				 msg ? ": " : " without its record", msg ? msg : "");
+			if (answer && json_is_object(doc)) {
+				json_object_set_new(doc, "via", json_string(c->p.node_name));
+				*answer = doc;
+				doc = NULL;
+			}
 		}
 		json_decref(doc);
 	}
 	rpc_call_free(&call);
 	free(v);
 	return out;
+}
+
+static json_t *forward_get(cluster *c, const election_status *es, const char *path, size_t max,
+			   int *status, char *reason, size_t rsize)
+{
+	return forward_call(c, es, "GET", path, NULL, 0, max, status, NULL, reason, rsize);
 }
 
 int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err)
@@ -1303,6 +1321,270 @@ int cluster_plan_json(cluster *c, int forward, json_t **out, ds_err *err)
 	if (*out)
 		return DS_OK;
 	return ds_err_set(err, status == 404 ? DS_ENOTFOUND : DS_EBUSY, "%s", reason);
+}
+
+/* A range [a, b) of the planner's JSON: first and count. */
+static void plan_range(const json_t *r, int *first, int *count)
+{
+	*first = (int)json_integer_value(json_array_get(r, 0));
+	*count = (int)json_integer_value(json_array_get(r, 1)) - *first;
+}
+
+/* The store rows of a planner document (agent/plan/plan.h, plan_to_json)
+ * whose node i is ids[i] / names[i].  Strings point into doc or are
+ * malloc'd into *texts (freed by the caller with free(), *n_texts of them). */
+static int plan_rows(const json_t *doc, char (*ids)[STORE_ID_HEX], char (*names)[STORE_NAME_MAX + 1],
+		     int n_nodes, store_plan *p, char ***texts, size_t *n_texts, ds_err *err)
+{
+	const json_t *ranks = json_object_get(doc, "ranks"), *nodes = json_object_get(doc, "nodes");
+	const json_t *groups = json_object_get(doc, "groups");
+	int W = (int)json_integer_value(json_object_get(doc, "world"));
+	size_t n_groups = 1 + json_array_size(json_object_get(groups, "stages")) +
+			  json_array_size(json_object_get(groups, "tp"));
+	if (W < 1 || json_array_size(ranks) != (size_t)W)
+		return ds_err_set(err, DS_EINTERNAL, "the planner's document has %zu ranks for a world "
+				  "of %d", json_array_size(ranks), W);
+	p->ranks = calloc((size_t)W, sizeof *p->ranks);
+	p->groups = calloc(n_groups, sizeof *p->groups);
+	*texts = calloc((size_t)W + n_groups, sizeof **texts);
+	*n_texts = 0;
+	if (!p->ranks || !p->groups || !*texts)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	for (int r = 0; r < W; r++) {
+		const json_t *k = json_array_get(ranks, (size_t)r);
+		store_plan_rank *q = &p->ranks[r];
+		int node = (int)json_integer_value(json_object_get(k, "node"));
+		if (node < 0 || node >= n_nodes)
+			return ds_err_set(err, DS_EINTERNAL, "the planner put rank %d on node %d of %d", r,
+					  node, n_nodes);
+		const json_t *mem = json_object_get(k, "memory");
+		q->rank = r;
+		ds_strlcpy(q->node_id, ids[node], sizeof q->node_id);
+		ds_strlcpy(q->node_name, names[node], sizeof q->node_name);
+		const json_t *nd = json_array_get(nodes, (size_t)node);
+		const char *kind = json_string_value(json_object_get(nd, "kind"));
+		/* the table's convention: -1 for a CPU rank (the document keeps its
+		 * index on the node) */
+		q->device = kind && strcmp(kind, "cpu") == 0
+				    ? -1
+				    : (int)json_integer_value(json_object_get(k, "device"));
+		q->stage = (int)json_integer_value(json_object_get(k, "stage"));
+		q->tp_rank = (int)json_integer_value(json_object_get(k, "tp_rank"));
+		q->ep_rank = (int)json_integer_value(json_object_get(k, "ep_rank"));
+		plan_range(json_object_get(k, "layers"), &q->layer_first, &q->layer_count);
+		plan_range(json_object_get(k, "experts"), &q->expert_first, &q->expert_count);
+		q->weight_bytes = json_is_integer(json_object_get(mem, "weights"))
+					  ? json_integer_value(json_object_get(mem, "weights")) : -1;
+		q->kv_bytes = json_is_integer(json_object_get(mem, "kv"))
+				      ? json_integer_value(json_object_get(mem, "kv")) : -1;
+		const json_t *env = json_object_get(nd, "env");
+		char *t = json_dumps(json_is_object(env) ? env : json_object(), JSON_COMPACT);
+		if (!t)
+			return ds_err_set(err, DS_ENOMEM, "out of memory");
+		(*texts)[(*n_texts)++] = t;
+		q->env = t;
+	}
+	/* world, stage<s>, tp<s>.<e>: the names the worker joins (worker/worker.c) */
+	size_t g = 0;
+	const json_t *lists[3] = {json_object_get(groups, "world"), json_object_get(groups, "stages"),
+				  json_object_get(groups, "tp")};
+	int epn = (int)json_integer_value(json_object_get(doc, "ep"));
+	for (int kind = 0; kind < 3; kind++) {
+		size_t n = kind == 0 ? 1 : json_array_size(lists[kind]);
+		for (size_t i = 0; i < n; i++, g++) {
+			const json_t *members = kind == 0 ? lists[0] : json_array_get(lists[kind], i);
+			if (kind == 0)
+				ds_strlcpy(p->groups[g].name, "world", sizeof p->groups[g].name);
+			else if (kind == 1)
+				snprintf(p->groups[g].name, sizeof p->groups[g].name, "stage%zu", i);
+			else
+				snprintf(p->groups[g].name, sizeof p->groups[g].name, "tp%zu.%zu",
+					 i / (size_t)(epn > 0 ? epn : 1), i % (size_t)(epn > 0 ? epn : 1));
+			char *t = json_dumps(members, JSON_COMPACT);
+			if (!t)
+				return ds_err_set(err, DS_ENOMEM, "out of memory");
+			(*texts)[(*n_texts)++] = t;
+			p->groups[g].ranks = t;
+		}
+	}
+	p->n_groups = g;
+	return DS_OK;
+}
+
+/* Every alive node of the record with an inventory, the head first, then by
+ * name: the planner's node order (rank 0 on the head's first device). */
+static int plan_nodes(cluster *c, store_node **rows, size_t *nrows, json_t ***invs,
+		      const char ***addrs, char (**ids)[STORE_ID_HEX],
+		      char (**names)[STORE_NAME_MAX + 1], int *n, ds_err *err)
+{
+	*n = 0;
+	if (store_node_list(c->st, rows, nrows, err) != DS_OK)
+		return err ? err->code : DS_EIO;
+	*invs = calloc(*nrows + 1, sizeof **invs);
+	*addrs = calloc(*nrows + 1, sizeof **addrs);
+	*ids = calloc(*nrows + 1, sizeof **ids);
+	*names = calloc(*nrows + 1, sizeof **names);
+	if (!*invs || !*addrs || !*ids || !*names)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	for (int pass = 0; pass < 2; pass++) {
+		for (size_t i = 0; i < *nrows; i++) {
+			store_node *r = &(*rows)[i];
+			int self = strcmp(r->id, c->self_hex) == 0;
+			if (self != (pass == 0))
+				continue;
+			if (!self && strcmp(r->status, "alive") != 0)
+				continue;
+			json_t *inv = r->inventory ? jsonx_parse(r->inventory, strlen(r->inventory), 32,
+								  NULL)
+						   : NULL;
+			if (!json_is_object(inv)) {
+				json_decref(inv);
+				continue;
+			}
+			(*invs)[*n] = inv;
+			(*addrs)[*n] = r->addr[0] ? r->addr : NULL;
+			ds_strlcpy((*ids)[*n], r->id, STORE_ID_HEX);
+			ds_strlcpy((*names)[*n], r->name, STORE_NAME_MAX + 1);
+			(*n)++;
+		}
+	}
+	return *n ? DS_OK : ds_err_set(err, DS_ENOTFOUND, "no alive node with an inventory");
+}
+
+/* The head plans over its record and writes the plan (fenced). */
+static int plan_on_head(cluster *c, const election_status *es, const json_t *req, json_t **out,
+			ds_err *err)
+{
+	const char *model = NULL;
+	int64_t tp = 0, pp = 0, ep = 0, max_ctx = 0;
+	double frac = 0.9;
+	if (jsonx_get_str(req, "model", 1, &model, err) ||
+	    jsonx_get_i64(req, "tp", 0, 0, 65536, &tp, err) ||
+	    jsonx_get_i64(req, "pp", 0, 0, 65536, &pp, err) ||
+	    jsonx_get_i64(req, "ep", 0, 0, 65536, &ep, err) ||
+	    jsonx_get_i64(req, "max_ctx", 0, 0, 1 << 24, &max_ctx, err) ||
+	    jsonx_get_double(req, "mem_fraction", 0, 0.01, 1.0, &frac, err))
+		return DS_EINVAL;
+	uint64_t epoch = es->head_epoch;
+	int rc = election_fence(c->el, epoch, cluster_now_ms(), err);
+	if (rc)
+		return rc;
+	store_node *rows = NULL;
+	size_t nrows = 0, n_texts = 0;
+	json_t **invs = NULL;
+	const char **addrs = NULL;
+	char(*ids)[STORE_ID_HEX] = NULL;
+	char(*names)[STORE_NAME_MAX + 1] = NULL;
+	char **texts = NULL;
+	plan *pl = NULL;
+	json_t *doc = NULL;
+	store_plan sp;
+	int n = 0;
+	memset(&sp, 0, sizeof sp);
+	rc = plan_nodes(c, &rows, &nrows, &invs, &addrs, &ids, &names, &n, err);
+	if (rc)
+		goto out;
+	plan_params pp_ = plan_default_params();
+	pp_.inventories = invs;
+	pp_.addresses = addrs;
+	pp_.n_nodes = n;
+	pp_.model_path = model;
+	pp_.mem_fraction = frac;
+	pp_.tp = (int)tp;
+	pp_.pp = (int)pp;
+	pp_.ep = (int)ep;
+	pp_.max_ctx = (int)max_ctx;
+	rc = plan_make(&pp_, &pl, err);
+	if (rc)
+		goto out;
+	doc = plan_to_json(pl);
+	if (!doc) {
+		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+		goto out;
+	}
+	if (!plan_fits(pl)) {
+		rc = ds_err_set(err, DS_ERANGE, "the model does not fit these nodes (see shortfall)");
+		goto out;
+	}
+	rc = plan_rows(doc, ids, names, n, &sp, &texts, &n_texts, err);
+	if (rc)
+		goto out;
+	char *doc_text = json_dumps(doc, JSON_COMPACT);
+	sp.epoch = (int64_t)epoch;
+	sp.created = unix_now();
+	ds_strlcpy(sp.head_id, c->self_hex, sizeof sp.head_id);
+	sp.model = (char *)model;
+	sp.tp = (int)json_integer_value(json_object_get(doc, "tp"));
+	sp.pp = (int)json_integer_value(json_object_get(doc, "pp"));
+	sp.ep = (int)json_integer_value(json_object_get(doc, "ep"));
+	sp.world_size = sp.tp * sp.pp * sp.ep;
+	const json_t *kv = json_object_get(doc, "kv");
+	sp.max_ctx = (int)json_integer_value(json_object_get(kv, "max_ctx"));
+	sp.max_seqs = (int)json_integer_value(json_object_get(kv, "concurrency"));
+	ds_strlcpy(sp.status, "planned", sizeof sp.status);
+	sp.document = doc_text;
+	rc = doc_text ? store_plan_insert(c->st, &sp, err) : ds_err_set(err, DS_ENOMEM, "out of memory");
+	free(doc_text);
+	if (rc == DS_OK)
+		json_object_set_new(doc, "version", json_integer((json_int_t)sp.id));
+out:
+	if (doc) {
+		json_object_set_new(doc, "source", json_string("head"));
+		json_object_set_new(doc, "answered_by", json_string(c->p.node_name));
+		json_object_set_new(doc, "epoch", json_integer((json_int_t)epoch));
+	}
+	*out = doc;
+	for (size_t i = 0; texts && i < n_texts; i++)
+		free(texts[i]);
+	free(texts);
+	free(sp.ranks);
+	free(sp.groups);
+	plan_free(pl);
+	for (int i = 0; invs && i < n; i++)
+		json_decref(invs[i]);
+	free(invs);
+	free(addrs);
+	free(ids);
+	free(names);
+	store_nodes_free(rows, nrows);
+	return rc;
+}
+
+int cluster_plan_post(cluster *c, int forward, const char *body, size_t len, json_t **out,
+		      ds_err *err)
+{
+	election_status es;
+	char reason[512];
+	*out = NULL;
+	election_status_get(c->el, cluster_now_ms(), &es);
+	if (es.has_head && es.role == GOSSIP_ROLE_HEAD) {
+		json_t *req = jsonx_parse(body, len, 8, err);
+		if (!json_is_object(req)) {
+			json_decref(req);
+			return ds_err_set(err, DS_EINVAL, "the body is not a JSON object");
+		}
+		int rc = plan_on_head(c, &es, req, out, err);
+		json_decref(req);
+		return rc;
+	}
+	if (!es.has_head)
+		return ds_err_set(err, DS_EBUSY, "no head: %s", es.why);
+	if (!forward)
+		return ds_err_set(err, DS_EBUSY, "asked by a peer: only the head plans");
+	int status;
+	json_t *answer = NULL;
+	*out = forward_call(c, &es, "POST", "/v1/cluster/plan", body, len, NODES_MAX, &status,
+			    &answer, reason, sizeof reason);
+	if (*out)
+		return DS_OK;
+	*out = answer; /* the head's refusal, passed on with its status */
+	if (status == 400)
+		return ds_err_set(err, DS_EINVAL, "%s", reason);
+	if (status == 422)
+		return ds_err_set(err, DS_ERANGE, "%s", reason);
+	if (status == 404)
+		return ds_err_set(err, DS_ENOTFOUND, "%s", reason);
+	return ds_err_set(err, DS_EBUSY, "%s", reason);
 }
 
 int cluster_election_post(cluster *c, const char *sender, const char *body, size_t len,

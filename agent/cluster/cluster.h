@@ -95,6 +95,18 @@ int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err);
  * there is no head or it cannot be reached (the caller answers 503). */
 int cluster_plan_json(cluster *c, int forward, json_t **out, ds_err *err);
 
+/* POST /v1/cluster/plan {"model": PATH, "tp", "pp", "ep", "max_ctx" (0 or
+ * absent: the planner chooses), "mem_fraction"}: the head plans over the
+ * alive nodes of its record (itself first; agent/plan/plan.h), and writes
+ * the plan with its epoch (election_fence, then store_plan_insert).  *out:
+ * the planner's document with "version", "epoch", "source": "head" (also
+ * when it does not fit: DS_ERANGE, the document says by how much).  Another
+ * node forwards when forward is set.  DS_EINVAL for a bad body or plan
+ * request (400), DS_ENOTFOUND for a missing model (404), DS_EBUSY / DS_EPERM
+ * without a head or with a stale epoch (503). */
+int cluster_plan_post(cluster *c, int forward, const char *body, size_t len, json_t **out,
+		      ds_err *err);
+
 /* POST /v1/cluster/election from sender (hex id, authenticated): parses the
  * message, checks that it comes from sender, and hands it to the election.
  * DS_OK and *reply; DS_EFORMAT / DS_EPERM with a message for a 400 / 403. */

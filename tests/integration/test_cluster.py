@@ -322,6 +322,67 @@ def test_plan_show_matches_the_heads_sqlite(tmp_path, rng):
         assert a.stop() == 0, agent_log(a)[-2000:]
 
 
+def sql1(db_path, sql, args=()):
+    """The first column of the first row of a query on an agent's SQLite file."""
+    db = sqlite3.connect(str(db_path), timeout=10)
+    try:
+        return db.execute(sql, args).fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_the_head_plans_and_stores_the_plan(tmp_path, tiny_deepseek):
+    """POST /v1/cluster/plan: the head plans the tiny V3 over its record (one
+    CPU node here), writes it with its epoch, and GET / dsctl plan show read
+    it back; bad requests are named and change nothing."""
+    a = start_agent(tmp_path, "--name", "solo", "--threads", "1", "--kv-cache-mb", "8")
+    try:
+        tok = (a.data_dir / "admin.token").read_text().strip()
+        hdr = {"Authorization": f"Bearer {tok}", "Content-Type": "application/json"}
+
+        def post(body):
+            return a.get("/v1/cluster/plan", "POST", json.dumps(body).encode(), hdr)
+
+        st, doc = post({"model": str(tiny_deepseek["v3"])})
+        assert st == 200, doc
+        assert doc["fits"] is True and doc["source"] == "head" and doc["epoch"] == 1
+        v1 = doc["version"]
+        db = a.data_dir / "dsagent.db"
+        p, ranks, groups = plan_rows(db, v1)
+        self_id = sql1(db, "SELECT id FROM nodes WHERE name = ?", ("solo",))
+        assert (p["tp"], p["pp"], p["ep"], p["world_size"]) == (1, 1, 1, 1)
+        assert p["epoch"] == 1 and p["status"] == "planned" and p["head_id"] == self_id
+        assert p["model"] == str(tiny_deepseek["v3"]) and p["document"]["ranks"] == doc["ranks"]
+        assert [r["node_id"] for r in ranks] == [self_id] and ranks[0]["device"] == -1  # CPU
+        assert ranks[0]["layer_first"] == 0 and ranks[0]["layer_count"] == 3  # the tiny V3's layers
+        assert ranks[0]["env"] == doc["nodes"][0]["env"]
+        assert [g["name"] for g in groups] == ["world", "stage0", "tp0.0"]
+        r = dsctl("--agent", a.url, "--data-dir", str(a.data_dir), "plan", "show", "--json")
+        assert r.returncode == 0, r.stderr
+        check_plan_doc(json.loads(r.stdout), db, v1)
+        # bad requests: named, nothing written
+        for body, code, want in [
+            ({}, 400, "model"),
+            ({"model": str(tmp_path / "nope")}, 404, "nope"),
+            ({"model": str(tiny_deepseek["v3"]), "tp": 3}, 400, "tp"),
+            ({"model": str(tiny_deepseek["v3"]), "mem_fraction": 2}, 400, "mem_fraction"),
+        ]:
+            st, err = post(body)
+            assert st == code and want in err["error"]["message"], (body, st, err)
+        # a plan that does not fit: 422 with the shortfall in bytes, nothing written
+        st, err = post({"model": str(tiny_deepseek["v3"]), "mem_fraction": 0.01})
+        assert st == 422, err
+        assert err["error"]["code"] == "does_not_fit" and err["plan"]["fits"] is False
+        assert err["plan"]["shortfall"]["bytes"] > 0
+        assert sql1(db, "SELECT MAX(id) FROM plans") == v1
+        # a second plan supersedes the first
+        st, doc = post({"model": str(tiny_deepseek["v3"]), "max_ctx": 64})
+        assert st == 200 and doc["version"] > v1, doc
+        assert sql1(db, "SELECT status FROM plans WHERE id = ?", (v1,)) == "superseded"
+    finally:
+        assert a.stop() == 0, agent_log(a)[-2000:]
+
+
 # ------------------------------------------------------- fixture inventories --
 
 def first_diff(a, b, path="$"):
