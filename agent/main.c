@@ -23,6 +23,7 @@
 #include "agent/auth/clusterkey_file.h"
 #include "agent/auth/keys.h"
 #include "agent/options.h"
+#include "agent/launch/launch.h"
 #include "agent/plan/plan.h"
 #include "agent/api/serve.h"
 #include "agent/store/store.h"
@@ -131,6 +132,7 @@ int main(int argc, char **argv)
 	serve *sv = NULL;
 	gossip *gos = NULL;
 	cluster *cl = NULL;
+	launcher *lr = NULL;
 	struct member_sink sink = {0};
 	char admin_token[KEYS_TOKEN_SIZE] = "";
 	int rc = 0;
@@ -229,6 +231,11 @@ int main(int argc, char **argv)
 		goto out;
 	}
 
+	if (!(lr = launcher_new(opts.data_dir, &err))) {
+		fprintf(stderr, "dsagent: rank processes: %s\n", err.msg);
+		rc = 1;
+		goto out;
+	}
 	control_ctx ctx = {
 		.node_name = opts.name,
 		.backend = be->name,
@@ -239,6 +246,7 @@ int main(int argc, char **argv)
 		.gossip = gos,
 		.test_faults = opts.test_fault_injection,
 		.cluster = cl,
+		.launcher = lr,
 	};
 	http_params hp = http_default_params();
 	hp.bind_addr = opts.bind;
@@ -331,6 +339,7 @@ out:
 	serve_stop(sv); /* open streams end; new requests get 503 */
 	http_server_free(api);
 	http_server_free(control);
+	launcher_free(lr); /* the ranks of a plan go with the agent */
 	cluster_free(cl); /* its threads use gossip: stopped first */
 	gossip_free(gos);
 	serve_free(sv);

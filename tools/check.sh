@@ -40,10 +40,11 @@ allowed_for() {
 	agent/store/*) echo "common agent/store" ;;
 	agent/auth/*) echo "common agent/store agent/auth" ;;
 	agent/cluster/*) echo "common agent/node agent/store agent/auth agent/cluster agent/plan" ;;
+	agent/launch/*) echo "common agent/launch" ;;
 	agent/plan/*) echo "common kernels comm engine agent/plan" ;;
-	agent/api/*) echo "common kernels engine agent/node agent/store agent/auth agent/cluster agent/api" ;;
+	agent/api/*) echo "common kernels engine agent/node agent/store agent/auth agent/cluster agent/launch agent/api" ;;
 	agent/*/*) echo "(no rule for this room: add it to tools/check.sh)" ;;
-	agent/*) echo "common kernels comm engine worker agent agent/node agent/store agent/auth agent/cluster agent/api agent/plan" ;;
+	agent/*) echo "common kernels comm engine worker agent agent/node agent/store agent/auth agent/cluster agent/api agent/plan agent/launch" ;;
 	ctl/*) echo "common ctl" ;;
 	*) echo "*" ;;
 	esac

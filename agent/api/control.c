@@ -14,6 +14,7 @@
  */
 #include "agent/api/control.h"
 #include "agent/api/serve.h"
+#include "agent/launch/launch.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 #include "engine/engine.h"
@@ -448,6 +449,75 @@ static void post_cluster_plan(void *ud, const http_req *req, http_resp *resp)
 		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
 }
 
+/* ---- rank processes of a plan on this node (agent/launch) ---- */
+
+static int launcher_ok(const control_ctx *c, http_resp *resp)
+{
+	if (!c->launcher)
+		http_resp_error(resp, 503, "service_unavailable_error", "no_launcher",
+				"this agent runs no rank processes");
+	return c->launcher != NULL;
+}
+
+/* POST /v1/ranks {"job", "epoch", "ranks": [{"rank", "args", "env"}]}: the
+ * head (or an operator) starts this node's ranks of a plan; the epoch must
+ * be the reign this node recognises (fencing). */
+static void post_ranks(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	if (!cluster_auth(c, req, resp, sender) || !launcher_ok(c, resp))
+		return;
+	ds_err e = {0};
+	const char *job = NULL;
+	int64_t epoch = 0;
+	json_t *body = jsonx_parse(req->body, req->body_len, 8, &e);
+	if (!json_is_object(body) || jsonx_get_str(body, "job", 1, &job, &e) ||
+	    jsonx_get_i64(body, "epoch", 1, 1, INT64_MAX, &epoch, &e)) {
+		http_resp_error(resp, 400, "invalid_request_error", "invalid_ranks", "%s",
+				e.msg[0] ? e.msg : "the body is not a JSON object");
+		json_decref(body);
+		return;
+	}
+	int rc = cluster_fence(c->cluster, (uint64_t)epoch, &e);
+	if (rc == DS_OK)
+		rc = launcher_start(c->launcher, job, (uint64_t)epoch, json_object_get(body, "ranks"),
+				    &e);
+	if (rc == DS_OK)
+		reply(resp, launcher_json(c->launcher));
+	else if (rc == DS_EINVAL)
+		http_resp_error(resp, 400, "invalid_request_error", "invalid_ranks", "%s", e.msg);
+	else if (rc == DS_EPERM)
+		http_resp_error(resp, 409, "conflict_error", "stale_epoch", "%s", e.msg);
+	else if (rc == DS_EBUSY)
+		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
+	else
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	json_decref(body);
+}
+
+static void get_ranks(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	if (cluster_auth(c, req, resp, sender) && launcher_ok(c, resp))
+		reply(resp, launcher_json(c->launcher));
+}
+
+/* DELETE /v1/ranks: stops whatever job runs (SIGTERM, SIGKILL after 2 s). */
+static void delete_ranks(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	if (!cluster_auth(c, req, resp, sender) || !launcher_ok(c, resp))
+		return;
+	ds_err e = {0};
+	if (launcher_stop(c->launcher, NULL, 2000, &e) != DS_OK)
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	else
+		reply(resp, launcher_json(c->launcher));
+}
+
 static void post_election(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
@@ -486,6 +556,9 @@ const http_route control_routes[] = {
 	{.method = "GET", .path = "/v1/cluster/nodes", .fn = get_cluster_nodes},
 	{.method = "GET", .path = "/v1/cluster/plan", .fn = get_cluster_plan},
 	{.method = "POST", .path = "/v1/cluster/plan", .fn = post_cluster_plan},
+	{.method = "POST", .path = "/v1/ranks", .fn = post_ranks},
+	{.method = "GET", .path = "/v1/ranks", .fn = get_ranks},
+	{.method = "DELETE", .path = "/v1/ranks", .fn = delete_ranks},
 	{.method = "POST", .path = "/v1/cluster/election", .fn = post_election},
 	{0},
 };

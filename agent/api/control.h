@@ -53,6 +53,7 @@ typedef struct control_ctx {
 	gossip *gossip;          /* NULL: single node, the cluster routes answer 503 */
 	int test_faults;         /* --test-fault-injection: the test/drop route exists */
 	cluster *cluster;        /* NULL: the cluster state routes answer 503 */
+	struct launcher *launcher; /* NULL: the /v1/ranks routes answer 503 */
 	struct serve *serve;     /* the OpenAI API's state, published (atomic store,
 				  * release) once it exists: the engine test route */
 } control_ctx;

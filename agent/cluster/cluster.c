@@ -1291,6 +1291,11 @@ static json_t *plan_json(const store_plan *p)
 			 "document", json_col(p->document), "ranks", ranks, "comm_groups", groups);
 }
 
+int cluster_fence(cluster *c, uint64_t epoch, ds_err *err)
+{
+	return election_fence(c->el, epoch, cluster_now_ms(), err);
+}
+
 int cluster_plan_json(cluster *c, int forward, json_t **out, ds_err *err)
 {
 	election_status es;

@@ -95,6 +95,10 @@ int cluster_nodes_json(cluster *c, int forward, json_t **out, ds_err *err);
  * there is no head or it cannot be reached (the caller answers 503). */
 int cluster_plan_json(cluster *c, int forward, json_t **out, ds_err *err);
 
+/* election_fence at this moment: DS_OK when epoch is the reign this node
+ * recognises (DS_EPERM stale, DS_EBUSY no head or not heard of yet). */
+int cluster_fence(cluster *c, uint64_t epoch, ds_err *err);
+
 /* POST /v1/cluster/plan {"model": PATH, "tp", "pp", "ep", "max_ctx" (0 or
  * absent: the planner chooses), "mem_fraction"}: the head plans over the
  * alive nodes of its record (itself first; agent/plan/plan.h), and writes
