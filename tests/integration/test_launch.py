@@ -72,9 +72,15 @@ def test_ranks_start_list_stop_and_die_with_the_agent(tmp_path, tiny_deepseek):
         assert r["rank"] == 1 and r["state"] == "running", r
         pid = r["pid"]
         pids.append(pid)
-        # the agent's binary, our options, the agent's environment plus the plan's
+        # the agent's binary, our options, the agent's environment plus the
+        # plan's (once the child has exec'd: the answer may come first)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:-1]
+            if argv[1:2] == [b"worker"]:
+                break
+            time.sleep(0.02)
         assert os.readlink(f"/proc/{pid}/exe") == os.path.realpath(binary("dsagent"))
-        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:-1]
         assert [x.decode() for x in argv[1:]] == ["worker"] + rank_req(
             "t1", tiny_deepseek["v3"], port)["ranks"][0]["args"]
         env = dict(x.decode().split("=", 1) for x in
