@@ -573,8 +573,15 @@ static int argv_build(rank_argv *a, const driver_launch *l, const model_params *
 		if (l->comm_timeout_ms > 0)
 			OPT("--comm-timeout-ms", "%d", l->comm_timeout_ms);
 		OPT("--log-level", "%s", l->log_level ? l->log_level : "warn");
-		OPT("--parent-pid", "%d", (int)getpid());
-		OPT("--local-ranks", "%d", W);
+		if (!(l->remote && l->remote[r]))
+			OPT("--parent-pid", "%d", (int)getpid());
+		const char *host = l->rank_hosts && l->rank_hosts[r] ? l->rank_hosts[r] : "127.0.0.1";
+		int same = 0;
+		for (int q = 0; q < W; q++)
+			same += strcmp(l->rank_hosts && l->rank_hosts[q] ? l->rank_hosts[q] : "127.0.0.1",
+				       host) == 0;
+		OPT("--host", "%s", host);
+		OPT("--local-ranks", "%d", same);
 		if (p->weights == MODEL_WEIGHTS_MMAP)
 			v[n++] = (char *)"--mmap";
 #undef OPT
@@ -605,7 +612,7 @@ static void child_exec(char **argv, int sock, pid_t parent)
 	_exit(127);
 }
 
-static int ranks_spawn(driver *d, rank_argv *a, ds_err *err)
+static int ranks_spawn(driver *d, rank_argv *a, const driver_launch *l, ds_err *err)
 {
 	int sv[2];
 	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
@@ -613,6 +620,8 @@ static int ranks_spawn(driver *d, rank_argv *a, ds_err *err)
 	pid_t parent = getpid();
 	int rc = DS_OK;
 	for (int r = 0; r < d->W; r++) {
+		if (l->remote && l->remote[r])
+			continue; /* started by start_remote, below */
 		pid_t pid = fork();
 		if (pid < 0) {
 			rc = ds_err_set(err, DS_EIO, "fork of rank %d: %m", r);
@@ -627,6 +636,13 @@ static int ranks_spawn(driver *d, rank_argv *a, ds_err *err)
 	d->fd = sv[0];
 	if (fcntl(d->fd, F_SETFL, fcntl(d->fd, F_GETFL) | O_NONBLOCK) != 0 && !rc)
 		rc = ds_err_set(err, DS_EIO, "fcntl: %m");
+	int n0 = 0;
+	while (l->argv[n0])
+		n0++;
+	for (int r = 1; !rc && l->remote && r < d->W; r++)
+		if (l->remote[r] &&
+		    (rc = l->start_remote(l->remote_ctx, r, (const char *const *)a->args[r] + n0, err)))
+			ds_err_wrap(err, "starting rank %d elsewhere", r);
 	return rc;
 }
 
@@ -695,7 +711,12 @@ model *driver_model_load(const model_params *p, const driver_launch *l, ds_err *
 	d->W = W;
 	d->base.ops = &driver_ops;
 	d->reply_timeout_ms = l->reply_timeout_ms;
-	if (W > 1 && !(d->store = comm_store_server_start("127.0.0.1", 0, err)))
+	if (l->remote && (l->remote[0] || !l->start_remote)) {
+		ds_err_set(err, DS_EINVAL, "remote ranks need start_remote, and rank 0 runs here");
+		goto fail;
+	}
+	if (W > 1 && !(d->store = comm_store_server_start(l->store_host ? l->store_host : "127.0.0.1",
+							  0, err)))
 		goto fail;
 	char job[64];
 	struct timespec ts;
@@ -704,7 +725,7 @@ model *driver_model_load(const model_params *p, const driver_launch *l, ds_err *
 		 (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec);
 	if (argv_build(a, l, p, W, d->store ? comm_store_server_addr(d->store) : NULL, job, err))
 		goto fail;
-	if (ranks_spawn(d, a, err))
+	if (ranks_spawn(d, a, l, err))
 		goto fail;
 	free(a);
 	a = NULL;

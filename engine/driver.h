@@ -50,6 +50,24 @@ typedef struct driver_launch {
 	int comm_timeout_ms;  /* the ranks' --comm-timeout-ms (0 = their default) */
 	int reply_timeout_ms; /* longest wait for one reply (0 = as long as every rank lives) */
 	const char *log_level; /* the ranks' --log-level (NULL = "warn") */
+	/* Ranks started elsewhere (by the agents of other nodes).  remote NULL:
+	 * every rank is forked here.  Else remote[r] != 0 marks rank r (never
+	 * rank 0, which talks to this driver over its stdin/stdout) as started
+	 * by start_remote, called once per such rank with its options (what
+	 * follows the command: `--model ... --rank R ...`, NULL-terminated,
+	 * valid during the call) after the local ranks are forked; a failure
+	 * fails the load.  Such a rank gets no --parent-pid, and the driver
+	 * cannot wait for it: its death reaches the driver as rank 0's error
+	 * (the collective that lost it), not by name and pid. */
+	const uint8_t *remote;
+	int (*start_remote)(void *ctx, int rank, const char *const *opts, ds_err *err);
+	void *remote_ctx;
+	/* Where the rendezvous store listens and the ranks dial it (NULL =
+	 * 127.0.0.1), and each rank's --host, the address it listens on for
+	 * its peers ([W]; NULL = 127.0.0.1 for all).  Ranks with the same host
+	 * are counted as one machine's for --local-ranks. */
+	const char *store_host;
+	const char *const *rank_hosts;
 } driver_launch;
 
 /* The plan 1 x 1 x 1, no command, the timeouts 0 (defaults), log "warn". */

@@ -18,10 +18,14 @@
   too (its handler); on the one-rank plan and --tp 2.
 - engine/sched.c runs unchanged over the driver (tests/tools/sched_check.c
   with DS_SCHED_PLAN), also when the steps are further apart than the
-  ranks' comm timeout (rank 0 tells its idle peers it lives).
+  ranks' comm timeout (rank 0 tells its idle peers it lives), and when the
+  ranks other than 0 are started elsewhere (driver_launch.start_remote, as
+  other nodes' agents will): detached processes the driver cannot wait for,
+  which still exit when the model is freed.
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -273,3 +277,49 @@ def test_idle_ranks_outlive_the_comm_timeout(models, tmp_path):
                    DS_SCHED_COMM_TIMEOUT_MS="1000"))
     assert len(local[0]) == 3
     assert drv == local
+
+
+def worker_pids(marker):
+    """pids of live `dsagent worker` processes whose command line has marker."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            stat = open(f"/proc/{d}/stat").read().split()
+        except OSError:
+            continue
+        if b"worker" in cmd and marker.encode() in cmd and stat[2] != "Z":
+            out.append(int(d))
+    return out
+
+
+@pytest.mark.parametrize("plan", ["2,1,1", "1,2,1"], ids=["tp2", "pp2"])
+def test_ranks_started_elsewhere(models, plan, tmp_path):
+    """Ranks 1.. are started by a hook that detaches them (double fork):
+    the same tokens as the local model, and none of them is left running
+    once sched_check frees the model (rank 0 shares STOP with them)."""
+    model = tmp_path / "v3"
+    shutil.copytree(models["v3"], model)   # a path only this test's ranks name
+    reqs = [dict(prompt=p, max_tokens=6, ignore_eos=True) for p in ([3, 17, 5, 9], [41, 8, 2])]
+    path = tmp_path / "reqs.json"
+    path.write_text(json.dumps(reqs))
+    cmd = [binary("tests/sched_check"), str(model), "--threads", "1", "--requests", str(path)]
+
+    def run(env, n_remote):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout)
+        assert all(x["error"] == "" for x in out["results"]), out["results"]
+        assert out["remote_ranks"] == n_remote
+        return [x["tokens"] for x in out["results"]]
+
+    local = run(dict(os.environ), 0)
+    remote = run(dict(os.environ, DS_SCHED_PLAN=plan, DS_DSAGENT=binary("dsagent"),
+                      DS_SCHED_REMOTE="1"), 1)
+    assert remote == local and all(len(t) == 6 for t in local)
+    deadline = time.monotonic() + 10
+    while worker_pids(str(model)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_pids(str(model)) == [], "ranks started elsewhere outlived the model"

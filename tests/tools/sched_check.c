@@ -39,10 +39,13 @@
  * driver (engine/driver.h) with that plan, its ranks `$DS_DSAGENT worker`:
  * the scheduler must run unchanged over it.  DS_SCHED_COMM_TIMEOUT_MS sets
  * the ranks' --comm-timeout-ms (with --step-delay-us beyond it: idle ranks).
+ * DS_SCHED_REMOTE=1 starts every rank but 0 "elsewhere" (driver_launch's
+ * start_remote): detached from this process by a double fork, as another
+ * node's agent would run them, so the driver cannot wait for them.
  *
  * Output: {"results": [{"tokens", "finish" (stop|length|abort|error|
  * released|rejected), "error", "logprobs", "top": [[[id, lp], ..], ..]}],
- * "alone": [...], "trace": [[step, n_tok, admitted, preempted, pages_used,
+ * "alone": [...], "remote_ranks" (DS_SCHED_REMOTE), "trace": [[step, n_tok, admitted, preempted, pages_used,
  * [[request, n_tok, pos, decode, sample], ..]], ..], "max_step_tokens",
  * "stats": {...} (after the run), "pages_used_after", "busy"}.
  * Exit 0 when the run completed (the test judges the results), 1 on errors.
@@ -53,11 +56,14 @@
 #include "engine/model.h"
 #include "engine/sched.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_REQ 64
 #define MAX_IDS 4096
@@ -484,6 +490,49 @@ static int flag_int(char **argv, int *i, int argc, const char *name, int min, in
 	return 1;
 }
 
+static int n_elsewhere; /* ranks start_elsewhere started ("remote_ranks") */
+
+/* driver_launch.start_remote for DS_SCHED_REMOTE: `EXE worker OPTS...` in a
+ * grandchild that is not ours (double fork, new session). */
+static int start_elsewhere(void *ctx, int rank, const char *const *opts, ds_err *err)
+{
+	const char *exe = ctx;
+	size_t n = 0;
+	while (opts[n])
+		n++;
+	const char **v = calloc(n + 3, sizeof *v);
+	if (!v)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	v[0] = exe;
+	v[1] = "worker";
+	for (size_t i = 0; i < n; i++)
+		v[i + 2] = opts[i];
+	fflush(NULL);
+	pid_t c = fork();
+	if (c == 0) {
+		setsid();
+		pid_t gc = fork();
+		if (gc == 0) {
+			int nul = open("/dev/null", O_RDWR);
+			if (nul >= 0) {
+				dup2(nul, 0);
+				dup2(nul, 1);
+			}
+			execv(exe, (char *const *)v);
+			_exit(127);
+		}
+		_exit(gc < 0 ? 1 : 0);
+	}
+	int st = 0;
+	if (c > 0)
+		waitpid(c, &st, 0);
+	free(v);
+	if (c < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+		return ds_err_set(err, DS_EIO, "rank %d: cannot start it elsewhere", rank);
+	n_elsewhere++;
+	return DS_OK;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 2 || argv[1][0] == '-') {
@@ -535,6 +584,7 @@ int main(int argc, char **argv)
 	}
 	ds_err err = {0};
 	const char *plan = getenv("DS_SCHED_PLAN");
+	static uint8_t remote[256];
 	model *m;
 	if (plan && *plan) {
 		const char *argvr[] = {getenv("DS_DSAGENT"), "worker", NULL};
@@ -549,6 +599,14 @@ int main(int argc, char **argv)
 		if (!argvr[0] || sscanf(plan, "%d,%d,%d", &l.plan.tp, &l.plan.pp, &l.plan.ep) != 3) {
 			fprintf(stderr, "sched_check: DS_SCHED_PLAN=TP,PP,EP needs DS_DSAGENT too\n");
 			return 2;
+		}
+		const char *rem = getenv("DS_SCHED_REMOTE");
+		if (rem && strcmp(rem, "1") == 0) {
+			memset(remote, 1, sizeof remote);
+			remote[0] = 0;
+			l.remote = remote;
+			l.start_remote = start_elsewhere;
+			l.remote_ctx = (void *)argvr[0];
 		}
 		m = driver_model_load(&mp, &l, &err);
 	} else {
@@ -589,6 +647,7 @@ int main(int argc, char **argv)
 	pthread_mutex_unlock(&g.mu);
 	json_object_set_new(out, "trace", trace);
 	json_object_set_new(out, "max_step_tokens", json_integer(g.max_step_tokens));
+	json_object_set_new(out, "remote_ranks", json_integer(n_elsewhere));
 	json_object_set_new(out, "stats", stats_json(&st));
 	json_object_set_new(out, "pages_used_after",
 			    json_integer(kv_cache_params(model_kv(m))->n_pages - kv_cache_pages_free(model_kv(m))));
