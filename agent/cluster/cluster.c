@@ -1489,17 +1489,17 @@ static int plan_on_head(cluster *c, const election_status *es, const json_t *req
 	rc = plan_nodes(c, &rows, &nrows, &invs, &addrs, &ids, &names, &n, err);
 	if (rc)
 		goto out;
-	plan_params pp_ = plan_default_params();
-	pp_.inventories = invs;
-	pp_.addresses = addrs;
-	pp_.n_nodes = n;
-	pp_.model_path = model;
-	pp_.mem_fraction = frac;
-	pp_.tp = (int)tp;
-	pp_.pp = (int)pp;
-	pp_.ep = (int)ep;
-	pp_.max_ctx = (int)max_ctx;
-	rc = plan_make(&pp_, &pl, err);
+	plan_params pa = plan_default_params();
+	pa.inventories = invs;
+	pa.addresses = addrs;
+	pa.n_nodes = n;
+	pa.model_path = model;
+	pa.mem_fraction = frac;
+	pa.tp = (int)tp;
+	pa.pp = (int)pp;
+	pa.ep = (int)ep;
+	pa.max_ctx = (int)max_ctx;
+	rc = plan_make(&pa, &pl, err);
 	if (rc)
 		goto out;
 	doc = plan_to_json(pl);
