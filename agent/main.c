@@ -266,6 +266,9 @@ int main(int argc, char **argv)
 	sp.chat_template = opts.chat_template;
 	sp.backend = opts.backend;
 	sp.threads = opts.threads;
+	sp.tp = opts.tp;
+	sp.pp = opts.pp;
+	sp.ep = opts.ep;
 	sp.ctx = opts.ctx;
 	sp.max_running = opts.max_running;
 	sp.max_waiting = opts.max_waiting;

@@ -24,6 +24,7 @@ typedef struct agent_opts {
 	char *cors_origin;
 	char *chat_template;     /* override name (chatml, llama3, deepseek-v3, ...) */
 	int threads;
+	int tp, pp, ep;          /* a plan of rank processes on this machine (engine/driver.h) */
 	int ctx;
 	int max_running, max_waiting, max_batch_tokens, prefill_chunk, page_size;
 	int kv_cache_mb;

@@ -25,8 +25,8 @@
  * Threading: one caller at a time (model.h); the store server has its own
  * thread inside comm/.  Forking happens while that thread runs, so the
  * child calls only async-signal-safe functions before exec (prctl, getppid,
- * dup2, open, close_range, signal, execv, write, _exit) and every argv string is
- * built before fork.
+ * dup2, open, close_range, signal, sigprocmask, execv, write, _exit) and
+ * every argv string is built before fork.
  *
  * Invariants:
  *   1. every wait is a poll of at most POLL_MS followed by ranks_check, so
@@ -605,6 +605,9 @@ static void child_exec(char **argv, int sock, pid_t parent)
 	}
 	close_range(3, ~0u, 0);
 	signal(SIGPIPE, SIG_DFL);
+	sigset_t none; /* a launcher that blocks signals for sigwait (dsagent) */
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
 	execv(argv[0], argv);
 	static const char msg[] = "driver: cannot run the rank command\n";
 	ssize_t w = write(2, msg, sizeof msg - 1);

@@ -14,15 +14,18 @@
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"
+#include "engine/driver.h"
 #include "engine/engine.h"
 #include "engine/source.h"
 
+#include <limits.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_JSON_DEPTH 64
 
@@ -100,6 +103,45 @@ static void find_eot(serve *s)
 	}
 }
 
+static int plan_world(const serve *s)
+{
+	model_plan pl = {.tp = s->p.tp > 0 ? s->p.tp : 1, .pp = s->p.pp > 0 ? s->p.pp : 1,
+			 .ep = s->p.ep > 0 ? s->p.ep : 1};
+	return model_plan_world(&pl);
+}
+
+/* --tp/--pp/--ep: the model as rank processes of this binary (`dsagent
+ * worker`) under the distributed driver.  The ranks size their KV cache
+ * for max_running sequences of the context (--kv-cache-mb does not apply:
+ * the driver takes pages, not bytes); threads per rank default to the cores
+ * shared out.  Called from the main thread, which lives as long as the agent
+ * (the ranks' death signal follows the thread that forked them). */
+static model *plan_model_load(serve *s, model_params *mp, ds_err *err)
+{
+	static char exe[PATH_MAX];
+	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+	if (n <= 0 || (size_t)n >= sizeof exe - 1) {
+		ds_err_set(err, DS_EIO, "cannot read this binary's path (/proc/self/exe)");
+		return NULL;
+	}
+	exe[n] = '\0';
+	const char *argv[] = {exe, "worker", NULL};
+	driver_launch l = driver_default_launch();
+	l.argv = argv;
+	l.plan = (model_plan){.tp = s->p.tp, .pp = s->p.pp, .ep = s->p.ep};
+	if (model_plan_check(&l.plan, err))
+		return NULL;
+	if (mp->threads == 0) {
+		long per = sysconf(_SC_NPROCESSORS_ONLN) / model_plan_world(&l.plan);
+		mp->threads = per < 1 ? 1 : (int)per;
+	}
+	mp->kv_bytes = 0;
+	mp->source = NULL;
+	log_info("serve", "starting rank processes", "tp=%d pp=%d ep=%d threads_per_rank=%d",
+		 l.plan.tp, l.plan.pp, l.plan.ep, mp->threads);
+	return driver_model_load(mp, &l, err);
+}
+
 int serve_load(serve *s, ds_err *err)
 {
 	int rc;
@@ -122,7 +164,7 @@ int serve_load(serve *s, ds_err *err)
 	mp.max_batch_tokens = s->p.max_batch_tokens;
 	mp.page_size = s->p.page_size;
 	mp.kv_bytes = s->p.kv_bytes;
-	s->m = model_load(&mp, err);
+	s->m = plan_world(s) > 1 ? plan_model_load(s, &mp, err) : model_load(&mp, err);
 	msrc_unref(src); /* the model holds its own reference */
 	if (!s->m)
 		return err->code ? err->code : DS_EIO;
