@@ -1001,9 +1001,10 @@ static int cmd_plan_show(const struct ctl_opts *o, const struct cmd_flags *fl, i
 	       json_is_string(json_object_get(v, "reason")) ? ": " : "", jstr(v, "reason", ""));
 	printf("model:   %s\n", jstr(v, "model", "?"));
 	printf("ranks:   tp %lld x pp %lld x ep %lld = %lld\n", tp, pp, epn, W);
-	if (ctx >= 0)
-		printf("kv:      max context %lld, %s%lld sequences of it at once\n", ctx,
-		       seqs < 0 ? "? " : "", seqs < 0 ? 0 : seqs);
+	if (ctx >= 0 && seqs >= 0)
+		printf("kv:      max context %lld, %lld sequences of it at once\n", ctx, seqs);
+	else if (ctx >= 0)
+		printf("kv:      max context %lld\n", ctx);
 	const json_t *ranks = json_object_get(v, "ranks");
 	enum { NC = 10 };
 	static const char *head[NC] = {"RANK", "NODE", "DEVICE", "STAGE", "TP", "EP",
