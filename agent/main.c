@@ -17,6 +17,7 @@
  */
 #include "agent/cluster/cluster.h"
 #include "agent/api/control.h"
+#include "agent/api/deploy.h"
 #include "agent/cluster/gossip.h"
 #include "agent/node/discover.h"
 #include "agent/api/http.h"
@@ -133,6 +134,7 @@ int main(int argc, char **argv)
 	gossip *gos = NULL;
 	cluster *cl = NULL;
 	launcher *lr = NULL;
+	deploy *dep = NULL;
 	struct member_sink sink = {0};
 	char admin_token[KEYS_TOKEN_SIZE] = "";
 	int rc = 0;
@@ -261,7 +263,9 @@ int main(int argc, char **argv)
 	}
 
 	serve_params sp = {0};
-	sp.model_path = model_path(&opts);
+	/* a cluster member without --model waits for `dsctl cluster up` */
+	int wait_deploy = opts.cluster_key && !opts.model;
+	sp.model_path = wait_deploy ? NULL : model_path(&opts);
 	sp.names = opts.served_model_name;
 	sp.chat_template = opts.chat_template;
 	sp.backend = opts.backend;
@@ -316,21 +320,48 @@ int main(int argc, char **argv)
 		rc = 1;
 		goto out;
 	}
+	deploy_params dpp = {
+		.cl = cl,
+		.lr = lr,
+		.sv = sv,
+		.data_dir = opts.data_dir,
+		.control_host = opts.bind,
+		.api_host = opts.api_bind,
+		.control_port = http_server_port(control),
+		.api_port = http_server_port(api),
+		.threads = opts.threads,
+		.ctx = opts.ctx,
+		.max_running = opts.max_running,
+	};
+	if (!(dep = deploy_new(&dpp, &err))) {
+		fprintf(stderr, "dsagent: deployments: %s\n", err.msg);
+		rc = 1;
+		goto out;
+	}
+	__atomic_store_n(&ctx.deploy, dep, __ATOMIC_RELEASE);
 	/* One machine-readable line for scripts and tests that asked for port 0. */
 	printf("dsagent listening control=%s:%d api=%s:%d\n", opts.bind,
 	       http_server_port(control), opts.api_bind, http_server_port(api));
 	fflush(stdout);
-	if (serve_load(sv, &err) != DS_OK) {
+	if (wait_deploy) {
+		log_info("agent", "ready", "name=%s control=%s:%d api=%s:%d model=none (waiting for "
+			 "dsctl cluster up)", opts.name, opts.bind, http_server_port(control),
+			 opts.api_bind, http_server_port(api));
+		printf("dsagent waiting for a deployment (dsctl cluster up)\n");
+		fflush(stdout);
+		sd_notify(0, "READY=1");
+	} else if (serve_load(sv, &err) != DS_OK) {
 		fprintf(stderr, "dsagent: model %s: %s\n", sp.model_path, err.msg);
 		rc = 1;
 		goto out;
+	} else {
+		log_info("agent", "ready", "name=%s control=%s:%d api=%s:%d model=%s backend=%s",
+			 opts.name, opts.bind, http_server_port(control), opts.api_bind,
+			 http_server_port(api), sv->names[0], be->name);
+		printf("dsagent serving model=%s\n", sv->names[0]);
+		fflush(stdout);
+		sd_notify(0, "READY=1");
 	}
-	log_info("agent", "ready", "name=%s control=%s:%d api=%s:%d model=%s backend=%s",
-		 opts.name, opts.bind, http_server_port(control), opts.api_bind,
-		 http_server_port(api), sv->names[0], be->name);
-	printf("dsagent serving model=%s\n", sv->names[0]);
-	fflush(stdout);
-	sd_notify(0, "READY=1");
 
 	int sig = 0;
 	sigwait(&stop, &sig);
@@ -342,6 +373,7 @@ out:
 	serve_stop(sv); /* open streams end; new requests get 503 */
 	http_server_free(api);
 	http_server_free(control);
+	deploy_free(dep); /* the deployment's ranks on every node stop */
 	launcher_free(lr); /* the ranks of a plan go with the agent */
 	cluster_free(cl); /* its threads use gossip: stopped first */
 	gossip_free(gos);

@@ -273,3 +273,15 @@ int ds_thp_usable(void)
 	buf[n] = 0;
 	return strstr(buf, "[always]") != NULL || strstr(buf, "[madvise]") != NULL;
 }
+
+int ds_self_exe(char *out, size_t cap, ds_err *err)
+{
+	ssize_t n = readlink("/proc/self/exe", out, cap);
+	if (n <= 0)
+		return ds_err_set(err, DS_EIO, "cannot read this binary's path (/proc/self/exe): %s",
+				  strerror(errno));
+	if ((size_t)n >= cap)
+		return ds_err_set(err, DS_ERANGE, "this binary's path is longer than %zu bytes", cap);
+	out[n] = '\0';
+	return DS_OK;
+}

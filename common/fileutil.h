@@ -74,4 +74,8 @@ void ds_huge_free(void *p, size_t len); /* NULL is a no-op */
  * (/sys/kernel/mm/transparent_hugepage/enabled is [always] or [madvise]). */
 int ds_thp_usable(void);
 
+/* This process's executable path (/proc/self/exe) into out.  DS_EIO naming
+ * the file when it cannot be read, DS_ERANGE when it does not fit. */
+int ds_self_exe(char *out, size_t cap, ds_err *err);
+
 #endif

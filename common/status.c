@@ -60,6 +60,7 @@ const char *ds_status_name(int code)
 	case DS_EPERM: return "EPERM";
 	case DS_EINTERNAL: return "EINTERNAL";
 	case DS_ENODEV: return "ENODEV";
+	case DS_ECONFLICT: return "ECONFLICT";
 	}
 	return "EUNKNOWN";
 }

@@ -33,6 +33,7 @@ enum {
 	DS_EPERM = -11,       /* not allowed (file mode, revoked key) */
 	DS_EINTERNAL = -12,   /* our own bug or an unexpected library failure */
 	DS_ENODEV = -13,      /* backend or device not present */
+	DS_ECONFLICT = -14,   /* clashes with work in progress (a deployment still starting) */
 };
 
 #define DS_ERR_MSG_MAX 512

@@ -25,7 +25,7 @@
  * Threading: one caller at a time (model.h); the store server has its own
  * thread inside comm/.  Forking happens while that thread runs, so the
  * child calls only async-signal-safe functions before exec (prctl, getppid,
- * dup2, open, close_range, signal, sigprocmask, execv, write, _exit) and
+ * dup2, open, close_range, signal, sigprocmask, execve, write, _exit) and
  * every argv string is built before fork.
  *
  * Invariants:
@@ -519,6 +519,14 @@ int driver_rank_stats(model *m, driver_rank_stat *out, int cap, ds_err *err)
 	return rc ? rc : d->W;
 }
 
+int driver_rank_pid(const model *m, int r)
+{
+	if (!driver_is_model(m))
+		return 0;
+	const driver *d = (const driver *)m;
+	return r >= 0 && r < d->W ? (int)d->ranks[r].pid : 0;
+}
+
 driver_launch driver_default_launch(void)
 {
 	return (driver_launch){.plan = {.tp = 1, .pp = 1, .ep = 1}, .log_level = "warn"};
@@ -590,8 +598,45 @@ static int argv_build(rank_argv *a, const driver_launch *l, const model_params *
 	return DS_OK;
 }
 
+/* The environment of the ranks forked here: environ with l->env applied
+ * (replacing same-name entries), built before fork.  NULL with err. */
+static char **env_build(const driver_launch *l, ds_err *err)
+{
+	extern char **environ;
+	size_t n = 0, k = 0;
+	while (environ[n])
+		n++;
+	while (l->env && l->env[k])
+		k++;
+	char **e = calloc(n + k + 1, sizeof *e);
+	if (!e) {
+		ds_err_set(err, DS_ENOMEM, "out of memory");
+		return NULL;
+	}
+	size_t m = 0;
+	for (size_t i = 0; i < n; i++) {
+		size_t len = strcspn(environ[i], "=");
+		int replaced = 0;
+		for (size_t j = 0; j < k && !replaced; j++)
+			replaced = strncmp(l->env[j], environ[i], len) == 0 && l->env[j][len] == '=';
+		if (!replaced)
+			e[m++] = environ[i];
+	}
+	for (size_t j = 0; j < k; j++) {
+		if (!strchr(l->env[j], '=') || l->env[j][0] == '=') {
+			free(e);
+			ds_err_set(err, DS_EINVAL, "rank environment entry '%.64s' is not NAME=VALUE",
+				   l->env[j]);
+			return NULL;
+		}
+		e[m++] = (char *)l->env[j];
+	}
+	e[m] = NULL;
+	return e;
+}
+
 /* In the child, before exec: only async-signal-safe calls. */
-static void child_exec(char **argv, int sock, pid_t parent)
+static void child_exec(char **argv, char **envp, int sock, pid_t parent)
 {
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
 		_exit(1);
@@ -608,7 +653,7 @@ static void child_exec(char **argv, int sock, pid_t parent)
 	sigset_t none; /* a launcher that blocks signals for sigwait (dsagent) */
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
-	execv(argv[0], argv);
+	execve(argv[0], argv, envp);
 	static const char msg[] = "driver: cannot run the rank command\n";
 	ssize_t w = write(2, msg, sizeof msg - 1);
 	(void)w;
@@ -622,6 +667,12 @@ static int ranks_spawn(driver *d, rank_argv *a, const driver_launch *l, ds_err *
 		return ds_err_set(err, DS_EIO, "socketpair for rank 0: %m");
 	pid_t parent = getpid();
 	int rc = DS_OK;
+	char **envp = env_build(l, err);
+	if (!envp) {
+		close(sv[0]);
+		close(sv[1]);
+		return err->code;
+	}
 	for (int r = 0; r < d->W; r++) {
 		if (l->remote && l->remote[r])
 			continue; /* started by start_remote, below */
@@ -631,10 +682,11 @@ static int ranks_spawn(driver *d, rank_argv *a, const driver_launch *l, ds_err *
 			break;
 		}
 		if (pid == 0)
-			child_exec(a->args[r], r == 0 ? sv[1] : -1, parent);
+			child_exec(a->args[r], envp, r == 0 ? sv[1] : -1, parent);
 		d->ranks[r].pid = pid;
 		registry_add(pid);
 	}
+	free(envp);
 	close(sv[1]);
 	d->fd = sv[0];
 	if (fcntl(d->fd, F_SETFL, fcntl(d->fd, F_GETFL) | O_NONBLOCK) != 0 && !rc)

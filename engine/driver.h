@@ -68,6 +68,10 @@ typedef struct driver_launch {
 	 * are counted as one machine's for --local-ranks. */
 	const char *store_host;
 	const char *const *rank_hosts;
+	/* "NAME=VALUE" entries (NULL-terminated, or NULL) added to the
+	 * environment of the ranks forked here (a plan's NCCL variables);
+	 * they replace variables of the same name. */
+	const char *const *env;
 } driver_launch;
 
 /* The plan 1 x 1 x 1, no command, the timeouts 0 (defaults), log "warn". */
@@ -99,6 +103,11 @@ typedef struct driver_rank_stat {
  * (DS_EINVAL when m is not a driver's model, DS_ERANGE when cap < W, the
  * errors of model_forward). */
 int driver_rank_stats(model *m, driver_rank_stat *out, int cap, ds_err *err);
+
+/* The pid of rank r when this driver forked it; 0 for a rank started
+ * elsewhere, a bad r, or a model that is not a driver's.  Any thread: the
+ * pids are set at load. */
+int driver_rank_pid(const model *m, int r);
 
 /* For a signal handler (async-signal-safe): SIGKILL every rank of every
  * driver model of this process.  The models stay to be freed. */

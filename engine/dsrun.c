@@ -23,6 +23,7 @@
  */
 #include "common/buf.h"
 #include "common/config.h"
+#include "common/fileutil.h"
 #include "common/log.h"
 #include "common/strutil.h"
 #include "engine/chat.h"
@@ -526,10 +527,8 @@ static int dsagent_path(char *out, size_t cap, ds_err *err)
 		snprintf(out, cap, "%s", env);
 	} else {
 		char self[PATH_MAX];
-		ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-		if (n <= 0)
-			return ds_err_set(err, DS_EIO, "cannot read /proc/self/exe: %m");
-		self[n] = 0;
+		if (ds_self_exe(self, sizeof self, err) != DS_OK)
+			return err->code;
 		char *slash = strrchr(self, '/');
 		if (slash)
 			*slash = 0;

@@ -13,6 +13,7 @@
  * after start and the keys service is thread-safe.
  */
 #include "agent/api/control.h"
+#include "agent/api/deploy.h"
 #include "agent/api/serve.h"
 #include "agent/launch/launch.h"
 #include "common/jsonx.h"
@@ -386,10 +387,22 @@ static void get_cluster_nodes(void *ud, const http_req *req, http_resp *resp)
 	ds_err e = {0};
 	/* Only an operator's request is forwarded: a peer asking us gets our own
 	 * answer, so a request never travels in a loop. */
-	if (cluster_nodes_json(c->cluster, who == AUTH_ADMIN, &out, &e) != DS_OK)
+	if (cluster_nodes_json(c->cluster, who == AUTH_ADMIN, &out, &e) != DS_OK) {
 		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
-	else
-		reply(resp, out);
+		return;
+	}
+	/* the head adds each node's ranks of the deployment */
+	size_t i;
+	json_t *n;
+	json_array_foreach(json_object_get(out, "nodes"), i, n) {
+		const char *name = json_string_value(json_object_get(n, "name"));
+		deploy *dp = __atomic_load_n(&c->deploy, __ATOMIC_ACQUIRE);
+		json_t *rs = dp && cluster_is_head(c->cluster, NULL) && name
+				     ? deploy_node_ranks(dp, name) : NULL;
+		if (rs)
+			json_object_set_new(n, "ranks", rs);
+	}
+	reply(resp, out);
 }
 
 static void get_cluster_plan(void *ud, const http_req *req, http_resp *resp)
@@ -446,6 +459,87 @@ static void post_cluster_plan(void *ud, const http_req *req, http_resp *resp)
 	else if (rc == DS_EUNSUPPORTED || rc == DS_EFORMAT)
 		http_resp_error(resp, 400, "invalid_request_error", "unsupported_model", "%s", e.msg);
 	else
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+}
+
+/* ---- deployments: POST / GET / DELETE /v1/cluster/up (agent/api/deploy.h) ---- */
+
+/* An operator's request to a node that is not the head goes to the head,
+ * and its answer comes back with its status. */
+static void up_forward(const control_ctx *c, const http_req *req, http_resp *resp)
+{
+	int status = 0;
+	json_t *ans = NULL;
+	ds_err e = {0};
+	if (cluster_head_call(c->cluster, req->method, req->path, req->body, req->body_len, 30000,
+			      &status, &ans, &e) != DS_OK) {
+		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
+		http_resp_header(resp, "Retry-After", "2");
+	} else if (!ans) {
+		http_resp_error(resp, 502, "server_error", "bad_head_answer",
+				"the head answered %d without a JSON document", status);
+	} else {
+		json_object_set_new(ans, "via", json_string(c->node_name));
+		reply_status(resp, status, ans);
+	}
+}
+
+static void cluster_up(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	char sender[GOSSIP_ID_HEX];
+	int who = cluster_auth(c, req, resp, sender);
+	if (!who)
+		return;
+	deploy *dp = __atomic_load_n(&c->deploy, __ATOMIC_ACQUIRE);
+	if (!dp) {
+		http_resp_error(resp, 503, "service_unavailable_error", "no_deploy",
+				"this agent runs no deployments (yet: it is starting)");
+		return;
+	}
+	if (!cluster_is_head(c->cluster, NULL)) {
+		if (who == AUTH_ADMIN) {
+			up_forward(c, req, resp);
+		} else {
+			http_resp_error(resp, 503, "service_unavailable_error", "not_head",
+					"asked by a peer: only the head deploys");
+		}
+		return;
+	}
+	json_t *out = NULL;
+	ds_err e = {0};
+	int rc = DS_OK;
+	if (strcmp(req->method, "GET") == 0) {
+		reply(resp, deploy_status(dp));
+		return;
+	}
+	if (strcmp(req->method, "DELETE") == 0)
+		rc = deploy_down(dp, &out, &e);
+	else
+		rc = deploy_up(dp, req->body, req->body_len, &out, &e);
+	if (rc == DS_OK) {
+		reply_status(resp, strcmp(req->method, "POST") == 0 ? 202 : 200, out);
+		return;
+	}
+	if (rc == DS_ERANGE && json_is_object(out) && !json_object_get(out, "error")) {
+		json_t *body = json_pack("{s:{s:s,s:s,s:s},s:o}", "error", "message", e.msg, "type",
+					 "invalid_request_error", "code", "does_not_fit", "plan", out);
+		reply_status(resp, 422, body);
+		return;
+	}
+	json_decref(out);
+	if (rc == DS_EINVAL || rc == DS_EUNSUPPORTED || rc == DS_EFORMAT)
+		http_resp_error(resp, 400, "invalid_request_error", "invalid_deployment", "%s", e.msg);
+	else if (rc == DS_ENOTFOUND)
+		http_resp_error(resp, 404, "not_found_error", "not_found", "%s", e.msg);
+	else if (rc == DS_ERANGE)
+		http_resp_error(resp, 422, "invalid_request_error", "does_not_fit", "%s", e.msg);
+	else if (rc == DS_ECONFLICT)
+		http_resp_error(resp, 409, "conflict_error", "deployment_starting", "%s", e.msg);
+	else if (rc == DS_EBUSY || rc == DS_EPERM) {
+		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
+		http_resp_header(resp, "Retry-After", "2");
+	} else
 		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
 }
 
@@ -556,6 +650,9 @@ const http_route control_routes[] = {
 	{.method = "GET", .path = "/v1/cluster/nodes", .fn = get_cluster_nodes},
 	{.method = "GET", .path = "/v1/cluster/plan", .fn = get_cluster_plan},
 	{.method = "POST", .path = "/v1/cluster/plan", .fn = post_cluster_plan},
+	{.method = "POST", .path = "/v1/cluster/up", .fn = cluster_up},
+	{.method = "GET", .path = "/v1/cluster/up", .fn = cluster_up},
+	{.method = "DELETE", .path = "/v1/cluster/up", .fn = cluster_up},
 	{.method = "POST", .path = "/v1/ranks", .fn = post_ranks},
 	{.method = "GET", .path = "/v1/ranks", .fn = get_ranks},
 	{.method = "DELETE", .path = "/v1/ranks", .fn = delete_ranks},

@@ -32,6 +32,14 @@
  *                                       to the head, and answers from its own
  *                                       view ("stale": true, "reason") when the
  *                                       head cannot be reached
+ * Deployments (the admin token; a follower forwards an operator's request to
+ * the head, and answers its status; agent/api/deploy.h):
+ *   POST   /v1/cluster/up {"model", "served_model_name", "tp", "pp", "ep",
+ *                          "max_ctx", "mem_fraction"} -> 202 {"deployment",
+ *                          "state", "plan"}; 422 {"error", "plan"} when it does
+ *                          not fit; 409 while another one starts
+ *   GET    /v1/cluster/up   -> 200 state, error, ranks per node, URLs
+ *   DELETE /v1/cluster/up   -> 200 the state after stopping
  * Agents only (the cluster credential):
  *   POST   /v1/cluster/election  election message -> 200 reply (agent/cluster/election.h)
  */
@@ -56,6 +64,8 @@ typedef struct control_ctx {
 	struct launcher *launcher; /* NULL: the /v1/ranks routes answer 503 */
 	struct serve *serve;     /* the OpenAI API's state, published (atomic store,
 				  * release) once it exists: the engine test route */
+	struct deploy *deploy;   /* NULL: the /v1/cluster/up routes answer 503;
+				  * published like serve once it exists */
 } control_ctx;
 
 extern const http_route control_routes[];

@@ -88,17 +88,30 @@ struct metrics {
 	counts c;
 };
 
+/* a label value: keep it to characters that need no escaping */
+static void label_set(char *out, size_t n, const char *name)
+{
+	size_t j = 0;
+	for (const char *p = name; *p && j + 1 < n; p++)
+		out[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
+	out[j] = 0;
+}
+
 metrics *metrics_new(const char *model_name)
 {
 	metrics *m = calloc(1, sizeof *m);
 	if (!m)
 		return NULL;
 	pthread_mutex_init(&m->mu, NULL);
-	/* a label value: keep it to characters that need no escaping */
-	size_t j = 0;
-	for (const char *p = model_name; *p && j + 1 < sizeof m->model; p++)
-		m->model[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
+	label_set(m->model, sizeof m->model, model_name);
 	return m;
+}
+
+void metrics_set_model(metrics *m, const char *model_name)
+{
+	pthread_mutex_lock(&m->mu);
+	label_set(m->model, sizeof m->model, model_name);
+	pthread_mutex_unlock(&m->mu);
 }
 
 void metrics_free(metrics *m)
@@ -152,8 +165,9 @@ int metrics_render(metrics *m, const sched_stats *st, buf *o)
 		st = &zero;
 	pthread_mutex_lock(&m->mu);
 	counts snap = m->c; /* render from a copy: no formatting under the lock */
+	char mn[sizeof m->model];
+	memcpy(mn, m->model, sizeof mn);
 	pthread_mutex_unlock(&m->mu);
-	const char *mn = m->model;
 	double kv = st->kv_pages_total ? (double)st->kv_pages_used / st->kv_pages_total : 0.0;
 	rc |= gauge(o, mn, "num_requests_running", "Requests on the engine (prefill or decode).",
 		    st->running);

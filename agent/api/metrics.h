@@ -43,6 +43,8 @@ typedef struct metrics metrics;
 
 metrics *metrics_new(const char *model_name);
 void metrics_free(metrics *m);
+/* The model label from now on (a deployment changed the served model). */
+void metrics_set_model(metrics *m, const char *model_name);
 
 void metrics_observe(metrics *m, metrics_hist h, double v);
 void metrics_finished(metrics *m, metrics_reason r, uint64_t prompt_tokens, uint64_t gen_tokens);

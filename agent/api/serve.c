@@ -11,6 +11,7 @@
  */
 #include "agent/api/serve.h"
 #include "agent/auth/keys.h"
+#include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "common/log.h"
 #include "common/strutil.h"
@@ -45,6 +46,35 @@ static const char *base_name(const char *path, char *out, size_t n)
 	return out;
 }
 
+/* names (NAME[,ALIAS...]) or the base name of path into s->names. */
+static int names_set(serve *s, const char *names, const char *path, ds_err *err)
+{
+	char base[256];
+	char *nb = strdup(names ? names : base_name(path, base, sizeof base));
+	const char *v[SERVE_MAX_NAMES];
+	int n = 0;
+	if (!nb)
+		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	for (char *t = nb, *next; t; t = next) {
+		next = strchr(t, ',');
+		if (next)
+			*next++ = 0;
+		if (!*t || n == SERVE_MAX_NAMES) {
+			free(nb);
+			return *t ? ds_err_set(err, DS_EINVAL, "--served-model-name: at most %d names",
+					       SERVE_MAX_NAMES)
+				  : ds_err_set(err, DS_EINVAL,
+					       "--served-model-name '%s' has an empty name", names);
+		}
+		v[n++] = t;
+	}
+	free(s->names_buf);
+	s->names_buf = nb;
+	memcpy(s->names, v, sizeof v);
+	s->n_names = n;
+	return DS_OK;
+}
+
 serve *serve_new(const serve_params *p, ds_err *err)
 {
 	serve *s = calloc(1, sizeof *s);
@@ -53,34 +83,18 @@ serve *serve_new(const serve_params *p, ds_err *err)
 		return NULL;
 	}
 	s->p = *p;
+	pthread_mutex_init(&s->mu, NULL);
+	pthread_cond_init(&s->cv, NULL);
+	if (!p->model_path)
+		serve_refuse(s, "no_model", "no model is deployed: run `dsctl cluster up --model PATH`");
 	s->started_s = ds_now_s();
 	s->started_unix = (int64_t)time(NULL);
 	if (p->auth && !p->keys) {
 		ds_err_set(err, DS_EINVAL, "serving with auth needs the key service");
 		goto fail;
 	}
-	char base[256];
-	s->names_buf = strdup(p->names ? p->names : base_name(p->model_path, base, sizeof base));
-	if (!s->names_buf) {
-		ds_err_set(err, DS_ENOMEM, "out of memory");
+	if (names_set(s, p->names, p->model_path ? p->model_path : "none", err))
 		goto fail;
-	}
-	for (char *t = s->names_buf, *next; t; t = next) {
-		next = strchr(t, ',');
-		if (next)
-			*next++ = 0;
-		if (!*t) {
-			ds_err_set(err, DS_EINVAL, "--served-model-name '%s' has an empty name",
-				   p->names);
-			goto fail;
-		}
-		if (s->n_names == SERVE_MAX_NAMES) {
-			ds_err_set(err, DS_EINVAL, "--served-model-name: at most %d names",
-				   SERVE_MAX_NAMES);
-			goto fail;
-		}
-		s->names[s->n_names++] = t;
-	}
 	if (!(s->met = metrics_new(s->names[0]))) {
 		ds_err_set(err, DS_ENOMEM, "out of memory");
 		goto fail;
@@ -114,17 +128,13 @@ static int plan_world(const serve *s)
  * worker`) under the distributed driver.  The ranks size their KV cache
  * for max_running sequences of the context (--kv-cache-mb does not apply:
  * the driver takes pages, not bytes); threads per rank default to the cores
- * shared out.  Called from the main thread, which lives as long as the agent
- * (the ranks' death signal follows the thread that forked them). */
+ * shared out.  Called from a thread that lives as long as the model (the
+ * ranks' death signal follows the thread that forked them). */
 static model *plan_model_load(serve *s, model_params *mp, ds_err *err)
 {
-	static char exe[PATH_MAX];
-	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-	if (n <= 0 || (size_t)n >= sizeof exe - 1) {
-		ds_err_set(err, DS_EIO, "cannot read this binary's path (/proc/self/exe)");
+	char exe[PATH_MAX];
+	if (ds_self_exe(exe, sizeof exe, err) != DS_OK)
 		return NULL;
-	}
-	exe[n] = '\0';
 	const char *argv[] = {exe, "worker", NULL};
 	driver_launch l = driver_default_launch();
 	l.argv = argv;
@@ -142,12 +152,19 @@ static model *plan_model_load(serve *s, model_params *mp, ds_err *err)
 	return driver_model_load(mp, &l, err);
 }
 
-int serve_load(serve *s, ds_err *err)
+/* Model, tokenizer, chat template and scheduler of sp into s (which holds
+ * none); ready is set on success.  On failure what was made is freed. */
+static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
 {
 	int rc;
 	double t0 = ds_now_s();
+	if (set_names) {
+		if ((rc = names_set(s, sp->names, sp->model_path, err)))
+			return rc;
+		metrics_set_model(s->met, s->names[0]);
+	}
 	/* one open of the checkpoint for the tokenizer and the model */
-	msrc *src = msrc_open(s->p.model_path, err);
+	msrc *src = msrc_open(sp->model_path, err);
 	if (!src)
 		return err->code ? err->code : DS_EIO;
 	if (!(s->tk = eng_tok_load_source(src, err))) {
@@ -155,39 +172,56 @@ int serve_load(serve *s, ds_err *err)
 		return err->code ? err->code : DS_EIO;
 	}
 	model_params mp = model_default_params();
-	mp.path = s->p.model_path;
+	mp.path = sp->model_path;
 	mp.source = src;
 	mp.backend = s->p.backend;
-	mp.threads = s->p.threads;
-	mp.max_ctx = s->p.ctx;
-	mp.max_seqs = s->p.max_running;
+	mp.threads = sp->threads ? sp->threads : s->p.threads;
+	mp.max_ctx = sp->max_ctx ? sp->max_ctx : s->p.ctx;
+	mp.max_seqs = sp->max_seqs ? sp->max_seqs : s->p.max_running;
 	mp.max_batch_tokens = s->p.max_batch_tokens;
 	mp.page_size = s->p.page_size;
 	mp.kv_bytes = s->p.kv_bytes;
-	s->m = plan_world(s) > 1 ? plan_model_load(s, &mp, err) : model_load(&mp, err);
+	model *m;
+	if (sp->launch) {
+		mp.kv_bytes = 0;
+		mp.source = NULL;
+		m = driver_model_load(&mp, sp->launch, err);
+	} else {
+		m = plan_world(s) > 1 ? plan_model_load(s, &mp, err) : model_load(&mp, err);
+	}
+	pthread_mutex_lock(&s->mu);
+	s->m = m;
+	pthread_mutex_unlock(&s->mu);
 	msrc_unref(src); /* the model holds its own reference */
-	if (!s->m)
-		return err->code ? err->code : DS_EIO;
+	if (!s->m) {
+		rc = err->code ? err->code : DS_EIO;
+		goto fail;
+	}
 	s->max_ctx = model_max_ctx(s->m);
 	s->vocab = model_vocab_size(s->m);
+	s->has_chat = 0;
 	if ((rc = chat_params_for_tok(s->tk, s->p.chat_template, &s->chat, err)) == DS_OK) {
 		s->has_chat = 1;
 	} else if (s->p.chat_template) {
-		return rc; /* an override that does not exist is an error */
+		goto fail; /* an override that does not exist is an error */
 	} else {
-		log_warn("serve", "no chat template", "model=%s detail=\"%s\"", s->p.model_path,
+		log_warn("serve", "no chat template", "model=%s detail=\"%s\"", sp->model_path,
 			 err->msg);
 		*err = (ds_err){0};
 	}
+	s->n_eot = 0;
 	find_eot(s);
-	sched_params sp = {
-		.max_running = s->p.max_running,
+	sched_params scp = {
+		.max_running = mp.max_seqs,
 		.max_waiting = s->p.max_waiting,
 		.token_budget = s->p.max_batch_tokens,
 		.prefill_chunk = s->p.prefill_chunk,
 	};
-	if (!(s->sc = sched_new(s->m, &sp, err)))
-		return err->code ? err->code : DS_EIO;
+	if (!(s->sc = sched_new(s->m, &scp, err))) {
+		rc = err->code ? err->code : DS_EIO;
+		goto fail;
+	}
+	s->started_unix = (int64_t)time(NULL);
 	atomic_store(&s->ready, 1);
 	const kv_params *kp = kv_cache_params(model_kv(s->m));
 	log_info("serve", "model loaded",
@@ -195,6 +229,21 @@ int serve_load(serve *s, ds_err *err)
 		 model_arch_name(s->m), s->max_ctx, kp->n_pages, kp->page_size,
 		 s->has_chat ? chat_template_name(s->chat.tmpl) : "none", ds_now_s() - t0);
 	return DS_OK;
+fail:
+	pthread_mutex_lock(&s->mu);
+	m = s->m;
+	s->m = NULL;
+	pthread_mutex_unlock(&s->mu);
+	model_free(m);
+	tok_free(s->tk);
+	s->tk = NULL;
+	return rc;
+}
+
+int serve_load(serve *s, ds_err *err)
+{
+	serve_spec sp = {.model_path = s->p.model_path, .names = s->p.names};
+	return load_spec(s, &sp, 0, err);
 }
 
 void serve_stop(serve *s)
@@ -205,16 +254,148 @@ void serve_stop(serve *s)
 	atomic_store(&s->ready, 0);
 }
 
+/* Ends what is served: no new request is admitted (ready 0), open
+ * generations end (stopping), and once no handler or stream uses the model
+ * it is freed.  Run on the thread that loaded a driver's model, or any
+ * thread for other models. */
+static void unload(serve *s)
+{
+	atomic_store(&s->ready, 0);
+	if (!s->m && !s->sc && !s->tk)
+		return;
+	atomic_store(&s->stopping, 1);
+	double t0 = ds_now_s(), said = t0;
+	while (atomic_load(&s->users) > 0) {
+		if (ds_now_s() - said > 5) {
+			log_warn("serve", "waiting for requests to end before unloading",
+				 "users=%d waited_s=%.0f", atomic_load(&s->users), ds_now_s() - t0);
+			said = ds_now_s();
+		}
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+	pthread_mutex_lock(&s->mu); /* serve_rank_pid reads m under mu */
+	model *m = s->m;
+	s->m = NULL;
+	pthread_mutex_unlock(&s->mu);
+	sched_free(s->sc);
+	model_free(m);
+	tok_free(s->tk);
+	s->sc = NULL;
+	s->tk = NULL;
+	atomic_store(&s->stopping, 0);
+}
+
+/* ---- the loader thread: serve_deploy's loads and unloads ---- */
+
+typedef struct serve_job {
+	const serve_spec *spec; /* NULL: unload only */
+	int rc, done;
+	ds_err err;
+} serve_job;
+
+static void *loader_main(void *arg)
+{
+	serve *s = arg;
+	pthread_mutex_lock(&s->mu);
+	for (;;) {
+		while (!s->job && !s->loader_stop)
+			pthread_cond_wait(&s->cv, &s->mu);
+		if (!s->job)
+			break;
+		serve_job *j = s->job;
+		pthread_mutex_unlock(&s->mu);
+		unload(s);
+		j->rc = j->spec ? load_spec(s, j->spec, 1, &j->err) : DS_OK;
+		pthread_mutex_lock(&s->mu);
+		j->done = 1;
+		s->job = NULL;
+		pthread_cond_broadcast(&s->cv);
+	}
+	pthread_mutex_unlock(&s->mu);
+	unload(s); /* what it loaded dies with it */
+	return NULL;
+}
+
+static int loader_run(serve *s, const serve_spec *sp, ds_err *err)
+{
+	serve_job j = {.spec = sp};
+	pthread_mutex_lock(&s->mu);
+	if (!s->has_loader) {
+		int e = pthread_create(&s->loader, NULL, loader_main, s);
+		if (e) {
+			pthread_mutex_unlock(&s->mu);
+			return ds_err_set(err, DS_EIO, "cannot start the loader thread: %s", strerror(e));
+		}
+		s->has_loader = 1;
+	}
+	while (s->job) /* one job at a time */
+		pthread_cond_wait(&s->cv, &s->mu);
+	s->job = &j;
+	pthread_cond_broadcast(&s->cv);
+	while (!j.done)
+		pthread_cond_wait(&s->cv, &s->mu);
+	pthread_mutex_unlock(&s->mu);
+	if (j.rc && err)
+		*err = j.err;
+	return j.rc;
+}
+
+static void why_set(serve *s, const char *code, const char *why)
+{
+	pthread_mutex_lock(&s->mu);
+	snprintf(s->why_code, sizeof s->why_code, "%s", code ? code : "");
+	snprintf(s->why, sizeof s->why, "%s", why ? why : "");
+	pthread_mutex_unlock(&s->mu);
+}
+
+int serve_deploy(serve *s, const serve_spec *sp, ds_err *err)
+{
+	why_set(s, NULL, NULL); /* "loading" */
+	int rc = loader_run(s, sp, err);
+	if (rc)
+		why_set(s, "load_failed", err->msg);
+	return rc;
+}
+
+void serve_undeploy(serve *s, const char *code, const char *why)
+{
+	why_set(s, code, why);
+	atomic_store(&s->ready, 0);
+	loader_run(s, NULL, NULL);
+}
+
+void serve_refuse(serve *s, const char *code, const char *why)
+{
+	why_set(s, code, why);
+	atomic_store(&s->ready, 0);
+}
+
+int serve_rank_pid(serve *s, int rank)
+{
+	pthread_mutex_lock(&s->mu);
+	int pid = driver_rank_pid(s->m, rank);
+	pthread_mutex_unlock(&s->mu);
+	return pid;
+}
+
 void serve_free(serve *s)
 {
 	if (!s)
 		return;
 	atomic_store(&s->ready, 0);
-	sched_free(s->sc);
-	model_free(s->m);
-	tok_free(s->tk);
+	if (s->has_loader) {
+		pthread_mutex_lock(&s->mu);
+		s->loader_stop = 1;
+		pthread_cond_broadcast(&s->cv);
+		pthread_mutex_unlock(&s->mu);
+		pthread_join(s->loader, NULL);
+	}
+	unload(s);
 	metrics_free(s->met);
 	free(s->names_buf);
+	pthread_cond_destroy(&s->cv);
+	pthread_mutex_destroy(&s->mu);
 	free(s);
 }
 
@@ -224,8 +405,16 @@ int serve_check_ready(serve *s, http_resp *resp)
 {
 	if (atomic_load(&s->ready))
 		return 0;
-	http_resp_error(resp, 503, "service_unavailable_error", "loading",
-			"the model is loading; retry shortly");
+	char code[sizeof s->why_code], why[sizeof s->why];
+	pthread_mutex_lock(&s->mu);
+	memcpy(code, s->why_code, sizeof code);
+	memcpy(why, s->why, sizeof why);
+	pthread_mutex_unlock(&s->mu);
+	if (code[0])
+		http_resp_error(resp, 503, "service_unavailable_error", code, "%s", why);
+	else
+		http_resp_error(resp, 503, "service_unavailable_error", "loading",
+				"the model is loading; retry shortly");
 	http_resp_header(resp, "Retry-After", "5");
 	return 1;
 }
@@ -471,13 +660,81 @@ out:
 	json_decref(body);
 }
 
+/* ---- the guard: every route counts as a user of the model ---- */
+
+/* A stream's reader and done callbacks, wrapped so that the user count
+ * drops when the stream is finished with. */
+typedef struct guarded_stream {
+	serve *s;
+	http_stream_read read;
+	http_stream_done done;
+	void *ctx;
+} guarded_stream;
+
+static ssize_t guarded_read(void *ctx, char *out, size_t max)
+{
+	guarded_stream *g = ctx;
+	return g->read(g->ctx, out, max);
+}
+
+static void guarded_done(void *ctx)
+{
+	guarded_stream *g = ctx;
+	if (g->done)
+		g->done(g->ctx);
+	atomic_fetch_sub(&g->s->users, 1);
+	free(g);
+}
+
+/* Counts the handler (and the stream it leaves) as a user, so unload
+ * waits for it: the count goes up before ready is read, and unload clears
+ * ready before it reads the count, so one of them sees the other. */
+static void guarded(void *ud, const http_req *req, http_resp *resp, http_handler fn)
+{
+	serve *s = ud;
+	atomic_fetch_add(&s->users, 1);
+	fn(ud, req, resp);
+	if (!resp->stream) {
+		atomic_fetch_sub(&s->users, 1);
+		return;
+	}
+	guarded_stream *g = malloc(sizeof *g);
+	if (!g) { /* end the stream here: its done callback frees it */
+		if (resp->stream_done)
+			resp->stream_done(resp->stream_ctx);
+		resp->stream = NULL;
+		resp->stream_done = NULL;
+		atomic_fetch_sub(&s->users, 1);
+		http_resp_error(resp, 500, "server_error", NULL, "out of memory");
+		return;
+	}
+	*g = (guarded_stream){s, resp->stream, resp->stream_done, resp->stream_ctx};
+	resp->stream = guarded_read;
+	resp->stream_done = guarded_done;
+	resp->stream_ctx = g;
+}
+
+#define GUARD(name, fn)                                                          \
+	static void name(void *ud, const http_req *req, http_resp *resp)        \
+	{                                                                        \
+		guarded(ud, req, resp, fn);                                      \
+	}
+GUARD(g_health, get_health)
+GUARD(g_models, get_models)
+GUARD(g_metrics, get_metrics)
+GUARD(g_chat, oai_chat)
+GUARD(g_completions, oai_completions)
+GUARD(g_tokenize, post_tokenize)
+GUARD(g_detokenize, post_detokenize)
+#undef GUARD
+
 const http_route serve_routes[] = {
-	{.method = "GET", .path = "/health", .fn = get_health},
-	{.method = "GET", .path = "/v1/models", .fn = get_models},
-	{.method = "GET", .path = "/metrics", .fn = get_metrics},
-	{.method = "POST", .path = "/v1/chat/completions", .fn = oai_chat},
-	{.method = "POST", .path = "/v1/completions", .fn = oai_completions},
-	{.method = "POST", .path = "/tokenize", .fn = post_tokenize},
-	{.method = "POST", .path = "/detokenize", .fn = post_detokenize},
+	{.method = "GET", .path = "/health", .fn = g_health},
+	{.method = "GET", .path = "/v1/models", .fn = g_models},
+	{.method = "GET", .path = "/metrics", .fn = g_metrics},
+	{.method = "POST", .path = "/v1/chat/completions", .fn = g_chat},
+	{.method = "POST", .path = "/v1/completions", .fn = g_completions},
+	{.method = "POST", .path = "/tokenize", .fn = g_tokenize},
+	{.method = "POST", .path = "/detokenize", .fn = g_detokenize},
 	{0},
 };

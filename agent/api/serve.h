@@ -6,6 +6,13 @@
  *        ──serve_load─> model + tokenizer + scheduler; ready: 200
  *        ──serve_free─> scheduler stopped (open streams end), model freed
  *
+ * A deployment (agent/api/deploy.h, `dsctl cluster up`) swaps the model at
+ * run time: serve_deploy unloads what is served and loads another model,
+ * serve_refuse turns new requests away with a reason while open ones end,
+ * serve_undeploy unloads.  Loads and unloads of serve_deploy run on the
+ * serve's own loader thread, which lives as long as the serve: the rank
+ * processes a driver forks die with the thread that forked them.
+ *
  * Routes (docs/serving.md): GET /health, GET /v1/models, GET /metrics,
  * POST /v1/chat/completions, POST /v1/completions, POST /tokenize,
  * POST /detokenize.  Every route but /health, /v1/models and (unless
@@ -27,9 +34,12 @@
 #include "engine/tok.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdatomic.h>
 
 struct keys_svc;
+struct driver_launch;
+struct serve_job;
 
 typedef struct serve_params {
 	const char *model_path;
@@ -45,6 +55,17 @@ typedef struct serve_params {
 	struct keys_svc *keys;     /* the key service (NULL only with auth 0) */
 } serve_params;
 
+/* What serve_deploy loads. */
+typedef struct serve_spec {
+	const char *model_path;
+	const char *names;     /* NAME[,ALIAS...]; NULL = the path's base name */
+	int threads;           /* per rank; 0 = serve_params' */
+	int max_ctx, max_seqs; /* 0 = serve_params' ctx and max_running */
+	/* The plan's ranks (engine/driver.h; argv, plan, hooks borrowed for
+	 * the call); NULL = one model in this process. */
+	const struct driver_launch *launch;
+} serve_spec;
+
 #define SERVE_MAX_NAMES 8
 #define SERVE_MAX_EOT 4
 
@@ -55,6 +76,15 @@ typedef struct serve {
 	int n_names;
 	atomic_int ready;    /* 1 after serve_load succeeded */
 	atomic_int stopping; /* 1 once serve_stop ran: generation loops end */
+	atomic_int users;    /* handlers and open streams using the model */
+	pthread_mutex_t mu;  /* why (below) and the loader's job */
+	pthread_cond_t cv;
+	char why[512];       /* why requests get 503 while not ready ("" = loading) */
+	char why_code[32];
+	int has_loader;      /* the loader thread runs */
+	pthread_t loader;
+	struct serve_job *job; /* the loader's current job (mu) */
+	int loader_stop;
 	double started_s;
 	int64_t started_unix;
 	model *m;
@@ -70,7 +100,9 @@ typedef struct serve {
 
 extern const http_route serve_routes[];
 
-/* Validates p and starts in the loading state (nothing loaded yet). */
+/* Validates p and starts in the loading state (nothing loaded yet).
+ * p->model_path NULL: nothing is to be loaded until serve_deploy; requests
+ * get 503 "no_model". */
 serve *serve_new(const serve_params *p, ds_err *err);
 /* Loads model, tokenizer and scheduler; on success the routes serve. */
 int serve_load(serve *s, ds_err *err);
@@ -78,6 +110,20 @@ int serve_load(serve *s, ds_err *err);
  * fraction of a second), so the HTTP server can stop; NULL is a no-op. */
 void serve_stop(serve *s);
 void serve_free(serve *s);
+
+/* Unloads what is served (open requests end as with serve_stop, then the
+ * model, tokenizer and scheduler are freed) and loads sp on the loader
+ * thread; returns when the new model serves, or with err (then nothing is
+ * served and requests get 503 with the error).  One caller at a time. */
+int serve_deploy(serve *s, const serve_spec *sp, ds_err *err);
+/* Unloads what is served; requests then get 503 with code and why. */
+void serve_undeploy(serve *s, const char *code, const char *why);
+/* New requests get 503 with code and why from now on; open ones go on
+ * (a model whose ranks died fails them with an error event). */
+void serve_refuse(serve *s, const char *code, const char *why);
+/* The pid of rank `rank` when the served model runs in rank processes
+ * forked by this process, else 0. */
+int serve_rank_pid(serve *s, int rank);
 
 /* ---- shared by the handlers (serve.c, oai.c) ---- */
 

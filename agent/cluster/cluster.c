@@ -1215,6 +1215,88 @@ static json_t *forward_call(cluster *c, const election_status *es, const char *m
 	return out;
 }
 
+int cluster_is_head(cluster *c, uint64_t *epoch)
+{
+	election_status es;
+	election_status_get(c->el, cluster_now_ms(), &es);
+	if (epoch)
+		*epoch = es.head_epoch;
+	return es.has_head && es.role == GOSSIP_ROLE_HEAD;
+}
+
+/* One signed call to member m's control API. */
+static int member_call(cluster *c, const gossip_member *m, const char *method, const char *path,
+		       const char *body, size_t len, int timeout_ms, int *status, json_t **answer,
+		       ds_err *err)
+{
+	gossip_meta md;
+	rpc_call call;
+	int rc = DS_OK;
+	*status = 0;
+	*answer = NULL;
+	memset(&call, 0, sizeof call);
+	buf_init(&call.resp, 0);
+	if (!meta_of(m, &md) || !md.control_port)
+		rc = ds_err_set(err, DS_ENOTFOUND, "node %s has no control port in its metadata",
+				m->name);
+	else if (dropped_name(c, m->name))
+		rc = ds_err_set(err, DS_EIO, "node %s unreachable: dropped (test)", m->name);
+	else if (rpc_call_init(&call, m->addr, md.control_port, method, path, body, len) != DS_OK)
+		rc = ds_err_set(err, DS_EINVAL, "node %s: %s", m->name, call.err);
+	if (rc == DS_OK) {
+		rpc_run(&call, 1, c->auth, timeout_ms, NODES_MAX);
+		if (call.rc != DS_OK) {
+			rc = ds_err_set(err, call.rc == DS_ETIMEOUT ? DS_ETIMEOUT : DS_EIO,
+					"node %s (%s:%d) unreachable: %s", m->name, m->addr,
+					md.control_port, call.err);
+		} else {
+			*status = call.status;
+			json_t *doc = jsonx_parse(call.resp.data, call.resp.len, 32, NULL);
+			if (json_is_object(doc))
+				*answer = doc;
+			else
+				json_decref(doc);
+		}
+	}
+	rpc_call_free(&call);
+	return rc;
+}
+
+int cluster_node_call(cluster *c, const char *node_id, const char *method, const char *path,
+		      const char *body, size_t len, int timeout_ms, int *status, json_t **answer,
+		      ds_err *err)
+{
+	size_t nv = 0;
+	gossip_member *v = view_copy(c, &nv);
+	const gossip_member *m = NULL;
+	char hex[GOSSIP_ID_HEX];
+	for (size_t i = 0; i < nv && !m; i++) {
+		gossip_id_hex(v[i].id, hex);
+		if (strcmp(hex, node_id) == 0)
+			m = &v[i];
+	}
+	int rc = m ? member_call(c, m, method, path, body, len, timeout_ms, status, answer, err)
+		   : ds_err_set(err, DS_ENOTFOUND, "node %.32s is not in this node's member list",
+				node_id);
+	free(v);
+	return rc;
+}
+
+int cluster_head_call(cluster *c, const char *method, const char *path, const char *body,
+		      size_t len, int timeout_ms, int *status, json_t **answer, ds_err *err)
+{
+	election_status es;
+	election_status_get(c->el, cluster_now_ms(), &es);
+	*status = 0;
+	*answer = NULL;
+	if (!es.has_head)
+		return ds_err_set(err, DS_EBUSY, "no head: %s", es.why);
+	char hex[GOSSIP_ID_HEX];
+	gossip_id_hex(es.head, hex);
+	int rc = cluster_node_call(c, hex, method, path, body, len, timeout_ms, status, answer, err);
+	return rc == DS_OK ? DS_OK : (ds_err_wrap(err, "the head"), DS_EBUSY);
+}
+
 static json_t *forward_get(cluster *c, const election_status *es, const char *path, size_t max,
 			   int *status, char *reason, size_t rsize)
 {
@@ -1506,6 +1588,11 @@ static int plan_on_head(cluster *c, const election_status *es, const json_t *req
 	if (!doc) {
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
 		goto out;
+	}
+	for (int i = 0; i < n; i++) { /* which agent each node of the plan is */
+		json_t *nd = json_array_get(json_object_get(doc, "nodes"), (size_t)i);
+		json_object_set_new(nd, "name", json_string(names[i]));
+		json_object_set_new(nd, "node_id", json_string(ids[i]));
 	}
 	if (!plan_fits(pl)) {
 		rc = ds_err_set(err, DS_ERANGE, "the model does not fit these nodes (see shortfall)");

@@ -111,6 +111,25 @@ int cluster_fence(cluster *c, uint64_t epoch, ds_err *err);
 int cluster_plan_post(cluster *c, int forward, const char *body, size_t len, json_t **out,
 		      ds_err *err);
 
+/* 1 when this node is the head now; *epoch (when not NULL) gets the
+ * epoch of the head this node knows. */
+int cluster_is_head(cluster *c, uint64_t *epoch);
+
+/* One call to the control API of member node_id (32 hex) of the gossip
+ * view, signed with the cluster key, at most timeout_ms.  DS_OK with the
+ * HTTP *status (any) and *answer (the body when it is a JSON object, else
+ * NULL; a new reference); DS_ENOTFOUND (not a member, no control port),
+ * DS_EIO / DS_ETIMEOUT naming the node. */
+int cluster_node_call(cluster *c, const char *node_id, const char *method, const char *path,
+		      const char *body, size_t len, int timeout_ms, int *status, json_t **answer,
+		      ds_err *err);
+
+/* cluster_node_call to the head this node knows (also when that is this
+ * node); DS_EBUSY with the reason when there is none or it cannot be
+ * reached. */
+int cluster_head_call(cluster *c, const char *method, const char *path, const char *body,
+		      size_t len, int timeout_ms, int *status, json_t **answer, ds_err *err);
+
 /* POST /v1/cluster/election from sender (hex id, authenticated): parses the
  * message, checks that it comes from sender, and hands it to the election.
  * DS_OK and *reply; DS_EFORMAT / DS_EPERM with a message for a 400 / 403. */

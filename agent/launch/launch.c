@@ -23,6 +23,7 @@
  *      and the HTTP server's threads end with their connections.
  */
 #include "agent/launch/launch.h"
+#include "common/fileutil.h"
 #include "common/log.h"
 #include "common/strutil.h"
 
@@ -121,14 +122,10 @@ launcher *launcher_new(const char *data_dir, ds_err *err)
 		ds_err_set(err, DS_ENOMEM, "out of memory");
 		return NULL;
 	}
-	ssize_t n = readlink("/proc/self/exe", l->exe, sizeof l->exe - 1);
-	if (n <= 0 || (size_t)n >= sizeof l->exe - 1) {
-		ds_err_set(err, DS_EIO, "cannot read this binary's path (/proc/self/exe): %s",
-			   strerror(errno));
+	if (ds_self_exe(l->exe, sizeof l->exe, err) != DS_OK) {
 		free(l);
 		return NULL;
 	}
-	l->exe[n] = '\0';
 	if (snprintf(l->dir, sizeof l->dir, "%s/ranks", data_dir) >= (int)sizeof l->dir ||
 	    (mkdir(l->dir, 0700) != 0 && errno != EEXIST)) {
 		ds_err_set(err, DS_EIO, "cannot create %s/ranks: %s", data_dir, strerror(errno));
