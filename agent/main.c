@@ -324,6 +324,7 @@ int main(int argc, char **argv)
 		.cl = cl,
 		.lr = lr,
 		.sv = sv,
+		.st = st,
 		.data_dir = opts.data_dir,
 		.control_host = opts.bind,
 		.api_host = opts.api_bind,

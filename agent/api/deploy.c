@@ -87,6 +87,17 @@ static double now_s(void)
 	return ds_now_s();
 }
 
+/* The plan row's status (planned -> launching -> serving | failed | stopped). */
+static void plan_status(deploy *d, int64_t id, uint64_t epoch, const char *status,
+			const char *reason)
+{
+	ds_err e = {0};
+	if (id > 0 && store_plan_set_status(d->p.st, id, (int64_t)epoch, status, reason,
+					    (int64_t)time(NULL), &e) != DS_OK)
+		log_warn("deploy", "cannot record the plan's status", "plan=%lld status=%s error=\"%s\"",
+			 (long long)id, status, e.msg);
+}
+
 /* ---- calls to the nodes ---- */
 
 /* DELETE /v1/ranks on every node of list (this node: its launcher). */
@@ -158,8 +169,11 @@ static void fail(deploy *d, int node, int rank, const char *fmt, ...)
 		d->job = JOB_CLEANUP;
 		pthread_cond_broadcast(&d->cv);
 	}
+	int64_t id = d->id;
+	uint64_t epoch = d->epoch;
 	pthread_mutex_unlock(&d->mu);
-	log_error("deploy", "deployment failed", "id=%lld error=\"%s\"", (long long)d->id, msg);
+	log_error("deploy", "deployment failed", "id=%lld error=\"%s\"", (long long)id, msg);
+	plan_status(d, id, epoch, "failed", msg);
 	serve_refuse(d->p.sv, "deployment_failed", msg);
 	if (was != ST_SERVING)
 		stop_ranks(d, nodes, n);
@@ -407,6 +421,7 @@ static void run_up(deploy *d)
 			 .threads = d->threads, .max_ctx = d->max_ctx, .max_seqs = d->max_seqs,
 			 .launch = &l};
 	int64_t id = d->id;
+	uint64_t epoch = d->epoch;
 	d->state = ST_LOADING;
 	pthread_mutex_unlock(&d->mu);
 
@@ -423,6 +438,7 @@ static void run_up(deploy *d)
 		pthread_mutex_unlock(&d->mu);
 		log_info("deploy", "serving", "id=%lld load_s=%.2f", (long long)id,
 			 d->t_ready - d->t_post);
+		plan_status(d, id, epoch, "serving", NULL);
 		return;
 	}
 	if (!failed) {
@@ -437,6 +453,8 @@ static void run_up(deploy *d)
 	memcpy(nodes, d->nodes, sizeof nodes);
 	pthread_mutex_unlock(&d->mu);
 	log_error("deploy", "launch failed", "id=%lld error=\"%s\"", (long long)id, why);
+	if (!failed)
+		plan_status(d, id, epoch, "failed", why);
 	serve_undeploy(d->p.sv, "deployment_failed", why);
 	stop_ranks(d, nodes, n);
 }
@@ -472,9 +490,14 @@ static void run_down(deploy *d)
 		       "the deployment was stopped (dsctl cluster down): run `dsctl cluster up`");
 	stop_ranks(d, nodes, n);
 	pthread_mutex_lock(&d->mu);
+	int was = d->state;
 	d->state = ST_STOPPED;
+	int64_t id = d->id;
+	uint64_t epoch = d->epoch;
 	pthread_mutex_unlock(&d->mu);
-	log_info("deploy", "stopped", "id=%lld", (long long)d->id);
+	log_info("deploy", "stopped", "id=%lld", (long long)id);
+	if (was == ST_SERVING)
+		plan_status(d, id, epoch, "stopped", "dsctl cluster down");
 }
 
 static void *runner_main(void *arg)
@@ -709,6 +732,7 @@ int deploy_up(deploy *d, const char *body, size_t len, json_t **out, ds_err *err
 	pthread_cond_broadcast(&d->cv);
 	int64_t id = d->id;
 	pthread_mutex_unlock(&d->mu);
+	plan_status(d, id, epoch, "launching", NULL);
 	serve_refuse(d->p.sv, "deploying", "a deployment is starting: retry shortly");
 	json_decref(req);
 	*out = json_pack("{s:I,s:s,s:o,s:s}", "deployment", (json_int_t)id, "state", "launching",

@@ -33,6 +33,7 @@
 #include "agent/api/serve.h"
 #include "agent/cluster/cluster.h"
 #include "agent/launch/launch.h"
+#include "agent/store/store.h"
 #include "common/status.h"
 
 #include <jansson.h>
@@ -41,6 +42,7 @@ typedef struct deploy_params {
 	cluster *cl;            /* not owned */
 	launcher *lr;           /* this node's rank launcher, not owned */
 	serve *sv;              /* the OpenAI API's serving context, not owned */
+	store *st;              /* the plan's status goes to its row; not owned */
 	const char *data_dir;   /* where admin.token lies (reported to dsctl) */
 	const char *control_host, *api_host; /* bind addresses ("0.0.0.0": the node's) */
 	int control_port, api_port;
