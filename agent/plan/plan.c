@@ -17,8 +17,9 @@
  *   -> per-node environment (node_env).
  * Invariants:
  *   - world rank r runs on device r in node order (node 0's devices first,
- *     each node's in its inventory's order), so a tp group (consecutive
- *     ranks) lies in one node whenever the check allows it;
+ *     each node's in its inventory's order), so rank 0 is on node 0 and a tp
+ *     group (consecutive ranks) of GPUs lies in one node whenever the check
+ *     allows it (one of CPU ranks may span nodes);
  *   - rank coordinates, layer ranges and expert ranges are the engine's
  *     (model_rank_coords, model_stage_layers, model_split_range);
  *   - every rank has the same KV pages (the engine's rule), so the KV token
@@ -584,7 +585,9 @@ static void eval(const plan *pl, cand *c)
 
 /* The rules: DS_OK, or why not in c->why.  `strict` (an override) turns only
  * engine limits and cross-node TP into errors; TP outside an NVLink domain is
- * then a warning. */
+ * then a warning.  CPU ranks have no NVLink domain and reach each other over
+ * TCP (Gloo) whether they share a node or not, so a tp group of CPU ranks may
+ * span nodes: the cost model alone weighs its all-reduces. */
 static int candidate_check(const plan *pl, cand *c, int *nv_warn)
 {
 	const plan_mcfg *mc = &pl->m.c;
@@ -605,9 +608,12 @@ static int candidate_check(const plan *pl, cand *c, int *nv_warn)
 	for (int g = 0; g < pl->n_dev; g += c->tp) {
 		for (int k = 1; k < c->tp; k++) {
 			const pdev *a = &pl->dev[g], *b = &pl->dev[g + k];
+			if (!pl->node[a->node].gpu && !pl->node[b->node].gpu)
+				continue;
 			if (a->node != b->node) {
-				snprintf(c->why, sizeof c->why, "a tp group would span nodes %s and %s",
-					 pl->node[a->node].host, pl->node[b->node].host);
+				snprintf(c->why, sizeof c->why, "a tp group of GPUs would span nodes %s "
+					 "and %s (inventories %d and %d)", pl->node[a->node].host,
+					 pl->node[b->node].host, a->node + 1, b->node + 1);
 				return DS_EINVAL;
 			}
 			if (a->domain != b->domain)

@@ -423,6 +423,94 @@ def test_cpu_nodes(tmp):
     assert doc["nodes"][1]["env"]["GLOO_SOCKET_IFNAME"] == "eno1"
 
 
+def cpu_inventory(tmp, name, numa_nodes):
+    """A CPU node's inventory (discovered on the noib fixture) cut to its first
+    numa_nodes NUMA nodes: one CPU rank each.  With 1 it is what each agent of
+    `dsctl cluster up --local N` reports on a one-socket machine."""
+    root = tmp / "root-cpu"
+    if not root.exists():
+        sr.build("noib", str(root))
+    r = subprocess.run([binary("dsagent"), "--discover", "--sysroot", str(root)],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    inv = json.loads(r.stdout)
+    assert inv["compute"]["kind"] == "cpu"
+    inv["host"]["numa_nodes"] = inv["host"]["numa_nodes"][:numa_nodes]
+    inv["compute"]["ranks"] = numa_nodes
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(inv))
+    return path, inv
+
+
+def check_cpu_plan(doc, cfg, invs, tp, pp, ep, frac=0.9, max_ctx=4096):
+    """A plan of CPU ranks: one rank per NUMA node, in node order, 1 GiB reserve,
+    the KV budget the tightest rank leaves, all by our arithmetic."""
+    devs = [(n, i, numa["memory_bytes"]) for n, inv in enumerate(invs)
+            for i, numa in enumerate(inv["host"]["numa_nodes"])]
+    W = tp * pp * ep
+    assert (doc["tp"], doc["pp"], doc["ep"], doc["world"]) == (tp, pp, ep, W) and W == len(devs)
+    S = tp * ep
+    room = [math.floor(frac * mem) - rank_weights(cfg, tp, pp, ep, r) - GiB
+            for r, (_, _, mem) in enumerate(devs)]
+    tokens = min(room[r] // kv_per_token(cfg, pp, r // S) for r in range(W))
+    assert tokens >= max_ctx
+    assert doc["kv"]["tokens"] == tokens
+    for r, rank in enumerate(doc["ranks"]):
+        node, index, mem = devs[r]
+        stage, local = divmod(r, S)
+        ep_rank, tp_rank = divmod(local, tp)
+        assert (rank["rank"], rank["node"], rank["device"]) == (r, node, index)
+        assert (rank["stage"], rank["tp_rank"], rank["ep_rank"]) == (stage, tp_rank, ep_rank)
+        assert tuple(rank["layers"]) == stage_layers(cfg["num_hidden_layers"], pp, stage)
+        e0, ec = split_range(cfg["n_routed_experts"], ep, ep_rank)
+        assert tuple(rank["experts"]) == (e0, e0 + ec)
+        m = rank["memory"]
+        assert (m["total"], m["weights"], m["reserve"]) == (mem, rank_weights(cfg, tp, pp, ep, r), GiB)
+        assert m["kv"] == tokens * kv_per_token(cfg, pp, stage)
+    assert doc["groups"]["tp"] == [list(range(s * S + e * tp, s * S + e * tp + tp))
+                                   for s in range(pp) for e in range(ep)]
+    assert doc["warnings"] == []  # CPU ranks have no NVLink domain to leave
+
+
+@pytest.mark.parametrize("nodes,tp,pp,ep", [(2, 2, 1, 1), (3, 1, 3, 1), (4, 2, 1, 2), (2, 1, 2, 1)])
+def test_local_cpu_nodes_of_one_rank(tmp, nodes, tp, pp, ep):
+    """`dsctl cluster up --local N --tp/--pp/--ep`: N agents of one CPU rank each.
+    A tp group of CPU ranks may span nodes (their collectives are TCP anyway)."""
+    path, inv = cpu_inventory(tmp, "cpu1", 1)
+    m = model_dir(tmp, "v2lite", V2_LITE)
+    flags = [f for k, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)) if v > 1 for f in (k, str(v))]
+    rc, doc = plan([path] * nodes, m, *flags, addrs=["127.0.0.1"] * nodes)
+    assert rc == 0 and doc["fits"] and doc["overridden"]
+    check_cpu_plan(doc, V2_LITE, [inv] * nodes, tp, pp, ep)
+    # rank r on node r: rank 0 on node 0, and a tp group over tp nodes
+    assert [k["node"] for k in doc["ranks"]] == list(range(nodes))
+    for g in doc["groups"]["tp"]:
+        assert [doc["ranks"][r]["node"] for r in g] == g
+
+
+def test_cpu_tp_across_nodes_is_planned_by_cost(tmp):
+    """No override: every layout of CPU ranks is a candidate, cross-node tp
+    included; the one chosen is the cheapest, and it is a valid plan."""
+    path, inv = cpu_inventory(tmp, "cpu2", 2)
+    m = model_dir(tmp, "v2lite", V2_LITE)
+    rc, doc = plan([path, path], m, addrs=["172.16.4.3", "172.16.4.4"])
+    assert rc == 0 and doc["fits"] and not doc["overridden"]
+    check_cpu_plan(doc, V2_LITE, [inv, inv], doc["tp"], doc["pp"], doc["ep"])
+    assert doc["ranks"][0]["node"] == 0 and doc["ranks"][0]["device"] == 0
+    # 4 ranks: tp*pp*ep = 4 with ep <= 64 experts: 6 layouts, all allowed
+    layouts = {(x["tp"], x["pp"], x["ep"]) for x in doc["cost"]["rejected"]}
+    layouts.add((doc["tp"], doc["pp"], doc["ep"]))
+    assert layouts == {(t, p, 4 // t // p) for t in (1, 2, 4) for p in (1, 2, 4) if 4 % (t * p) == 0}
+    for x in doc["cost"]["rejected"]:
+        assert "span" not in x["reason"] and "NVLink" not in x["reason"]
+        assert x["seconds_per_token"] >= doc["cost"]["seconds_per_token"]
+    # tp 4 over the two nodes' two ranks each, asked for: planned
+    rc, wide = plan([path, path], m, "--tp", "4")
+    assert rc == 0
+    check_cpu_plan(wide, V2_LITE, [inv, inv], 4, 1, 1)
+    assert [k["node"] for k in wide["ranks"]] == [0, 0, 1, 1]
+
+
 def test_max_ctx_and_mem_fraction(tmp):
     path, inv = discover(tmp, "1xA100-80GB", "h100", "a100-ctx")
     m = model_dir(tmp, "v2lite", V2_LITE)
