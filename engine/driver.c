@@ -63,6 +63,7 @@
 #include <unistd.h>
 
 #define POLL_MS 50          /* invariant 1 */
+#define PROGRESS_MS 250     /* load progress polls */
 #define STOP_GRACE_MS 2000  /* model_free: how long ranks get to exit after STOP */
 #define BLAME_WAIT_MS 2000  /* a broken group: how long to wait for the rank that died */
 #define ERROR_MSG_MAX 4096  /* bytes of an ERROR message kept */
@@ -90,6 +91,13 @@ typedef struct driver {
 	uint32_t next_id;
 	int broken;
 	ds_err broken_err;
+	/* while loading: each rank's "<job>/progress/<rank>" to on_progress */
+	void (*on_progress)(void *ctx, int rank, uint64_t bytes);
+	void *progress_ctx;
+	comm_store progress; /* a client of the driver's own store */
+	int have_progress;
+	char job[64];
+	double next_progress_ms;
 } driver;
 
 /* ---- the signal registry (invariant 3) ---- */
@@ -199,10 +207,33 @@ static int broken_set(driver *d, const ds_err *e, ds_err *err)
 
 /* ---- I/O on rank 0's socket (invariant 1) ---- */
 
+/* Each rank's load progress from the store to on_progress (while loading,
+ * at most every PROGRESS_MS). */
+static void progress_poll(driver *d)
+{
+	if (!d->have_progress || now_ms() < d->next_progress_ms)
+		return;
+	d->next_progress_ms = now_ms() + PROGRESS_MS;
+	for (int r = 0; r < d->W; r++) {
+		char key[128], v[32];
+		size_t n = 0;
+		ds_err e = {0};
+		snprintf(key, sizeof key, "%s/progress/%d", d->job, r);
+		if (d->progress.get(d->progress.ctx, key, v, sizeof v - 1, &n, 1, &e) != DS_OK)
+			continue; /* not reported yet */
+		v[n] = 0;
+		char *end = NULL;
+		unsigned long long b = strtoull(v, &end, 10);
+		if (end != v && *end == 0)
+			d->on_progress(d->progress_ctx, r, (uint64_t)b);
+	}
+}
+
 /* Waits for fd to be ready for events; deadline_ms 0 = none. */
 static int fd_wait(driver *d, short events, double deadline_ms, const char *what, ds_err *err)
 {
 	for (;;) {
+		progress_poll(d);
 		struct pollfd pf = {.fd = d->fd, .events = events};
 		int n = poll(&pf, 1, POLL_MS);
 		if (n < 0 && errno != EINTR)
@@ -490,6 +521,8 @@ static void drv_free(model *m)
 	}
 	if (d->fd >= 0)
 		close(d->fd);
+	if (d->have_progress)
+		comm_store_tcp_close(&d->progress);
 	comm_store_server_stop(d->store);
 	kv_cache_free(d->base.kv);
 	free(d->frame);
@@ -780,13 +813,29 @@ model *driver_model_load(const model_params *p, const driver_launch *l, ds_err *
 		 (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec);
 	if (argv_build(a, l, p, W, d->store ? comm_store_server_addr(d->store) : NULL, job, err))
 		goto fail;
+	if (l->on_progress && d->store) {
+		ds_err pe = {0}; /* without it the load goes on, unreported */
+		snprintf(d->job, sizeof d->job, "%s", job);
+		d->on_progress = l->on_progress;
+		d->progress_ctx = l->progress_ctx;
+		d->have_progress = comm_store_tcp_open(&d->progress, comm_store_server_addr(d->store),
+						       2000, &pe) == DS_OK;
+	}
 	if (ranks_spawn(d, a, l, err))
 		goto fail;
 	free(a);
 	a = NULL;
 	rankproto_ready rd;
-	if (ready_wait(d, l->load_timeout_ms > 0 ? l->load_timeout_ms : DRIVER_LOAD_TIMEOUT_MS_DEFAULT,
-		       &rd, err))
+	rc = ready_wait(d, l->load_timeout_ms > 0 ? l->load_timeout_ms : DRIVER_LOAD_TIMEOUT_MS_DEFAULT,
+			&rd, err);
+	if (d->have_progress) {
+		d->next_progress_ms = 0;
+		if (rc == DS_OK)
+			progress_poll(d); /* the final figures */
+		comm_store_tcp_close(&d->progress);
+		d->have_progress = 0;
+	}
+	if (rc)
 		goto fail;
 	kv_params kp = {.n_layers = 1, .row_floats = 1, .page_size = rd.page_size,
 			.n_pages = rd.n_pages};

@@ -72,6 +72,11 @@ typedef struct driver_launch {
 	 * environment of the ranks forked here (a plan's NCCL variables);
 	 * they replace variables of the same name. */
 	const char *const *env;
+	/* While the ranks load: each rank's weight bytes copied so far
+	 * (reported through the rendezvous store about every 250 ms, and once
+	 * more when all are ready), on the loading thread.  NULL = not asked. */
+	void (*on_progress)(void *ctx, int rank, uint64_t bytes);
+	void *progress_ctx;
 } driver_launch;
 
 /* The plan 1 x 1 x 1, no command, the timeouts 0 (defaults), log "warn". */

@@ -28,6 +28,7 @@
 #include "engine/model_impl.h"
 
 #include <stdio.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -503,13 +504,28 @@ static void *owned_alloc(size_t bytes)
 	return p;
 }
 
+/* Weight bytes copied by every load of this process (model_load_bytes). */
+static _Atomic uint64_t load_bytes;
+
+uint64_t model_load_bytes(void)
+{
+	return atomic_load_explicit(&load_bytes, memory_order_relaxed);
+}
+
+/* A weight copy of n bytes: the model's counter and the load progress. */
+static void copied(size_t *counter, size_t n)
+{
+	*counter += n;
+	atomic_fetch_add_explicit(&load_bytes, n, memory_order_relaxed);
+}
+
 void *model_copy_bytes(const void *p, size_t n, size_t *counter)
 {
 	void *q = owned_alloc(n);
 	if (!q)
 		return NULL;
 	copy_rows(q, p, 1, n, n);
-	*counter += n;
+	copied(counter, n);
 	return q;
 }
 
@@ -549,7 +565,7 @@ static int fp8_window(const kb_backend *be, const model_weight *w, int64_t row0,
 		}
 		*out = (model_weight){.w = f, .type = KB_F32, .n = rows, .k = cols};
 		*owned = f;
-		*counter += (size_t)rows * (size_t)cols * sizeof(float);
+		copied(counter, (size_t)rows * (size_t)cols * sizeof(float));
 		return DS_OK;
 	}
 	const int64_t gr = (rows + g - 1) / g, gc = (cols + g - 1) / g;
@@ -567,7 +583,7 @@ static int fp8_window(const kb_backend *be, const model_weight *w, int64_t row0,
 	*out = (model_weight){.w = mem, .scale = sc, .type = KB_F8_E4M3, .n = rows, .k = cols,
 			      .scale_stride = gc, .block = g};
 	*owned = mem;
-	*counter += scale_off + scale_bytes;
+	copied(counter, scale_off + scale_bytes);
 	return DS_OK;
 }
 
@@ -608,7 +624,7 @@ int model_weight_window(const kb_backend *be, const model_weight *w, int64_t row
 		  rows, win_bytes, row_bytes);
 	*out = (model_weight){.w = mem, .type = w->type, .n = rows, .k = cols};
 	*owned = mem;
-	*counter += (size_t)rows * win_bytes;
+	copied(counter, (size_t)rows * win_bytes);
 	drop_pages(w->w, w_bytes);
 	return DS_OK;
 }

@@ -174,6 +174,9 @@ int model_eos_ids(const model *m, const int **ids); /* count; ids borrowed */
 const char *model_arch_name(const model *m);
 /* "cpu" or "cuda": the backend the model runs on. */
 const char *model_backend_name(const model *m);
+/* Weight bytes copied so far by every model load of this process: a rank
+ * reports it while it loads (worker/worker.c).  Any thread. */
+uint64_t model_load_bytes(void);
 size_t model_weight_bytes(const model *m);  /* bytes of the checkpoint's tensors used */
 size_t model_extra_bytes(const model *m);   /* bytes the engine allocated beside them */
 /* Seconds this rank spent inside collectives and stage transfers since

@@ -68,6 +68,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stddef.h>
@@ -75,6 +76,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_PAYLOAD_LIMIT ((uint64_t)1 << 30) /* a STEP frame larger than this is a config error */
@@ -579,11 +581,65 @@ static int limits_agree(worker *w, ds_err *err)
 	return rc;
 }
 
+/* ---- load progress: "<job>/progress/<rank>" in the rendezvous store ---- */
+
+#define PROGRESS_MS 250
+
+typedef struct progress {
+	worker *w;
+	char key[160];
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	int done;
+} progress;
+
+/* The weight bytes copied so far, as decimal text, under the rank's key. */
+static void progress_put(progress *p)
+{
+	char v[32];
+	int n = snprintf(v, sizeof v, "%llu", (unsigned long long)model_load_bytes());
+	ds_err e = {0};
+	if (p->w->store.set(p->w->store.ctx, p->key, v, (size_t)n, &e) != DS_OK)
+		log_debug("worker", "cannot report load progress", "error=\"%s\"", e.msg);
+}
+
+static void *progress_main(void *arg)
+{
+	progress *p = arg;
+	pthread_mutex_lock(&p->mu);
+	while (!p->done) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		ts.tv_nsec += PROGRESS_MS * 1000000L;
+		if (ts.tv_nsec >= 1000000000L) {
+			ts.tv_sec++;
+			ts.tv_nsec -= 1000000000L;
+		}
+		pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+		pthread_mutex_unlock(&p->mu);
+		progress_put(p);
+		pthread_mutex_lock(&p->mu);
+	}
+	pthread_mutex_unlock(&p->mu);
+	return NULL;
+}
+
 static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 {
 	int rc = groups_open(w, c, err);
 	if (rc)
 		return rc;
+	/* while the model loads, its bytes so far go to the store every
+	 * PROGRESS_MS (the launcher shows them); without a store, nothing */
+	progress pg = {.w = w};
+	pthread_t pt;
+	int have_pt = 0;
+	if (w->have_store) {
+		snprintf(pg.key, sizeof pg.key, "%s/progress/%d", c->job, w->rank);
+		pthread_mutex_init(&pg.mu, NULL);
+		pthread_cond_init(&pg.cv, NULL);
+		have_pt = pthread_create(&pt, NULL, progress_main, &pg) == 0;
+	}
 	model_params mp = model_default_params();
 	mp.path = c->model;
 	mp.backend = c->backend;
@@ -596,7 +652,21 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
 	mp.rank = w->W > 1 ? &w->mr : NULL;
 	(void)model_attn_parse(c->attn, &mp.attn); /* checked in worker_main */
-	if (!(w->m = model_load(&mp, err)))
+	w->m = model_load(&mp, err);
+	if (w->have_store) {
+		if (have_pt) {
+			pthread_mutex_lock(&pg.mu);
+			pg.done = 1;
+			pthread_cond_signal(&pg.cv);
+			pthread_mutex_unlock(&pg.mu);
+			pthread_join(pt, NULL);
+		}
+		if (w->m)
+			progress_put(&pg); /* the whole share */
+		pthread_cond_destroy(&pg.cv);
+		pthread_mutex_destroy(&pg.mu);
+	}
+	if (!w->m)
 		return ds_err_wrap(err, "rank %d loading %s", w->rank, c->model);
 	const kv_params *kp = kv_cache_params(model_kv(w->m));
 	w->vocab = model_vocab_size(w->m);

@@ -49,6 +49,8 @@ typedef struct drank {
 	char proc[16]; /* the launcher's state: running | exited | killed | "" (not seen) */
 	int exit_code, sig;
 	json_t *opts;  /* the options the driver gave it (start_remote) */
+	int64_t loaded; /* weight bytes copied so far (-1 = not reported) */
+	int64_t total;  /* the plan's weight bytes of its share (-1 = unknown) */
 } drank;
 
 struct deploy {
@@ -361,6 +363,16 @@ static int dispatch(deploy *d, ds_err *err)
 	return rc;
 }
 
+/* The driver's load progress: weight bytes copied so far by rank. */
+static void on_progress(void *ctx, int rank, uint64_t bytes)
+{
+	deploy *d = ctx;
+	pthread_mutex_lock(&d->mu);
+	if (rank >= 0 && rank < d->W)
+		d->ranks[rank].loaded = (int64_t)bytes;
+	pthread_mutex_unlock(&d->mu);
+}
+
 static int on_remote(void *ctx, int rank, const char *const *opts, ds_err *err)
 {
 	deploy *d = ctx;
@@ -416,6 +428,8 @@ static void run_up(deploy *d)
 	l.store_host = d->nodes[0].addr;
 	l.rank_hosts = hosts;
 	l.env = env;
+	l.on_progress = on_progress;
+	l.progress_ctx = d;
 	l.comm_timeout_ms = d->p.comm_timeout_ms;
 	serve_spec sp = {.model_path = d->model, .names = d->has_names ? d->names : NULL,
 			 .threads = d->threads, .max_ctx = d->max_ctx, .max_seqs = d->max_seqs,
@@ -636,7 +650,11 @@ static int take_plan(deploy *d, json_t *doc, ds_err *err)
 		if (node < 0 || node >= n)
 			return ds_err_set(err, DS_EINTERNAL, "the plan puts rank %d on node %d of %d", r,
 					  node, n);
+		const json_t *mem = json_object_get(json_array_get(ranks, (size_t)r), "memory");
 		d->ranks[r].node = node;
+		d->ranks[r].loaded = -1;
+		d->ranks[r].total = json_is_integer(json_object_get(mem, "weights"))
+					    ? json_integer_value(json_object_get(mem, "weights")) : -1;
 	}
 	if (d->ranks[0].node != 0)
 		return ds_err_set(err, DS_EINTERNAL, "the plan does not put rank 0 on the head");
@@ -787,8 +805,9 @@ static json_t *rank_json(const deploy *d, int r)
 	} else {
 		st = k->proc;
 	}
-	json_t *j = json_pack("{s:i,s:s,s:n,s:n}", "rank", r, "state", st, "loaded_bytes",
-			      "total_bytes");
+	json_t *j = json_pack("{s:i,s:s}", "rank", r, "state", st);
+	json_object_set_new(j, "loaded_bytes", k->loaded >= 0 ? json_integer(k->loaded) : json_null());
+	json_object_set_new(j, "total_bytes", k->total >= 0 ? json_integer(k->total) : json_null());
 	json_object_set_new(j, "pid", pid > 0 ? json_integer(pid) : json_null());
 	if (strcmp(st, "exited") == 0)
 		json_object_set_new(j, "exit_code", json_integer(k->exit_code));
