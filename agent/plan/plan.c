@@ -4,8 +4,9 @@
  * KV budget and each node's NCCL environment (docs/cluster.md "The shard
  * planner").
  *
- * Called by `dsagent plan` (plan_cli.c).  Calls plan_model.c for the tensor
- * list, engine/model.h for the split rules, jansson.  No global state.
+ * Called by `dsagent plan` (plan_cli.c) and the head (agent/cluster).  Calls
+ * plan_model.c for the tensor list, engine/model.h for the split rules,
+ * jansson.  No global state.
  *
  * Steps of plan_make:
  *   inventories -> devices (one per GPU, or per CPU rank) and nodes
@@ -88,7 +89,7 @@ struct plan {
 	pnode *node;
 	int n_node;
 	int max_ctx;
-	int64_t kv_row;           /* KV bytes per token per layer */
+	int64_t kv_row;           /* KV bytes per token per layer, the whole model's row */
 	const char *dequant;      /* NULL, "native" or "in-kernel" */
 	cand *cands;
 	int n_cands;
@@ -416,11 +417,15 @@ static int node_env(plan *pl, int ni, json_t *inv, ds_err *err)
 
 /* ---- sizing --------------------------------------------------------------- */
 
-static int64_t part_count(int64_t n, int parts, int i)
+/* Bytes of part i of t over `parts` (plan_impl.h, plan_tensor). */
+static int64_t part_bytes(const plan_tensor *t, int parts, int i)
 {
 	int64_t first, count;
-	model_split_range(n, parts, i, &first, &count);
-	return count;
+	model_split_range(t->n, parts, i, &first, &count);
+	if (t->col_unit > 0 && t->block > 1 && count > 0 &&
+	    ((first * t->col_unit) % t->block || (count * t->col_unit) % t->block))
+		return t->rows * count * t->col_unit * (int64_t)sizeof(float);
+	return t->bytes * count / t->n;
 }
 
 /* Weight bytes of world rank r under c: all, and the routed experts' part. */
@@ -449,6 +454,10 @@ static void rank_weights(const plan *pl, const cand *c, int r, int64_t *all, int
 			if (stage != c->pp - 1)
 				continue;
 			break;
+		case PLAN_T_LAST_OWN:
+			if (stage != c->pp - 1 || stage == 0)
+				continue;
+			break;
 		case PLAN_T_LAYER:
 			if (t->layer < f || t->layer >= e)
 				continue;
@@ -459,11 +468,13 @@ static void rank_weights(const plan *pl, const cand *c, int r, int64_t *all, int
 		if (t->split == PLAN_S_WHOLE || t->n < 1) {
 			b = t->bytes;
 		} else if (t->split == PLAN_S_STAGE) {
-			b = t->bytes * part_count(t->n, S, l) / t->n;
+			b = part_bytes(t, S, l);
+		} else if (t->split == PLAN_S_TP) {
+			b = part_bytes(t, c->tp, tpr);
 		} else {
 			if (t->expert < e0 || t->expert >= e0 + ec)
 				continue;
-			b = t->bytes * part_count(t->n, c->tp, tpr) / t->n;
+			b = part_bytes(t, c->tp, tpr);
 			ro += b;
 		}
 		a += b;
@@ -472,11 +483,23 @@ static void rank_weights(const plan *pl, const cand *c, int r, int64_t *all, int
 	*routed = ro;
 }
 
-static int64_t stage_kv_per_token(const plan *pl, const cand *c, int stage)
+/* KV bytes per token of world rank r: its stage's layers, each a full MLA
+ * row (replicated over the stage), or under Llama K and V of the rank's kv
+ * heads (llama.c: one unused float for a rank past the kv heads). */
+static int64_t rank_kv_per_token(const plan *pl, const cand *c, int r)
 {
-	int f, e;
-	model_stage_layers(pl->m.c.layers, c->pp, stage, &f, &e);
-	return pl->kv_row * (e - f);
+	const plan_mcfg *mc = &pl->m.c;
+	model_plan mp = {.tp = c->tp, .pp = c->pp, .ep = c->ep};
+	int stage, tpr, epr, f, e;
+	int64_t row = pl->kv_row;
+	model_rank_coords(&mp, r, &stage, &tpr, &epr);
+	model_stage_layers(mc->layers, c->pp, stage, &f, &e);
+	if (mc->arch == PLAN_ARCH_LLAMA) {
+		int64_t g0, gc;
+		model_split_range(mc->kv_heads, c->tp, tpr, &g0, &gc);
+		row = gc > 0 ? 2 * gc * mc->head_dim * PLAN_KV_ELEM_BYTES : PLAN_KV_ELEM_BYTES;
+	}
+	return row * (e - f);
 }
 
 static int64_t usable_of(const plan *pl, const pdev *d)
@@ -531,6 +554,26 @@ static double allreduce_s(const plan *pl, const int *ranks, int n, double bytes)
 	return 2 * ceil(log2((double)n)) * alpha_max + 2.0 * (n - 1) / n * bytes / bw_min;
 }
 
+/* One all-gather of `bytes` in all (each rank's part 1/n): ceil(log2 n)
+ * latency steps + the ring's (n-1)/n * bytes over the slowest link. */
+static double allgather_s(const plan *pl, const int *ranks, int n, double bytes)
+{
+	return n < 2 ? 0 : allreduce_s(pl, ranks, n, bytes) / 2;
+}
+
+/* The collectives of one layer on a stage of ranks[n]: DeepSeek's two
+ * all-reduces of hidden_size f32 values; llama.c's four all-gathers over
+ * the tp ranks (attention outputs, x after o, gate*up, x after down). */
+static double layer_comm_s(const plan *pl, const int *ranks, int n)
+{
+	const plan_mcfg *mc = &pl->m.c;
+	if (mc->arch != PLAN_ARCH_LLAMA)
+		return 2 * allreduce_s(pl, ranks, n, (double)mc->hidden * ACT_BYTES);
+	double q = (double)mc->heads * mc->head_dim, d = mc->hidden, f = mc->inter;
+	return allgather_s(pl, ranks, n, q * ACT_BYTES) + 2 * allgather_s(pl, ranks, n, d * ACT_BYTES) +
+	       allgather_s(pl, ranks, n, f * ACT_BYTES);
+}
+
 /* Sizes and costs c (c->ok already set by candidate_check). */
 static void eval(const plan *pl, cand *c)
 {
@@ -545,10 +588,9 @@ static void eval(const plan *pl, cand *c)
 	int ranks[4096];
 	for (int s = 0; s < c->pp; s++) {
 		double read = 0;
-		int64_t kvpt = stage_kv_per_token(pl, c, s);
 		for (int l = 0; l < S; l++) {
 			int r = s * S + l;
-			int64_t w, ro;
+			int64_t w, ro, kvpt = rank_kv_per_token(pl, c, r);
 			const pdev *d = &pl->dev[r];
 			rank_weights(pl, c, r, &w, &ro);
 			int64_t base = w + reserve_of(pl, d), use = usable_of(pl, d);
@@ -572,7 +614,7 @@ static void eval(const plan *pl, cand *c)
 		int f, e;
 		model_stage_layers(mc->layers, c->pp, s, &f, &e);
 		c->read_s += read;
-		c->comm_s += (e - f) * 2 * allreduce_s(pl, ranks, S, (double)mc->hidden * ACT_BYTES);
+		c->comm_s += (e - f) * layer_comm_s(pl, ranks, S);
 		if (s + 1 < c->pp) {
 			double bw, al;
 			link_of(pl, s * S, (s + 1) * S, &bw, &al);
@@ -736,7 +778,9 @@ int plan_make(const plan_params *p, plan **out, ds_err *err)
 	if ((rc = plan_model_load(p->model_path, &pl->m, err)) != DS_OK)
 		goto out;
 	const plan_mcfg *mc = &pl->m.c;
-	pl->kv_row = (int64_t)(mc->kv_lora + mc->rope) * PLAN_KV_ELEM_BYTES;
+	pl->kv_row = mc->arch == PLAN_ARCH_LLAMA
+			     ? 2 * (int64_t)mc->kv_heads * mc->head_dim * PLAN_KV_ELEM_BYTES
+			     : (int64_t)(mc->kv_lora + mc->rope) * PLAN_KV_ELEM_BYTES;
 	pl->max_ctx = p->max_ctx ? p->max_ctx : (mc->max_pos < 4096 ? mc->max_pos : 4096);
 	if (pl->max_ctx > mc->max_pos) {
 		rc = ds_err_set(err, DS_EINVAL, "--max-ctx %d is longer than the model's "
@@ -754,7 +798,7 @@ int plan_make(const plan_params *p, plan **out, ds_err *err)
 	if ((rc = choose(pl, err)) != DS_OK)
 		goto out;
 	pl->fp8_fits = -1;
-	if (!pl->cands[pl->chosen].fits && !mc->fp8) {
+	if (!pl->cands[pl->chosen].fits && !mc->fp8 && pl->m.source != PLAN_SRC_GGUF) {
 		plan what = *pl; /* shallow: only m differs, and eval reads only */
 		plan_mcfg qc = *mc;
 		cand c = pl->cands[pl->chosen];
@@ -817,12 +861,17 @@ json_t *plan_to_json(const plan *pl)
 	json_object_set_new(o, "fits", json_boolean(c->fits));
 	json_object_set_new(o, "model", json_pack("{s:s, s:s, s:s, s:I, s:i, s:i, s:i, s:i}",
 		"path", pl->p.model_path, "model_type", mc->model_type,
-		"weights_source", pl->m.from_files ? "safetensors headers" : "config.json arithmetic (no weight files)",
+		"weights_source", plan_source_name(pl->m.source),
 		"weight_bytes", (json_int_t)pl->m.total_bytes, "layers", mc->layers,
 		"routed_experts", mc->experts, "experts_per_token", mc->top_k,
 		"hidden_size", mc->hidden));
 	json_object_set_new(json_object_get(o, "model"), "dtype",
-			    json_string(mc->fp8 ? "fp8" : mc->elem_bytes == 4 ? "f32" : "bf16"));
+			    json_string(pl->m.dtype));
+	json_object_set_new(json_object_get(o, "model"), "attention_heads", json_integer(mc->heads));
+	if (mc->arch == PLAN_ARCH_LLAMA)
+		json_object_set_new(json_object_get(o, "model"), "llama",
+				    json_pack("{s:i, s:i, s:b}", "kv_heads", mc->kv_heads, "head_dim",
+					      mc->head_dim, "tied_embeddings", mc->tied));
 	json_object_set_new(o, "fp8_dequant", pl->dequant ? json_string(pl->dequant) : json_null());
 	json_object_set_new(o, "tp", json_integer(c->tp));
 	json_object_set_new(o, "pp", json_integer(c->pp));
@@ -847,7 +896,7 @@ json_t *plan_to_json(const plan *pl)
 			model_split_range(mc->experts, c->ep, epr, &e0, &ec);
 		rank_weights(pl, c, r, &w, &ro);
 		int64_t use = usable_of(pl, d), res = reserve_of(pl, d);
-		int64_t kv = c->kv_tokens * stage_kv_per_token(pl, c, st);
+		int64_t kv = c->kv_tokens * rank_kv_per_token(pl, c, r);
 		int64_t free_b = use - w - res - kv;
 		json_t *ro_j = json_pack("{s:i, s:i, s:s, s:i, s:i, s:i, s:i, s:o, s:o}", "rank", r,
 			"node", d->node, "hostname", pl->node[d->node].host, "device", d->index,
@@ -893,7 +942,8 @@ json_t *plan_to_json(const plan *pl)
 	nodes = NULL;
 	json_object_set_new(o, "cost", json_pack("{s:s, s:f, s:f, s:f}", "model",
 		"seconds per decode token = sum over stages of (slowest rank's weight reads / memory "
-		"bandwidth + 2 all-reduces per layer) + stage-to-stage sends",
+		"bandwidth + each layer's collectives: 2 all-reduces (DeepSeek) or 4 all-gathers "
+		"(Llama)) + stage-to-stage sends",
 		"seconds_per_token", c->cost_s, "read_s", c->read_s, "comm_s", c->comm_s));
 	for (int i = 0; i < pl->n_cands; i++) {
 		const cand *x = &pl->cands[i];
@@ -910,11 +960,7 @@ json_t *plan_to_json(const plan *pl)
 	json_object_set_new(json_object_get(o, "cost"), "rejected", rej);
 	rej = NULL;
 	if (!c->fits) {
-		int st, tpr, epr;
-		model_plan mp = {.tp = c->tp, .pp = c->pp, .ep = c->ep};
-		model_rank_coords(&mp, c->worst_rank, &st, &tpr, &epr);
 		int64_t w, ro;
-		rank_weights(pl, c, c->worst_rank, &w, &ro);
 		json_t *sj = json_object(), *sug = json_array();
 		json_object_set_new(sj, "bytes", json_integer(c->worst_short));
 		json_object_set_new(sj, "rank", json_integer(c->worst_rank));
@@ -922,10 +968,9 @@ json_t *plan_to_json(const plan *pl)
 		/* all devices alike: what the whole layout needs over what one node gives */
 		int64_t need = 0, node_use = 0;
 		for (int r = 0; r < W; r++) {
-			model_rank_coords(&mp, r, &st, &tpr, &epr);
 			rank_weights(pl, c, r, &w, &ro);
 			need += w + reserve_of(pl, &pl->dev[r]) +
-				(int64_t)pl->max_ctx * stage_kv_per_token(pl, c, st);
+				(int64_t)pl->max_ctx * rank_kv_per_token(pl, c, r);
 		}
 		for (int k = 0; k < pl->node[0].n_dev; k++)
 			node_use += usable_of(pl, &pl->dev[pl->node[0].first + k]) -
@@ -943,10 +988,9 @@ json_t *plan_to_json(const plan *pl)
 		/* the longest context every rank holds once its weights and reserve fit */
 		int64_t ctx = INT64_MAX;
 		for (int r = 0; r < W && ctx > 0; r++) {
-			model_rank_coords(&mp, r, &st, &tpr, &epr);
 			rank_weights(pl, c, r, &w, &ro);
 			int64_t rm = usable_of(pl, &pl->dev[r]) - w - reserve_of(pl, &pl->dev[r]);
-			int64_t kt = stage_kv_per_token(pl, c, st);
+			int64_t kt = rank_kv_per_token(pl, c, r);
 			int64_t x = rm > 0 && kt > 0 ? rm / kt : 0;
 			if (x < ctx)
 				ctx = x;
@@ -993,8 +1037,8 @@ void plan_print(const plan *pl, FILE *f)
 	const cand *c = &pl->cands[pl->chosen];
 	const plan_mcfg *mc = &pl->m.c;
 	fprintf(f, "model %s (%s, %s, %.1f GiB of weights, from %s)\n", pl->p.model_path,
-		mc->model_type, mc->fp8 ? "fp8" : "bf16", gib(pl->m.total_bytes),
-		pl->m.from_files ? "safetensors headers" : "config.json arithmetic: no weight files");
+		mc->model_type, pl->m.dtype, gib(pl->m.total_bytes),
+		plan_source_name(pl->m.source));
 	if (pl->dequant)
 		fprintf(f, "fp8 weights: %s%s\n", pl->dequant,
 			strcmp(pl->dequant, "in-kernel") == 0 ? " dequantization (compute capability < 8.9)" : " fp8 GEMMs");

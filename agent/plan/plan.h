@@ -13,12 +13,14 @@
  *
  * A plan that does not fit the memory is still a plan (plan_fits() == 0): it
  * carries the shortfall in bytes and what would fit.  Errors are for inputs
- * the planner cannot use: a malformed inventory or config (DS_EFORMAT), a
- * missing file (DS_ENOTFOUND), a GGUF file or a non-DeepSeek architecture
- * (DS_EUNSUPPORTED), overrides that do not describe the devices or break the
- * engine's limits (DS_EINVAL), DS_ENOMEM.  Layer and expert ranges come from
- * engine/model.h (model_stage_layers, model_split_range) so they agree with
- * what each rank loads.
+ * the planner cannot use: a malformed inventory, config or GGUF file (a
+ * tensor the engine needs missing or misshapen: DS_EFORMAT), a missing file
+ * (DS_ENOTFOUND), an architecture the engine does not run (config.json:
+ * DeepSeek V2/V3 only; GGUF: llama and deepseek2) or a tensor type its
+ * kernels lack (DS_EUNSUPPORTED), overrides that do not describe the devices
+ * or break the engine's limits (DS_EINVAL), DS_ENOMEM.  Layer and expert
+ * ranges come from engine/model.h (model_stage_layers, model_split_range) so
+ * they agree with what each rank loads.
  *
  * Threading: no global state; one plan per call.
  */
@@ -41,7 +43,7 @@ typedef struct plan_params {
 	json_t *const *inventories; /* [n_nodes] borrowed; node i = inventories[i] */
 	const char *const *addresses; /* [n_nodes] or NULL; NULL entry = unknown */
 	int n_nodes;
-	const char *model_path;  /* directory with config.json (+ *.safetensors) */
+	const char *model_path;  /* directory with config.json (+ *.safetensors), or a .gguf file */
 	double mem_fraction;     /* of each device's memory the plan may use; 0.9 */
 	int tp, pp, ep;          /* 0 = the planner chooses */
 	int max_ctx;             /* 0 = min(max_position_embeddings, 4096), as the engine */

@@ -1,6 +1,7 @@
 /*
  * plan_cli.c - `dsagent plan`: a shard plan without a cluster, from
- * inventory files (what `dsagent --discover` prints) and a model directory.
+ * inventory files (what `dsagent --discover` prints) and a model (a
+ * checkpoint directory or a .gguf file).
  *
  *   dsagent plan --inventory FILE [--addr IP] [--inventory FILE [--addr IP] ...]
  *                --model PATH [--tp N --pp N --ep N] [--mem-fraction F]
@@ -24,7 +25,8 @@ static void usage(FILE *f)
 		"                    [--max-ctx N] [--json]\n"
 		"  --inventory FILE  a node's inventory (dsagent --discover > FILE); once per node\n"
 		"  --addr IP         that node's gossip address (its interface = NCCL_SOCKET_IFNAME)\n"
-		"  --model PATH      checkpoint directory: config.json, safetensors files optional\n"
+		"  --model PATH      checkpoint directory (config.json, safetensors files optional)\n"
+		"                    or a .gguf file (llama or deepseek2)\n"
 		"  --tp/--pp/--ep N  fix a parallel size (the rest is chosen)\n"
 		"  --mem-fraction F  share of each device's memory to plan (default 0.9)\n"
 		"  --max-ctx N       context every sequence may reach (default min(model, 4096))\n"

@@ -10,11 +10,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The config.json values the planner uses (DeepSeek V2/V3 names). */
+/* The engine's graph a model runs on. */
+enum plan_arch {
+	PLAN_ARCH_MLA = 0, /* deepseek.c: DeepSeek V2/V3 (config.json, or GGUF deepseek2) */
+	PLAN_ARCH_LLAMA,   /* llama.c: GQA attention, dense MLP (GGUF llama) */
+};
+
+/* The model values the planner uses (DeepSeek V2/V3 config.json names; a
+ * GGUF's metadata mapped onto them). */
 typedef struct plan_mcfg {
-	char model_type[32];
+	char model_type[32]; /* config.json model_type, or the GGUF's general.architecture */
+	int arch;            /* enum plan_arch */
 	int hidden, layers, heads, vocab, inter;
-	int kv_lora, rope, nope, v_dim, q_lora;
+	int kv_lora, rope, nope, v_dim, q_lora;   /* MLA */
+	int kv_heads, head_dim, tied;             /* Llama: KV heads, head size, head = embedding */
 	int experts, moe_inter, n_shared, top_k, first_dense, moe_freq;
 	int max_pos;
 	int score_bias; /* topk_method noaux_tc: a f32 e_score_correction_bias per MoE layer */
@@ -27,30 +36,52 @@ enum plan_where {
 	PLAN_T_FIRST,   /* every rank of stage 0 */
 	PLAN_T_LAST,    /* every rank of the last stage */
 	PLAN_T_LAYER,   /* the ranks of the stage holding `layer` */
-	PLAN_T_SKIP,    /* not loaded (MTP layers) */
+	PLAN_T_SKIP,    /* not loaded (MTP layers, a kv_b form the engine does not use) */
+	/* every rank of the last stage unless it is stage 0 too: a tied head's
+	 * own copy of embedding rows (stage 0 reads the rows it holds); a copy,
+	 * so not in total_bytes */
+	PLAN_T_LAST_OWN,
 };
 
 enum plan_split {
 	PLAN_S_WHOLE = 0, /* each holder has all of it */
 	PLAN_S_STAGE,     /* part l (local index) of n over the stage's tp*ep ranks */
 	PLAN_S_EXPERT,    /* held by the ep rank owning `expert`; part tp_rank of n over tp */
+	PLAN_S_TP,        /* part tp_rank of n over tp; the ep index replicates (Llama) */
 };
 
+/* A part is floor(bytes * count / n) (whole rows of the weight), except a
+ * column window (col_unit > 0) of a block-quantized weight that does not
+ * fall on its blocks: deepseek.c holds that one in f32 (window_quant_cols),
+ * rows * count * col_unit * 4 bytes. */
 typedef struct plan_tensor {
 	int64_t bytes;
-	int64_t n;      /* the split size (heads, rows, moe_intermediate_size, vocab) */
+	int64_t n;        /* the split size (heads, rows, moe_intermediate_size, vocab) */
+	int64_t rows;     /* a column split: the weight's rows */
+	int64_t col_unit; /* a column split: columns per item of n (0 = split by rows) */
+	int64_t block;    /* elements per block of its dtype (1 = not block-quantized) */
 	int layer, expert;
 	unsigned char where, split;
 } plan_tensor;
+
+enum plan_source {
+	PLAN_SRC_CONFIG = 0,   /* config.json arithmetic (no weight files) */
+	PLAN_SRC_SAFETENSORS,  /* safetensors headers */
+	PLAN_SRC_GGUF,         /* a GGUF file's metadata and tensor infos */
+};
 
 typedef struct plan_model {
 	plan_mcfg c;
 	plan_tensor *t;
 	size_t n, cap;
 	int64_t total_bytes; /* of the tensors the engine loads */
-	int from_files;      /* 1 = safetensors headers, 0 = config.json arithmetic */
+	int source;          /* enum plan_source */
+	char dtype[16];      /* "bf16", "fp8", "f32"; a GGUF: the type of most bytes ("Q4_1") */
 	int n_files, files_fp8;
 } plan_model;
+
+/* "safetensors headers" ... (the JSON's weights_source). */
+const char *plan_source_name(int source);
 
 int plan_model_load(const char *path, plan_model *m, ds_err *err);
 /* The tensor list of config c alone (no files): what-if sizing. */

@@ -4,12 +4,18 @@ Inventories come from `dsagent --discover --fake-gpus SPEC --sysroot ROOT` on th
 sysfs fixtures of tests/fixtures/sysroots.py (the h100 tree has 8 NDR ports with
 mlx5_5 DOWN; the noib tree has no RDMA device).  Models are config.json files with
 no weights (DeepSeek-V3 and V2-Lite values of ../shared/docs/deepseek_v3_spec.md),
-and one tiny checkpoint whose safetensors headers give the bytes.
+one tiny checkpoint whose safetensors headers give the bytes, and GGUF files: the
+default model (llama, skipped when absent), tiny llama and tiny deepseek2 files
+written by the fixtures; their sizes and bytes are read here with the gguf package.
+CPU inventories come from the noib fixture, cut to one NUMA node for the one-rank
+nodes of `dsctl cluster up --local N`.
 
-Every expected number is computed here from the config, the split rules of
-docs/distributed.md and the planner's stated constants (4 GiB reserve per GPU, f32
-KV cache rows of kv_lora_rank + qk_rope_head_dim values); nothing is copied from
-the planner's output.
+Every expected number is computed here from the config or GGUF file, the split
+rules of docs/distributed.md and the planner's stated constants (4 GiB reserve per
+GPU, 1 GiB per CPU rank, f32 KV cache rows of kv_lora_rank + qk_rope_head_dim values,
+or for Llama K and V of a rank's kv heads); nothing is copied from the planner's
+output.  Where tests/plan_check is built, the GGUF bytes are also checked against
+what the engine holds after loading each rank.
 """
 import json
 import math
@@ -577,6 +583,339 @@ def test_safetensors_headers_give_the_bytes(tmp):
     check_plan(doc, TINY, [i for _, i in invs], max_ctx=2048)
 
 
+# ---- GGUF files ----------------------------------------------------------------------------
+# The sizes come from the file's metadata and tensor infos, read here with llama.cpp's gguf
+# package; the split rules are the engine's (docs/distributed.md "Llama-family models under
+# a plan", "DeepSeek under a plan"), written out again below.
+
+from conftest import BUILD  # noqa: E402
+
+DEFAULT_GGUF = ROOT / "models" / "default.gguf"
+needs_default = pytest.mark.skipif(not DEFAULT_GGUF.exists(),
+                                   reason="models/default.gguf is absent (make model)")
+needs_plan_check = pytest.mark.skipif(not (BUILD / "tests" / "plan_check").exists(),
+                                      reason="tests/plan_check is not built (make tests-bin)")
+
+
+def read_gguf(path):
+    """(metadata value getter, {tensor name: (bytes, row-major shape, ggml block size)})."""
+    import gguf
+    r = gguf.GGUFReader(str(path))
+
+    def meta(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.contents()
+    tensors = {t.name: (int(t.n_bytes), [int(x) for x in reversed(t.shape)],
+                        gguf.GGML_QUANT_SIZES[t.tensor_type][0]) for t in r.tensors}
+    return meta, tensors
+
+
+def llama_facts(path):
+    meta, t = read_gguf(path)
+    assert meta("general.architecture") == "llama"
+    D, H = meta("llama.embedding_length"), meta("llama.attention.head_count")
+    return dict(tensors=t, D=D, H=H, KV=meta("llama.attention.head_count_kv", H),
+                F=meta("llama.feed_forward_length"), L=meta("llama.block_count"),
+                hd=meta("llama.attention.key_length", D // H),
+                ctx=meta("llama.context_length", 4096), V=t["token_embd.weight"][1][0],
+                tied="output.weight" not in t)
+
+
+def part(nbytes, n, parts, i):
+    return nbytes * split_range(n, parts, i)[1] // n
+
+
+def llama_rank(g, tp, pp, r):
+    """(weight bytes, KV bytes per token) of rank r: llama.c under tp x pp (ep 1)."""
+    t, stage, tpr = g["tensors"], r // tp, r % tp
+    f, e = stage_layers(g["L"], pp, stage)
+    w = t["token_embd.weight"][0] if stage == 0 else 0
+    if stage == pp - 1:
+        w += t["output_norm.weight"][0]
+        if not g["tied"]:
+            w += part(t["output.weight"][0], g["V"], tp, tpr)
+        elif pp > 1:  # the last stage's own rows of the embedding
+            w += part(t["token_embd.weight"][0], g["V"], tp, tpr)
+    by = {"attn_norm": 0, "ffn_norm": 0, "attn_q": g["KV"], "attn_k": g["KV"], "attn_v": g["KV"],
+          "attn_output": g["D"], "ffn_gate": g["F"], "ffn_up": g["F"], "ffn_down": g["D"]}
+    for L in range(f, e):
+        for name, n in by.items():
+            b = t[f"blk.{L}.{name}.weight"][0]
+            w += part(b, n, tp, tpr) if n else b
+    gc = split_range(g["KV"], tp, tpr)[1]
+    row = 2 * gc * g["hd"] * KV_ELEM if gc else KV_ELEM  # one unused float without kv heads
+    return w, row * (e - f)
+
+
+def check_gguf_plan(doc, invs, tp, pp, ep, rank_of, total, max_ctx):
+    """rank_of(r) -> (weights, KV bytes per token); CPU ranks, one per NUMA node."""
+    devs = [(n, i, numa["memory_bytes"]) for n, inv in enumerate(invs)
+            for i, numa in enumerate(inv["host"]["numa_nodes"])]
+    W, S = tp * pp * ep, tp * ep
+    assert (doc["tp"], doc["pp"], doc["ep"], doc["world"]) == (tp, pp, ep, W) == (tp, pp, ep, len(devs))
+    assert doc["model"]["weights_source"] == "GGUF tensor infos"
+    assert doc["model"]["weight_bytes"] == total
+    want = [rank_of(r) for r in range(W)]
+    tokens = min((math.floor(0.9 * devs[r][2]) - want[r][0] - GiB) // want[r][1] for r in range(W))
+    assert doc["kv"]["tokens"] == tokens >= max_ctx
+    assert doc["kv"]["max_ctx"] == max_ctx
+    for r, rank in enumerate(doc["ranks"]):
+        stage, local = divmod(r, S)
+        assert (rank["node"], rank["device"]) == devs[r][:2]
+        assert (rank["stage"], rank["ep_rank"], rank["tp_rank"]) == (stage, *divmod(local, tp))
+        m = rank["memory"]
+        assert (m["weights"], m["kv"], m["reserve"]) == (want[r][0], tokens * want[r][1], GiB), r
+
+
+def plan_check_bytes(model, tp, pp, ep=1):
+    """The weight bytes each rank of the engine holds (tests/plan_check loads the model)."""
+    r = subprocess.run([str(BUILD / "tests" / "plan_check"), "-m", str(model), "--tp", str(tp),
+                        "--pp", str(pp), "--ep", str(ep), "--tol", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    line = [x for x in r.stdout.splitlines() if "weight bytes per rank" in x]
+    assert line, r.stdout + r.stderr
+    return [int(x) for x in line[0].split("per rank")[1].split("(")[0].split()]
+
+
+@needs_default
+@pytest.mark.parametrize("tp,pp", [(1, 2), (3, 1), (2, 1), (1, 1)])
+def test_default_gguf_on_local_cpu_nodes(tmp, tp, pp):
+    """`dsctl cluster up --local N --pp 2 --model models/default.gguf`: one-rank CPU
+    nodes; tp 3 puts one of the 3 kv heads on each rank."""
+    g = llama_facts(DEFAULT_GGUF)
+    path, inv = cpu_inventory(tmp, "cpu1", 1)
+    W = tp * pp
+    flags = [f for k, v in (("--tp", tp), ("--pp", pp)) if v > 1 for f in (k, str(v))]
+    rc, doc = plan([path] * W, DEFAULT_GGUF, *flags, addrs=["127.0.0.1"] * W)
+    assert rc == 0 and doc["fits"]
+    m = doc["model"]
+    assert (m["model_type"], m["layers"], m["attention_heads"], m["hidden_size"]) == \
+        ("llama", g["L"], g["H"], g["D"])
+    assert m["llama"] == {"kv_heads": g["KV"], "head_dim": g["hd"], "tied_embeddings": g["tied"]}
+    assert m["routed_experts"] == 0 and doc["ep"] == 1
+    import gguf
+    by_type = {}
+    for t in gguf.GGUFReader(str(DEFAULT_GGUF)).tensors:
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    assert m["dtype"] == max(by_type, key=by_type.get)
+    assert doc["kv"]["bytes_per_token_layer"] == 2 * g["KV"] * g["hd"] * KV_ELEM
+    check_gguf_plan(doc, [inv] * W, tp, pp, 1, lambda r: llama_rank(g, tp, pp, r),
+                    sum(b for b, _, _ in g["tensors"].values()), min(g["ctx"], 4096))
+    assert doc["groups"]["tp"] == [list(range(s * tp, s * tp + tp)) for s in range(pp)]
+
+
+@needs_default
+def test_default_gguf_auto_plan(tmp):
+    """No override over two one-rank CPU nodes: a valid plan whatever the cost picks,
+    with every layout of 2 ranks costed (ep needs experts: this model has none)."""
+    g = llama_facts(DEFAULT_GGUF)
+    path, inv = cpu_inventory(tmp, "cpu1", 1)
+    rc, doc = plan([path, path], DEFAULT_GGUF)
+    assert rc == 0 and doc["fits"] and not doc["overridden"]
+    tp, pp = doc["tp"], doc["pp"]
+    check_gguf_plan(doc, [inv, inv], tp, pp, 1, lambda r: llama_rank(g, tp, pp, r),
+                    sum(b for b, _, _ in g["tensors"].values()), min(g["ctx"], 4096))
+    assert {(x["tp"], x["pp"], x["ep"]) for x in doc["cost"]["rejected"]} | {(tp, pp, 1)} == \
+        {(2, 1, 1), (1, 2, 1)}
+
+
+@needs_default
+@needs_plan_check
+@pytest.mark.parametrize("tp,pp", [(1, 2), (3, 1), (2, 2)])
+def test_default_gguf_bytes_are_what_the_engine_loads(tmp, tp, pp):
+    """The planner's bytes per rank against the engine's own count after loading
+    the model under the same plan (model_weight_bytes of each rank)."""
+    path, _ = cpu_inventory(tmp, "cpu1", 1)
+    rc, doc = plan([path] * (tp * pp), DEFAULT_GGUF, "--tp", str(tp), "--pp", str(pp))
+    assert rc == 0
+    assert [k["memory"]["weights"] for k in doc["ranks"]] == plan_check_bytes(DEFAULT_GGUF, tp, pp)
+
+
+def tiny_llama_gguf(tmp, name, tied, **cfg):
+    from tests.fixtures import tiny_llama
+    d, c, w = tiny_llama.write_hf(tmp / (name + "-hf"), tie_word_embeddings=tied, **cfg)
+    return tiny_llama.write_gguf(tmp / (name + ".gguf"), c, w, dtype="F16"), c, w
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tp,pp", [(2, 2), (3, 1), (1, 2)])
+def test_tiny_llama_gguf_heads_and_vocab(tmp, tied, tp, pp):
+    """A head of its own (output.weight, vocab rows over the stage) or tied to the
+    embedding; 4 heads over 2 kv heads, so tp 3 leaves a rank without kv heads."""
+    path, _, _ = tiny_llama_gguf(tmp, f"tl-{int(tied)}", tied, num_hidden_layers=3)
+    g = llama_facts(path)
+    assert g["tied"] == tied and g["KV"] == 2
+    inv_path, inv = cpu_inventory(tmp, "cpu1", 1)
+    W = tp * pp
+    rc, doc = plan([inv_path] * W, path, "--tp", str(tp), "--pp", str(pp), "--max-ctx", "256")
+    assert rc == 0
+    check_gguf_plan(doc, [inv] * W, tp, pp, 1, lambda r: llama_rank(g, tp, pp, r),
+                    sum(b for b, _, _ in g["tensors"].values()), 256)
+    if tp == 3:  # kv heads 1, 1, 0: the last rank keeps one float per token and layer
+        assert [k["memory"]["kv"] for k in doc["ranks"]][2] == doc["kv"]["tokens"] * KV_ELEM * 3
+
+
+def mla_facts(path):
+    meta, t = read_gguf(path)
+    assert meta("general.architecture") == "deepseek2"
+    A = "deepseek2."
+    H, rope = meta(A + "attention.head_count"), meta(A + "rope.dimension_count")
+    qk = meta(A + "attention.key_length_mla", meta(A + "attention.key_length"))
+    return dict(tensors=t, H=H, rope=rope, nope=qk - rope,
+                vd=meta(A + "attention.value_length_mla", meta(A + "attention.value_length")),
+                lora=meta(A + "attention.kv_lora_rank"), D=meta(A + "embedding_length"),
+                I=meta(A + "feed_forward_length"), E=meta(A + "expert_count"),
+                mI=meta(A + "expert_feed_forward_length"),
+                S=meta(A + "expert_shared_count", 0) * meta(A + "expert_feed_forward_length"),
+                L=meta(A + "block_count") - meta(A + "nextn_predict_layers", 0),
+                ctx=meta(A + "context_length"), V=t["token_embd.weight"][1][0])
+
+
+def col_part(nbytes, rows, n, unit, parts, i, block):
+    """A column window: whole rows of its blocks, or f32 when it cuts a block
+    (deepseek.c window_quant_cols)."""
+    first, count = split_range(n, parts, i)
+    if block > 1 and count and ((first * unit) % block or (count * unit) % block):
+        return rows * count * unit * 4
+    return nbytes * count // n
+
+
+def mla_rank(g, tp, pp, ep, r):
+    """(weight bytes, of which 1-D tensors, KV bytes per token) of rank r: deepseek.c."""
+    t, S = g["tensors"], tp * ep
+    stage, local = divmod(r, S)
+    ep_rank, tp_rank = divmod(local, tp)
+    f, e = stage_layers(g["L"], pp, stage)
+    e0, ec = split_range(g["E"], ep, ep_rank)
+    w = vec = 0
+    for name, (b, shape, block) in t.items():
+        if name == "token_embd.weight":
+            w += b if stage == 0 else 0
+            continue
+        if name in ("output_norm.weight", "output.weight"):
+            if stage == pp - 1:
+                w += b if name == "output_norm.weight" else part(b, g["V"], S, local)
+                vec += b if len(shape) == 1 else 0
+            continue
+        L, sub = int(name.split(".")[1]), name.split(".", 2)[2].rsplit(".", 1)[0]
+        if not f <= L < e:
+            continue
+        if sub in ("attn_k_b", "attn_v_b") and f"blk.{L}.attn_kv_b.weight" in t:
+            continue  # the engine uses attn_kv_b when a file has both
+        if sub in ("attn_q_b", "attn_q", "attn_kv_b", "attn_k_b", "attn_v_b"):
+            b = part(b, g["H"], S, local)
+        elif sub == "attn_output":
+            b = col_part(b, g["D"], g["H"], g["vd"], S, local, block)
+        elif sub in ("ffn_gate", "ffn_up"):
+            b = part(b, g["I"], S, local)
+        elif sub == "ffn_down":
+            b = col_part(b, g["D"], g["I"], 1, S, local, block)
+        elif sub in ("ffn_gate_shexp", "ffn_up_shexp"):
+            b = part(b, g["S"], S, local)
+        elif sub == "ffn_down_shexp":
+            b = col_part(b, g["D"], g["S"], 1, S, local, block)
+        elif sub in ("ffn_gate_exps", "ffn_up_exps"):
+            b = ec * part(b // g["E"], g["mI"], tp, tp_rank)
+        elif sub == "ffn_down_exps":
+            b = ec * col_part(b // g["E"], g["D"], g["mI"], 1, tp, tp_rank, block)
+        elif len(shape) == 1:
+            vec += b
+        w += b
+    return w, vec, (g["lora"] + g["rope"]) * KV_ELEM * (e - f)
+
+
+MLA_LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 1, 2), (1, 2, 1), (1, 1, 4), (2, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def mla_ggufs(tmp):
+    """Tiny V3 (split attn_k_b / attn_v_b, Q8_0 where rows allow; sizes chosen so that
+    tp column windows of attn_output, ffn_down and the experts' down cut Q8_0 blocks)
+    and V2-Lite (attn_kv_b whole, no q LoRA, softmax routing) converted as llama.cpp does."""
+    from tests.fixtures import tiny_deepseek_gguf as tdg
+    from tests.fixtures import tiny_models
+    out = {}
+    for kind, form, over in (("v3", "split", {"v_head_dim": 16, "moe_intermediate_size": 64,
+                                              "intermediate_size": 96}),
+                             ("v2-lite", "kv_b", None)):
+        hf = tmp / f"mla-{kind}-hf"
+        tiny_models.write_model(kind, str(hf), overrides=over)
+        out[kind] = tmp / f"mla-{kind}.gguf"
+        tdg.convert(hf, out[kind], kv_form=form, dtype="Q8_0")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2-lite"])
+@pytest.mark.parametrize("tp,pp,ep", MLA_LAYOUTS)
+def test_deepseek_gguf(tmp, mla_ggufs, kind, tp, pp, ep):
+    g = mla_facts(mla_ggufs[kind])
+    path, inv = cpu_inventory(tmp, "cpu1", 1)
+    W = tp * pp * ep
+    rc, doc = plan([path] * W, mla_ggufs[kind], "--tp", str(tp), "--pp", str(pp), "--ep", str(ep))
+    assert rc == 0 and doc["model"]["model_type"] == "deepseek2"
+    assert (doc["model"]["layers"], doc["model"]["routed_experts"]) == (g["L"], g["E"])
+    assert doc["kv"]["bytes_per_token_layer"] == (g["lora"] + g["rope"]) * KV_ELEM
+    assert doc["fp8_dequant"] is None
+    check_gguf_plan(doc, [inv] * W, tp, pp, ep, lambda r: mla_rank(g, tp, pp, ep, r)[::2],
+                    sum(b for b, _, _ in g["tensors"].values()), min(g["ctx"], 4096))
+    for r, k in enumerate(doc["ranks"]):
+        e0, ec = split_range(g["E"], ep, r % (tp * ep) // tp)
+        assert tuple(k["experts"]) == (e0, e0 + ec)
+
+
+@needs_plan_check
+@pytest.mark.parametrize("tp,pp,ep", [(4, 1, 1), (2, 1, 2), (1, 2, 1)])
+def test_deepseek_gguf_bytes_are_what_the_engine_loads(tmp, mla_ggufs, tp, pp, ep):
+    """deepseek.c counts its weight windows (the f32 ones included) and keeps the 1-D
+    tensors as f32 copies beside them: the plan's bytes less those are its count."""
+    g = mla_facts(mla_ggufs["v3"])
+    path, _ = cpu_inventory(tmp, "cpu1", 1)
+    rc, doc = plan([path] * (tp * pp * ep), mla_ggufs["v3"], "--tp", str(tp), "--pp", str(pp),
+                   "--ep", str(ep))
+    assert rc == 0
+    vecs = [mla_rank(g, tp, pp, ep, r)[1] for r in range(tp * pp * ep)]
+    assert [k["memory"]["weights"] - v for k, v in zip(doc["ranks"], vecs)] == \
+        plan_check_bytes(mla_ggufs["v3"], tp, pp, ep)
+
+
+def test_gguf_refusals(tmp):
+    """What the engine would refuse at load is refused by name."""
+    import gguf
+    path, _ = cpu_inventory(tmp, "cpu1", 1)
+    cases = []
+    bad = tmp / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    cases.append((bad, "GGUF version 0"))
+    nosuffix = tmp / "model-gguf-bin"
+    nosuffix.write_bytes(b"GGUF" + bytes(64))
+    cases.append((nosuffix, ".gguf suffix"))
+    qwen = tmp / "qwen.gguf"
+    wr = gguf.GGUFWriter(str(qwen), "qwen2")
+    wr.add_tensor("token_embd.weight", bytes_to_f32(8, 4))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    cases.append((qwen, 'general.architecture "qwen2"'))
+    from tests.fixtures import tiny_llama
+    _, c, w = tiny_llama.write_hf(tmp / "tl-missing-hf")
+    del w["model.layers.1.self_attn.k_proj.weight"]
+    cases.append((tiny_llama.write_gguf(tmp / "tl-missing.gguf", c, w), "blk.1.attn_k.weight is missing"))
+    _, c, w = tiny_llama.write_hf(tmp / "tl-shape-hf")
+    w["model.layers.0.mlp.up_proj.weight"] = w["model.layers.0.mlp.up_proj.weight"][:64]
+    cases.append((tiny_llama.write_gguf(tmp / "tl-shape.gguf", c, w), "blk.0.ffn_up.weight is [64 x 64]"))
+    for model, word in cases:
+        r = run_plan("--inventory", str(path), "--model", str(model))
+        assert r.returncode == 2, (model, r.stdout, r.stderr)
+        assert word in r.stderr, (model, r.stderr)
+        assert str(model) in r.stderr
+
+
+def bytes_to_f32(rows, cols):
+    import numpy as np
+    return np.zeros((rows, cols), dtype=np.float32)
+
+
 # ---- refusals ------------------------------------------------------------------------------
 
 def run_plan(*args):
@@ -597,7 +936,7 @@ def test_bad_flags_and_files_exit_2(tmp):
         (["--inventory", str(tmp / "missing.json"), "--model", str(m)], "missing.json"),
         (["--inventory", str(bad_inv), "--model", str(m)], "bad.json"),
         (["--inventory", str(path), "--model", str(tmp / "nomodel")], "nomodel"),
-        (["--inventory", str(path), "--model", str(gguf)], "GGUF"),
+        (["--inventory", str(path), "--model", str(gguf)], "GGUF version 0"),
         (["--inventory", str(path), "--model", str(m), "--tp", "x"], "--tp"),
         (["--inventory", str(path), "--model", str(m), "--tp", "3"], "--tp"),
         (["--inventory", str(path), "--model", str(m), "--mem-fraction", "1.5"], "--mem-fraction"),
