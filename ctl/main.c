@@ -15,14 +15,13 @@
  * engine.  Single-threaded.
  */
 #include "common/buf.h"
-#include "common/clusterkey.h"
 #include "common/config.h"
 #include "common/fileutil.h"
 #include "common/jsonx.h"
 #include "common/strutil.h"
 #include "ctl/client.h"
+#include "ctl/keyfile.h"
 
-#include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <limits.h>
@@ -31,8 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -441,27 +438,6 @@ static int cmd_keys_revoke(const struct ctl_opts *o, const struct cmd_flags *fl,
 
 /* ---- cluster ---- */
 
-/* mkdir -p of path's parent, new directories 0700. */
-static int make_parents(const char *path)
-{
-	char dir[PATH_MAX];
-	if ((size_t)snprintf(dir, sizeof dir, "%s", path) >= sizeof dir)
-		return -1;
-	char *slash = strrchr(dir, '/');
-	if (!slash || slash == dir)
-		return 0;
-	*slash = '\0';
-	for (char *p = dir + 1; *p; p++) {
-		if (*p != '/')
-			continue;
-		*p = '\0';
-		if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-			return -1;
-		*p = '/';
-	}
-	return mkdir(dir, 0700) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 static void key_file_exists(const char *path)
 {
 	fprintf(stderr,
@@ -474,49 +450,32 @@ static int cmd_cluster_init(const struct ctl_opts *o, const struct cmd_flags *fl
 			    char **argv)
 {
 	const char *path = fl->key_file;
-	uint8_t raw[33]; /* byte 32: the key id */
-	char line[CLUSTERKEY_LINE_MAX];
-	struct stat st;
+	uint8_t kid = 0;
 	ds_err err = {0};
-	if (!fl->force && stat(path, &st) == 0) {
-		key_file_exists(path);
-		return 1;
-	}
-	if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
-		fprintf(stderr, "dsctl: no random bytes: %s\n", strerror(errno));
-		return 1;
-	}
-	uint8_t kid = raw[32] ? raw[32] : 1; /* key id 0 is for raw 32-byte key files */
-	int rc = clusterkey_format(kid, raw, line, sizeof line, &err);
-	if (rc == DS_OK && make_parents(path) != 0)
-		rc = ds_err_set(&err, DS_EIO, "cannot create the directories of %s: %s", path,
-				strerror(errno));
-	if (rc == DS_OK)
-		rc = ds_file_write_private(path, line, strlen(line), fl->force ? 0 : DS_WRITE_EXCL,
-					   &err);
+	int rc = keyfile_write(path, fl->force ? KEYFILE_FORCE : 0, &kid, &err);
 	if (rc == DS_EBUSY) {
 		key_file_exists(path);
-		rc = 1;
-	} else if (rc != DS_OK) {
+		return 1;
+	}
+	if (rc != DS_OK) {
 		fprintf(stderr, "dsctl: cannot write %s: %s\n", path, err.msg);
-		rc = 1;
-	} else if (o->json) {
+		return 1;
+	}
+	if (o->json) {
 		json_t *out = json_pack("{s:s,s:i}", "key_file", path, "key_id", (int)kid);
 		rc = out ? print_json(out) : 1;
 		json_decref(out);
-	} else {
-		printf("wrote a new cluster key to %s (mode 0600, key id %02x).\n"
-		       "Place the same file on every node, readable only by the agent's user:\n"
-		       "  scp -p %s NODE:%s && ssh NODE chmod 600 %s\n"
-		       "then start every agent with it, the others joining the first one:\n"
-		       "  dsagent --cluster-key %s                      # first node\n"
-		       "  dsagent --cluster-key %s --join FIRST:7946    # every other node\n"
-		       "Keep it secret: whoever holds it can join and speak for the cluster.\n",
-		       path, kid, path, path, path, path, path);
+		return rc;
 	}
-	explicit_bzero(raw, sizeof raw);
-	explicit_bzero(line, sizeof line);
-	return rc;
+	printf("wrote a new cluster key to %s (mode 0600, key id %02x).\n"
+	       "Place the same file on every node, readable only by the agent's user:\n"
+	       "  scp -p %s NODE:%s && ssh NODE chmod 600 %s\n"
+	       "then start every agent with it, the others joining the first one:\n"
+	       "  dsagent --cluster-key %s                      # first node\n"
+	       "  dsagent --cluster-key %s --join FIRST:7946    # every other node\n"
+	       "Keep it secret: whoever holds it can join and speak for the cluster.\n",
+	       path, kid, path, path, path, path, path);
+	return 0;
 }
 
 static int cmd_cluster_members(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
