@@ -21,10 +21,12 @@
 #include "common/strutil.h"
 #include "ctl/client.h"
 #include "ctl/keyfile.h"
+#include "ctl/up.h"
 
 #include <fcntl.h>
 #include <jansson.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -70,6 +72,11 @@ struct cmd_flags {
 	int64_t rpm, tpm, max_concurrency;
 	char *key_file; /* cluster init */
 	int force;
+	/* cluster up / down */
+	char *model, *served_model_name;
+	int tp, pp, ep, max_ctx, expect;
+	double mem_fraction;
+	int64_t wait_ms;
 };
 
 #define F(f) offsetof(struct cmd_flags, f)
@@ -92,7 +99,34 @@ static const cfg_opt cluster_init_flags[] = {
 	 .help = "replace an existing key file (every node then needs the new key)"},
 	{.name = NULL},
 };
+#define UP_WAIT_MS "600000"
+static const cfg_opt cluster_up_flags[] = {
+	{.name = "model", .type = CFG_STR, .offset = F(model), .def = NULL, .min = 1, .max = 0,
+	 .help = "the model to serve: a checkpoint every node reads at this path (required)"},
+	{.name = "served-model-name", .type = CFG_STR, .offset = F(served_model_name),
+	 .def = NULL, .min = 1, .max = 0,
+	 .help = "NAME[,ALIAS...] clients use as 'model' (default: the head's choice)"},
+	{.name = "tp", .type = CFG_INT, .offset = F(tp), .def = "0", .min = 0, .max = 65536,
+	 .help = "tensor-parallel ranks (0: the planner chooses)"},
+	{.name = "pp", .type = CFG_INT, .offset = F(pp), .def = "0", .min = 0, .max = 65536,
+	 .help = "pipeline stages (0: the planner chooses)"},
+	{.name = "ep", .type = CFG_INT, .offset = F(ep), .def = "0", .min = 0, .max = 65536,
+	 .help = "expert-parallel groups (0: the planner chooses)"},
+	{.name = "max-ctx", .type = CFG_INT, .offset = F(max_ctx), .def = "0", .min = 0,
+	 .max = 1 << 24, .help = "longest sequence the KV cache must hold (0: the planner's)"},
+	{.name = "mem-fraction", .type = CFG_DOUBLE, .offset = F(mem_fraction), .def = NULL,
+	 .min = 0.01, .max = 1.0, .help = "share of each device's memory to use (default 0.9)"},
+	{.name = "expect", .type = CFG_INT, .offset = F(expect), .def = "0", .min = 0,
+	 .max = 1000, .help = "wait for this many alive members before launching"},
+	{.name = "wait", .type = CFG_I64, .offset = F(wait_ms), .def = UP_WAIT_MS, .min = 1,
+	 .max = 86400000,
+	 .help = "give up after this many ms: head, launch and load together (default "
+		 UP_WAIT_MS ")"},
+	{.name = NULL},
+};
 static const cfg_opt no_flags[] = {{0}};
+
+static const char *progname = "dsctl"; /* argv[0], for command lines dsctl prints */
 
 typedef int (*cmd_fn)(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
 		      char **argv);
@@ -1102,6 +1136,83 @@ static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *
 	return 0;
 }
 
+/* ---- cluster up / down ---- */
+
+static int bad_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int bad_usage(const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	fprintf(stderr, "dsctl: ");
+	vfprintf(stderr, fmt, ap);
+	fprintf(stderr, " (see dsctl --help)\n");
+	va_end(ap);
+	return 2;
+}
+
+static int cmd_cluster_up(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
+			  char **argv)
+{
+	if (!fl->model)
+		return bad_usage("cluster up needs --model PATH (a checkpoint every node reads at "
+				 "that path)");
+	const char *term = getenv("TERM");
+	struct token tok;
+	up_result res;
+	up_params up = up_default_params();
+	int rc = DS_EIO;
+	memset(&tok, 0, sizeof tok);
+	up_result_init(&res);
+	up.model = fl->model;
+	up.served_model_name = fl->served_model_name;
+	up.tp = fl->tp;
+	up.pp = fl->pp;
+	up.ep = fl->ep;
+	up.max_ctx = fl->max_ctx;
+	up.mem_fraction = fl->mem_fraction;
+	up.expect = fl->expect;
+	up.wait_ms = (long)fl->wait_ms;
+	up.request_ms = o->timeout_ms;
+	up.json = o->json;
+	up.redraw = !o->json && isatty(STDOUT_FILENO) && !(term && strcmp(term, "dumb") == 0);
+	up.dsctl = progname;
+	if (load_token(o, &tok))
+		return 1;
+	up.control_url = o->agent;
+	up.token = tok.text;
+	up.token_source = tok.source;
+	rc = up_run(&up, &res);
+	if (rc != DS_OK && res.deployment >= 0)
+		fprintf(stderr, "dsctl: ranks of deployment %lld may still run; `%s cluster down` "
+			"stops them\n", res.deployment, progname);
+	up_result_print(&up, &res);
+	up_result_free(&res);
+	explicit_bzero(&tok, sizeof tok);
+	return rc == DS_OK ? 0 : 1;
+}
+
+static int cmd_cluster_down(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
+			    char **argv)
+{
+	ds_err err = {0};
+	struct token tok;
+	if (load_token(o, &tok))
+		return 1;
+	up_params up = up_default_params();
+	up.control_url = o->agent;
+	up.token = tok.text;
+	up.token_source = tok.source;
+	up.request_ms = o->timeout_ms;
+	up.json = o->json;
+	int rc = up_down(&up, &err);
+	explicit_bzero(&tok, sizeof tok);
+	if (rc != DS_OK) {
+		fprintf(stderr, "dsctl: cluster down failed: %s\n", err.msg);
+		return 1;
+	}
+	return 0;
+}
+
 /* ---- the command table ---- */
 
 static const struct command {
@@ -1133,6 +1244,14 @@ static const struct command {
 	 .args = "",
 	 .help = "membership and election as the agent sees them: head, epoch, lease, quorum, "
 		 "members, recent elections"},
+	{.word = "cluster", .sub = "up", .fn = cmd_cluster_up, .flags = cluster_up_flags,
+	 .args = "--model PATH [--tp N] [--pp N] [--ep N] [--max-ctx N] [--mem-fraction F] "
+		 "[--served-model-name N] [--expect N] [--wait MS]",
+	 .help = "deploy a model on the cluster: wait for a head, plan, launch the ranks on every "
+		 "node, follow their loading, print the API URL once it serves (exit 0) or what "
+		 "failed where (exit 1)"},
+	{.word = "cluster", .sub = "down", .fn = cmd_cluster_down, .flags = no_flags,
+	 .args = "", .help = "stop the deployment's ranks on every node (the agents keep running)"},
 	{.word = "plan", .sub = "show", .fn = cmd_plan_show, .flags = no_flags, .args = "",
 	 .help = "the current shard plan from the head: version, epoch, status, tp x pp x ep, each "
 		 "rank's node, device, layers and experts, the comm groups, each node's environment"},
@@ -1148,7 +1267,7 @@ static void usage(FILE *f)
 {
 	fprintf(f, "usage: dsctl [flags] COMMAND [args]\n\nCommands:\n");
 	for (int i = 0; commands[i].word; i++) {
-		char cmd[128];
+		char cmd[512];
 		snprintf(cmd, sizeof cmd, "%s%s%s%s%s", commands[i].word,
 			 commands[i].sub ? " " : "", commands[i].sub ? commands[i].sub : "",
 			 commands[i].args[0] ? " " : "", commands[i].args);
@@ -1231,6 +1350,9 @@ int main(int argc, char **argv)
 	ds_err err = {0};
 	int next = 0, rc = 2;
 	char **pos = NULL;
+	const struct command *cmd = NULL;
+	if (argc > 0 && argv[0] && argv[0][0])
+		progname = argv[0];
 	if (cfg_load(opts_table, &o, "DSCTL", argc, argv, 1, &next, &err) != DS_OK) {
 		fprintf(stderr, "dsctl: %s\n", err.msg);
 		goto out;
@@ -1241,7 +1363,6 @@ int main(int argc, char **argv)
 		goto out;
 	}
 	const char *word = argv[next];
-	const struct command *cmd = NULL;
 	int has_group = 0;
 	for (int i = 0; commands[i].word; i++) {
 		if (strcmp(commands[i].word, word) != 0)
@@ -1265,8 +1386,7 @@ int main(int argc, char **argv)
 						commands[i].args[0] ? " " : "", commands[i].args);
 		goto out;
 	}
-	if (cfg_defaults(create_flags, &fl, &err) != DS_OK ||
-	    cfg_defaults(cluster_init_flags, &fl, &err) != DS_OK) {
+	if (cfg_defaults(cmd->flags, &fl, &err) != DS_OK) {
 		fprintf(stderr, "dsctl: %s\n", err.msg);
 		goto out;
 	}
@@ -1290,7 +1410,8 @@ int main(int argc, char **argv)
 	rc = cmd->fn(&o, &fl, npos, pos);
 out:
 	free(pos);
-	cfg_free(cluster_init_flags, &fl);
+	if (cmd)
+		cfg_free(cmd->flags, &fl);
 	cfg_free(opts_table, &o);
 	return rc;
 }
