@@ -21,6 +21,7 @@
 #include "common/strutil.h"
 #include "ctl/client.h"
 #include "ctl/keyfile.h"
+#include "ctl/local.h"
 #include "ctl/up.h"
 
 #include <fcntl.h>
@@ -73,8 +74,8 @@ struct cmd_flags {
 	char *key_file; /* cluster init */
 	int force;
 	/* cluster up / down */
-	char *model, *served_model_name;
-	int tp, pp, ep, max_ctx, expect;
+	char *model, *served_model_name, *local_dir, *fake_gpus;
+	int tp, pp, ep, max_ctx, expect, local_n, local;
 	double mem_fraction;
 	int64_t wait_ms;
 };
@@ -100,6 +101,7 @@ static const cfg_opt cluster_init_flags[] = {
 	{.name = NULL},
 };
 #define UP_WAIT_MS "600000"
+#define LOCAL_DIR "run/cluster"
 static const cfg_opt cluster_up_flags[] = {
 	{.name = "model", .type = CFG_STR, .offset = F(model), .def = NULL, .min = 1, .max = 0,
 	 .help = "the model to serve: a checkpoint every node reads at this path (required)"},
@@ -117,11 +119,26 @@ static const cfg_opt cluster_up_flags[] = {
 	{.name = "mem-fraction", .type = CFG_DOUBLE, .offset = F(mem_fraction), .def = NULL,
 	 .min = 0.01, .max = 1.0, .help = "share of each device's memory to use (default 0.9)"},
 	{.name = "expect", .type = CFG_INT, .offset = F(expect), .def = "0", .min = 0,
-	 .max = 1000, .help = "wait for this many alive members before launching"},
+	 .max = 1000, .help = "wait for this many alive members before launching (--local: N)"},
 	{.name = "wait", .type = CFG_I64, .offset = F(wait_ms), .def = UP_WAIT_MS, .min = 1,
 	 .max = 86400000,
 	 .help = "give up after this many ms: head, launch and load together (default "
 		 UP_WAIT_MS ")"},
+	{.name = "local", .type = CFG_INT, .offset = F(local_n), .def = NULL, .min = 1,
+	 .max = LOCAL_MAX,
+	 .help = "start N agents on this machine first (reused while they run), then deploy on "
+		 "them"},
+	{.name = "local-dir", .type = CFG_STR, .offset = F(local_dir), .def = NULL, .min = 1,
+	 .max = 0, .help = "--local: the cluster's directory (default " LOCAL_DIR ")"},
+	{.name = "fake-gpus", .type = CFG_STR, .offset = F(fake_gpus), .def = NULL, .min = 1,
+	 .max = 0, .help = "--local: dsagent --fake-gpus SPEC for every agent (e.g. 2xH100-80GB)"},
+	{.name = NULL},
+};
+static const cfg_opt cluster_down_flags[] = {
+	{.name = "local", .type = CFG_BOOL, .offset = F(local), .def = "false", .min = 1,
+	 .max = 0, .help = "stop the agents of `cluster up --local` instead (SIGTERM, then SIGKILL)"},
+	{.name = "local-dir", .type = CFG_STR, .offset = F(local_dir), .def = NULL, .min = 1,
+	 .max = 0, .help = "--local: the cluster's directory (default " LOCAL_DIR ")"},
 	{.name = NULL},
 };
 static const cfg_opt no_flags[] = {{0}};
@@ -1150,14 +1167,73 @@ static int bad_usage(const char *fmt, ...)
 	return 2;
 }
 
+static void print_local(const struct ctl_opts *o, const local_cluster *lc)
+{
+	if (o->json) {
+		json_t *as = json_array();
+		for (int i = 0; as && i < lc->n; i++) {
+			const local_agent *a = &lc->agents[i];
+			json_array_append_new(as, json_pack("{s:s,s:i,s:s,s:s,s:s,s:s}", "name",
+							    a->name, "pid", a->pid, "control_url",
+							    a->control_url, "api_url", a->api_url,
+							    "data_dir", a->data_dir, "log", a->log));
+		}
+		json_t *ev = json_pack("{s:s,s:s,s:b,s:o}", "event", "local", "dir", lc->dir,
+				       "reused", lc->reused, "agents", as ? as : json_array());
+		char *s = ev ? json_dumps(ev, JSON_COMPACT) : NULL;
+		if (s)
+			printf("%s\n", s);
+		free(s);
+		json_decref(ev);
+	} else {
+		printf("%s %d local agent(s) in %s:\n", lc->reused ? "reusing the" : "started", lc->n,
+		       lc->dir);
+		for (int i = 0; i < lc->n; i++) {
+			const local_agent *a = &lc->agents[i];
+			printf("  %-8s pid %-8d control %s  api %s  log %s\n", a->name, a->pid,
+			       a->control_url, a->api_url, a->log);
+		}
+	}
+	fflush(stdout);
+}
+
+/* The admin token of a local cluster's node1, into t. */
+static int local_token(const local_cluster *lc, struct token *t, up_result *res)
+{
+	size_t n = 0;
+	ds_err err = {0};
+	snprintf(t->source, sizeof t->source, "%s/admin.token", lc->agents[0].data_dir);
+	if (ds_file_read_small(t->source, 0, t->text, sizeof t->text - 1, &n, &err) != DS_OK) {
+		snprintf(res->error, sizeof res->error, "cannot read %s's admin token: %s",
+			 lc->agents[0].name, err.msg);
+		return 1;
+	}
+	t->text[n] = '\0';
+	if (trim_token(t)) {
+		snprintf(res->error, sizeof res->error, "%s's admin token %s is not usable",
+			 lc->agents[0].name, t->source);
+		return 1;
+	}
+	return 0;
+}
+
 static int cmd_cluster_up(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
 			  char **argv)
 {
 	if (!fl->model)
 		return bad_usage("cluster up needs --model PATH (a checkpoint every node reads at "
 				 "that path)");
+	if (!fl->local_n && (fl->local_dir || fl->fake_gpus))
+		return bad_usage("--%s needs --local N", fl->local_dir ? "local-dir" : "fake-gpus");
+	if (fl->local_n && fl->expect && fl->expect != fl->local_n)
+		return bad_usage("--expect %d contradicts --local %d (the local cluster has %d "
+				 "agents and waits for all of them)",
+				 fl->expect, fl->local_n, fl->local_n);
+	const char *dir = fl->local_dir ? fl->local_dir : LOCAL_DIR;
 	const char *term = getenv("TERM");
+	char model_abs[PATH_MAX];
 	struct token tok;
+	local_cluster lc = {0};
 	up_result res;
 	up_params up = up_default_params();
 	int rc = DS_EIO;
@@ -1176,38 +1252,114 @@ static int cmd_cluster_up(const struct ctl_opts *o, const struct cmd_flags *fl, 
 	up.json = o->json;
 	up.redraw = !o->json && isatty(STDOUT_FILENO) && !(term && strcmp(term, "dumb") == 0);
 	up.dsctl = progname;
-	if (load_token(o, &tok))
-		return 1;
-	up.control_url = o->agent;
+	if (fl->local_n) {
+		local_params lp = local_default_params();
+		ds_err err = {0};
+		lp.dir = dir;
+		lp.n = fl->local_n;
+		lp.fake_gpus = fl->fake_gpus;
+		if (local_up(&lp, &lc, &err) != DS_OK) {
+			snprintf(res.error, sizeof res.error, "--local %d: %s", fl->local_n, err.msg);
+			goto out;
+		}
+		print_local(o, &lc);
+		/* the local agents run where dsctl runs: give the head a path that does
+		 * not depend on that (a path that does not exist is the head's 404) */
+		if (realpath(fl->model, model_abs))
+			up.model = model_abs;
+		if (local_token(&lc, &tok, &res))
+			goto out;
+		up.control_url = lc.agents[0].control_url;
+		up.expect = fl->local_n;
+	} else {
+		if (load_token(o, &tok))
+			return 1;
+		up.control_url = o->agent;
+	}
 	up.token = tok.text;
 	up.token_source = tok.source;
 	rc = up_run(&up, &res);
-	if (rc != DS_OK && res.deployment >= 0)
+out:
+	if (rc != DS_OK && lc.n)
+		fprintf(stderr, "dsctl: the %d local agent(s) keep running; stop them with: %s "
+			"cluster down --local --local-dir %s\n", lc.n, progname, dir);
+	else if (rc != DS_OK && res.deployment >= 0)
 		fprintf(stderr, "dsctl: ranks of deployment %lld may still run; `%s cluster down` "
 			"stops them\n", res.deployment, progname);
 	up_result_print(&up, &res);
 	up_result_free(&res);
+	local_cluster_free(&lc);
 	explicit_bzero(&tok, sizeof tok);
 	return rc == DS_OK ? 0 : 1;
+}
+
+static const char *outcome_name(enum local_outcome oc)
+{
+	switch (oc) {
+	case LOCAL_GONE:
+		return "not running";
+	case LOCAL_TERMINATED:
+		return "stopped";
+	case LOCAL_KILLED:
+		return "killed (SIGKILL: it did not stop on SIGTERM)";
+	case LOCAL_STUCK:
+		return "STILL RUNNING after SIGKILL";
+	case LOCAL_RUNNING:
+		break;
+	}
+	return "running";
 }
 
 static int cmd_cluster_down(const struct ctl_opts *o, const struct cmd_flags *fl, int argc,
 			    char **argv)
 {
 	ds_err err = {0};
-	struct token tok;
-	if (load_token(o, &tok))
-		return 1;
-	up_params up = up_default_params();
-	up.control_url = o->agent;
-	up.token = tok.text;
-	up.token_source = tok.source;
-	up.request_ms = o->timeout_ms;
-	up.json = o->json;
-	int rc = up_down(&up, &err);
-	explicit_bzero(&tok, sizeof tok);
+	if (!fl->local && fl->local_dir)
+		return bad_usage("--local-dir needs --local");
+	if (!fl->local) {
+		struct token tok;
+		if (load_token(o, &tok))
+			return 1;
+		up_params up = up_default_params();
+		up.control_url = o->agent;
+		up.token = tok.text;
+		up.token_source = tok.source;
+		up.request_ms = o->timeout_ms;
+		up.json = o->json;
+		int rc = up_down(&up, &err);
+		explicit_bzero(&tok, sizeof tok);
+		if (rc != DS_OK) {
+			fprintf(stderr, "dsctl: cluster down failed: %s\n", err.msg);
+			return 1;
+		}
+		return 0;
+	}
+	const char *dir = fl->local_dir ? fl->local_dir : LOCAL_DIR;
+	local_cluster lc = {0};
+	int rc = local_down(dir, 15000, &lc, &err);
+	if (o->json && lc.n) {
+		json_t *as = json_array();
+		for (int i = 0; as && i < lc.n; i++)
+			json_array_append_new(as, json_pack("{s:s,s:i,s:s}", "name",
+							    lc.agents[i].name, "pid",
+							    lc.agents[i].pid, "outcome",
+							    outcome_name(lc.agents[i].outcome)));
+		json_t *v = json_pack("{s:s,s:b,s:o}", "dir", lc.dir, "removed", rc == DS_OK,
+				      "agents", as ? as : json_array());
+		if (v)
+			print_json(v);
+		json_decref(v);
+	} else if (lc.n) {
+		printf("local cluster in %s:\n", lc.dir);
+		for (int i = 0; i < lc.n; i++)
+			printf("  %-8s pid %-8d %s\n", lc.agents[i].name, lc.agents[i].pid,
+			       outcome_name(lc.agents[i].outcome));
+		if (rc == DS_OK)
+			printf("removed %s/cluster.json\n", lc.dir);
+	}
+	local_cluster_free(&lc);
 	if (rc != DS_OK) {
-		fprintf(stderr, "dsctl: cluster down failed: %s\n", err.msg);
+		fprintf(stderr, "dsctl: cluster down --local: %s\n", err.msg);
 		return 1;
 	}
 	return 0;
@@ -1246,12 +1398,15 @@ static const struct command {
 		 "members, recent elections"},
 	{.word = "cluster", .sub = "up", .fn = cmd_cluster_up, .flags = cluster_up_flags,
 	 .args = "--model PATH [--tp N] [--pp N] [--ep N] [--max-ctx N] [--mem-fraction F] "
-		 "[--served-model-name N] [--expect N] [--wait MS]",
+		 "[--served-model-name N] [--expect N] [--wait MS] [--local N [--local-dir DIR] "
+		 "[--fake-gpus SPEC]]",
 	 .help = "deploy a model on the cluster: wait for a head, plan, launch the ranks on every "
 		 "node, follow their loading, print the API URL once it serves (exit 0) or what "
-		 "failed where (exit 1)"},
-	{.word = "cluster", .sub = "down", .fn = cmd_cluster_down, .flags = no_flags,
-	 .args = "", .help = "stop the deployment's ranks on every node (the agents keep running)"},
+		 "failed where (exit 1); --local N first starts N agents on this machine"},
+	{.word = "cluster", .sub = "down", .fn = cmd_cluster_down, .flags = cluster_down_flags,
+	 .args = "[--local [--local-dir DIR]]",
+	 .help = "stop the deployment's ranks on every node (the agents keep running); --local: "
+		 "stop the agents of `cluster up --local` and remove its cluster.json"},
 	{.word = "plan", .sub = "show", .fn = cmd_plan_show, .flags = no_flags, .args = "",
 	 .help = "the current shard plan from the head: version, epoch, status, tp x pp x ep, each "
 		 "rank's node, device, layers and experts, the comm groups, each node's environment"},

@@ -12,10 +12,29 @@ before and apart from the agents' side of it:
 - a failed deployment, a 422 with its shortfall, a timeout, a rejected token:
   exit 1 and a last line that says what failed where;
 - `cluster down`: what stopped; a refused DELETE.
+
+Against real agents (`--local`):
+
+- `cluster up --local 3` starts three agents that elect one head (node1, which
+  has the priority) as each agent's GET /v1/cluster/state shows; a second
+  `cluster up --local 3` reuses them;
+- the agents built so far have no /v1/cluster/up route: the flow ends with
+  exit 1 and a last line naming the request (THIS CHANGES once the agents
+  serve the route: then it checks the deployment instead);
+- an agent that dies during start-up is named with its log, and the agents
+  already started are stopped;
+- `cluster down --local` leaves no agent of the directory and removes
+  cluster.json; with no cluster.json it exits 1 naming it;
+- bad flags exit 2 naming the flag.
+
+The agents get the fast timings through DSAGENT_* variables, which dsctl
+passes on: gossip profile "test", --settle-ms 300, --lease-ms 1500.
 """
 import json
 import os
+import pathlib
 import pty
+import signal
 import subprocess
 import threading
 import time
@@ -25,7 +44,10 @@ import pytest
 
 from conftest import ROOT, binary
 
+MODEL = ROOT / "models" / "default.gguf"
 TOKEN = "fake-admin-token"
+FAST = {"DSAGENT_GOSSIP_PROFILE": "test", "DSAGENT_SETTLE_MS": "300",
+        "DSAGENT_LEASE_MS": "1500", "DSAGENT_THREADS": "1", "DSAGENT_KV_CACHE_MB": "8"}
 
 
 def dsctl(*args, env=None, timeout=60):
@@ -335,13 +357,147 @@ def test_down(fake, tmp_path):
 
 @pytest.mark.parametrize("args,flag", [
     (["cluster", "up", "--tp", "2"], "--model"),
+    (["cluster", "up", "--local", "0", "--model", "m"], "--local"),
     (["cluster", "up", "--model", "m", "--tp", "x"], "--tp"),
     (["cluster", "up", "--model", "m", "--mem-fraction", "2"], "--mem-fraction"),
     (["cluster", "up", "--model", "m", "--wait", "-1"], "--wait"),
+    (["cluster", "up", "--model", "m", "--local-dir", "d"], "--local-dir"),
+    (["cluster", "up", "--model", "m", "--local", "2", "--expect", "3"], "--expect"),
     (["cluster", "up", "--model", "m", "--nosuch"], "--nosuch"),
+    (["cluster", "down", "--local-dir", "d"], "--local-dir"),
 ])
 def test_bad_flags(args, flag, tmp_path):
     r = dsctl(*args, "--data-dir", tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
     assert flag in r.stderr, r.stderr
     assert not r.stdout
+
+
+def test_down_local_without_cluster_json(tmp_path):
+    r = dsctl("cluster", "down", "--local", "--local-dir", tmp_path / "empty")
+    assert r.returncode == 1 and "cluster.json" in r.stderr, r.stderr
+    (tmp_path / "empty").mkdir()
+    r = dsctl("cluster", "down", "--local", "--local-dir", tmp_path / "empty")
+    assert r.returncode == 1, r.stderr
+    assert f"{tmp_path / 'empty' / 'cluster.json'} does not exist" in r.stderr, r.stderr
+
+
+# --------------------------------------------------------- real agents --
+
+def agents_in(d):
+    """pids of running dsagent processes whose --data-dir is under d."""
+    d = str(pathlib.Path(d).resolve())
+    out = []
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        argv = [a.decode(errors="replace") for a in argv]
+        if not argv or os.path.basename(argv[0]) != "dsagent" or "--data-dir" not in argv:
+            continue
+        i = argv.index("--data-dir")
+        if i + 1 < len(argv) and argv[i + 1].startswith(d + "/"):
+            out.append(int(p.name))
+    return sorted(out)
+
+
+def kill_all(d):
+    for pid in agents_in(d):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def get(url, path, token):
+    import urllib.request
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def local3(tmp_path_factory):
+    """`cluster up --local 3` once for the module: (dir, the first run)."""
+    d = tmp_path_factory.mktemp("local3") / "cluster"
+    r = dsctl("cluster", "up", "--local", "3", "--local-dir", d, "--model", MODEL, "--wait",
+              "30000", env=FAST)
+    yield d, r
+    dsctl("cluster", "down", "--local", "--local-dir", d)
+    kill_all(d)
+
+
+def test_local_three_agents_elect_one_head(local3):
+    d, r = local3
+    doc = json.loads((d / "cluster.json").read_text())
+    agents = doc["agents"]
+    assert [a["name"] for a in agents] == ["node1", "node2", "node3"], r.stdout + r.stderr
+    assert sorted(a["pid"] for a in agents) == agents_in(d)
+    assert (d.stat().st_mode & 0o777) == 0o700 and (d / "cluster.key").stat().st_mode & 0o77 == 0
+    for a in agents:
+        assert a["data_dir"] == str(d.resolve() / a["name"])
+        assert f"{a['name']}  " in r.stdout or f"{a['name']} " in r.stdout, r.stdout
+    views = {}
+    for a in agents:
+        tok = (pathlib.Path(a["data_dir"]) / "admin.token").read_text().strip()
+        views[a["name"]] = get(a["control_url"], "/v1/cluster/state", tok)
+    heads = {(v["head"] or {}).get("name") for v in views.values()}
+    assert heads == {"node1"}, views                     # node1 has --priority 1
+    assert {v["head_epoch"] for v in views.values()} == {views["node1"]["head_epoch"]}
+    assert [v["role"] for v in views.values()].count("head") == 1, views
+    assert all(v["alive"] == 3 and v["expect"] == 3 for v in views.values()), views
+    assert "head: node1" in r.stdout, r.stdout
+    # a second `cluster up --local 3` reuses the running agents
+    r2 = dsctl("cluster", "up", "--local", "3", "--local-dir", d, "--model", MODEL, "--wait",
+               "20000", "--json", env=FAST)
+    ev = json.loads(r2.stdout.splitlines()[0])
+    assert ev["event"] == "local" and ev["reused"] is True, r2.stdout
+    assert [a["pid"] for a in ev["agents"]] == [a["pid"] for a in agents]
+    # another size while it runs: refused, nothing started
+    r3 = dsctl("cluster", "up", "--local", "2", "--local-dir", d, "--model", MODEL, env=FAST)
+    assert r3.returncode == 1 and "cluster down --local" in last_line(r3.stderr), r3.stderr
+    assert agents_in(d) == sorted(a["pid"] for a in agents)
+
+
+def test_local_up_without_the_route(local3):
+    """THIS TEST CHANGES once the agents serve POST /v1/cluster/up: today the
+    flow reaches the head, posts, and ends with exit 1 and a last line naming
+    the request that failed."""
+    d, r = local3
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert last_line(r.stderr) == ("dsctl: cluster up failed: POST /v1/cluster/up answered 404: "
+                                   "no route for POST /v1/cluster/up"), r.stderr
+    assert "the 3 local agent(s) keep running" in r.stderr
+
+
+def test_local_down_leaves_nothing(local3):
+    d, _ = local3
+    assert len(agents_in(d)) == 3
+    r = dsctl("cluster", "down", "--local", "--local-dir", d)
+    assert r.returncode == 0, r.stderr
+    assert agents_in(d) == [] and not (d / "cluster.json").exists()
+    assert r.stdout.count(" stopped") == 3, r.stdout
+    r = dsctl("cluster", "down", "--local", "--local-dir", d)
+    assert r.returncode == 1 and "cluster.json" in r.stderr
+
+
+def test_local_agent_dying_at_start(tmp_path):
+    """node2 cannot open its store (its dsagent.db is a directory): dsctl names
+    node2 and its log, shows the log's end, and stops node1, which started."""
+    d = tmp_path / "cluster"
+    (d / "node2" / "dsagent.db").mkdir(parents=True)
+    try:
+        r = dsctl("cluster", "up", "--local", "2", "--local-dir", d, "--model", MODEL,
+                  "--wait", "30000", env=FAST)
+        assert r.returncode == 1, r.stdout + r.stderr
+        log = d / "node2" / "agent.log"
+        assert f"node2 exited with status 1 during start-up (its log: {log})" in \
+            last_line(r.stderr), r.stderr
+        assert f"--- the end of {log} ---" in r.stderr and "dsagent.db" in r.stderr
+        assert agents_in(d) == [] and not (d / "cluster.json").exists()
+        assert "dsagent listening" in (d / "node1" / "agent.log").read_text()
+    finally:
+        kill_all(d)
