@@ -440,10 +440,17 @@ def test_local_three_agents_elect_one_head(local3):
     for a in agents:
         assert a["data_dir"] == str(d.resolve() / a["name"])
         assert f"{a['name']}  " in r.stdout or f"{a['name']} " in r.stdout, r.stdout
-    views = {}
-    for a in agents:
-        tok = (pathlib.Path(a["data_dir"]) / "admin.token").read_text().strip()
-        views[a["name"]] = get(a["control_url"], "/v1/cluster/state", tok)
+    # dsctl went on once node1 (the agent it asks) saw the head and three
+    # members; the others learn of the head with its next heartbeat
+    deadline = time.monotonic() + 5
+    while True:
+        views = {}
+        for a in agents:
+            tok = (pathlib.Path(a["data_dir"]) / "admin.token").read_text().strip()
+            views[a["name"]] = get(a["control_url"], "/v1/cluster/state", tok)
+        if all(v["has_head"] for v in views.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     heads = {(v["head"] or {}).get("name") for v in views.values()}
     assert heads == {"node1"}, views                     # node1 has --priority 1
     assert {v["head_epoch"] for v in views.values()} == {views["node1"]["head_epoch"]}
