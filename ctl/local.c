@@ -387,7 +387,11 @@ static int start_one(const local_params *p, const char *exe, local_cluster *lc, 
 			       "127.0.0.1", "--control-port", "0", "--api-port", "0", "--data-dir",
 			       a->data_dir, "--cluster-key", lc->key_file, "--gossip-bind",
 			       "127.0.0.1", "--gossip-port", "0", "--expect", expect, "--backend",
-			       "cpu"};
+			       "cpu",
+			       /* one machine's loopback: the timers measured for it
+				* (docs/cluster.md, "Timing") */
+			       "--gossip-profile", "test", "--settle-ms", "300", "--lease-ms",
+			       "1500"};
 	argv[n++] = exe;
 	for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
 		argv[n++] = fixed[i];

@@ -678,6 +678,22 @@ static void node_row(const json_t *n, char (*row)[CELL])
 		}
 	}
 	fmt_ago(json_object_get(n, "last_seen"), row[9], CELL);
+	/* the deployment's ranks on this node (the head adds them): R:state ... */
+	const json_t *ranks = json_object_get(n, "ranks");
+	size_t i, used = 0;
+	const json_t *k;
+	snprintf(row[10], CELL, "-");
+	json_array_foreach(ranks, i, k) {
+		long long r = -1;
+		jint(k, "rank", &r);
+		int wr = snprintf(row[10] + used, CELL - used, "%s%lld:%s", i ? " " : "", r,
+				 jstr(k, "state", "?"));
+		if (wr < 0 || (size_t)wr >= CELL - used) {
+			snprintf(row[10] + (CELL > 4 ? CELL - 4 : 0), 4, "...");
+			break;
+		}
+		used += (size_t)wr;
+	}
 }
 
 /* Says where the answer came from when it is not the head's record. */
@@ -902,9 +918,10 @@ static int cmd_nodes(const struct ctl_opts *o, const struct cmd_flags *fl, int a
 		json_decref(v);
 		return rc;
 	}
-	enum { NC = 10 };
+	enum { NC = 11 };
 	static const char *head[NC] = {"NAME", "ADDRESS", "STATUS", "ROLE", "GPUS",
-				      "GPU MEM GiB", "MAX TEMP", "ECC V/A", "IB UP/TOTAL", "LAST SEEN"};
+				      "GPU MEM GiB", "MAX TEMP", "ECC V/A", "IB UP/TOTAL", "LAST SEEN",
+				      "RANKS"};
 	size_t rows = json_array_size(nodes);
 	char(*cells)[16][CELL] = calloc(rows + 1, sizeof *cells);
 	if (!cells) {

@@ -433,6 +433,9 @@ static void node_view_of(const json_t *n, struct node_view *v)
 		long long k = -1, l = 0, t = 0;
 		jint(r, "rank", &k);
 		if (jint(r, "loaded_bytes", &l) && jint(r, "total_bytes", &t) && t > 0) {
+			/* the total is the plan's estimate: a ready rank has all of it */
+			if (strcmp(jstr(r, "state", ""), "ready") == 0)
+				l = t;
 			v->loaded += l;
 			v->total += t;
 		} else {

@@ -221,11 +221,19 @@ static void monitor_round(deploy *d)
 	pthread_mutex_unlock(&d->mu);
 	if (!(state == ST_SERVING || (state == ST_LOADING && dispatched)))
 		return;
+	/* The rank to blame: one killed by a signal before one that exited, a
+	 * rank the launchers saw end before rank 0 (which ends when a peer's
+	 * connection breaks). */
+	int blame = -1, blame_node = -1, blame_pri = 0, pid0 = 0;
+	char why[512] = "";
 	if (state == ST_SERVING) {
-		int pid = serve_rank_pid(d->p.sv, 0);
-		if (pid > 0 && pid_dead(pid)) {
-			fail(d, 0, 0, "rank 0 on node %s (pid %d) exited", nodes[0].name, pid);
-			return;
+		pid0 = serve_rank_pid(d->p.sv, 0);
+		if (pid0 > 0 && pid_dead(pid0)) {
+			blame = 0;
+			blame_node = 0;
+			blame_pri = 1;
+			snprintf(why, sizeof why, "rank 0 on node %s (pid %d) exited", nodes[0].name,
+				 pid0);
 		}
 	}
 	for (int i = 0; i < n; i++) {
@@ -243,36 +251,44 @@ static void monitor_round(deploy *d)
 		}
 		const char *seen = json_string_value(json_object_get(doc, "job"));
 		if (!seen || strcmp(seen, job) != 0) {
-			fail(d, i, -1, "node %s no longer runs this deployment's ranks (its job: %s)",
-			     nodes[i].name, seen ? seen : "none");
+			if (blame_pri < 2) {
+				blame = -1;
+				blame_node = i;
+				blame_pri = 2;
+				snprintf(why, sizeof why, "node %s no longer runs this deployment's "
+					 "ranks (its job: %s)", nodes[i].name, seen ? seen : "none");
+			}
 			json_decref(doc);
-			return;
+			continue;
 		}
 		size_t k;
 		json_t *rj;
-		int dead = -1;
 		pthread_mutex_lock(&d->mu);
 		json_array_foreach(json_object_get(doc, "ranks"), k, rj) {
 			json_int_t r = json_integer_value(json_object_get(rj, "rank"));
 			if (r <= 0 || r >= W || d->ranks[r].node != i)
 				continue;
-			rank_from_json(&d->ranks[r], rj);
-			if (dead < 0 && strcmp(d->ranks[r].proc, "running") != 0)
-				dead = (int)r;
+			drank *dr = &d->ranks[r];
+			rank_from_json(dr, rj);
+			int killed = strcmp(dr->proc, "killed") == 0;
+			int pri = killed ? 4 : strcmp(dr->proc, "running") != 0 ? 3 : 0;
+			if (pri <= blame_pri)
+				continue;
+			blame = (int)r;
+			blame_node = i;
+			blame_pri = pri;
+			if (killed)
+				snprintf(why, sizeof why, "rank %d on node %s (pid %d) was killed by "
+					 "signal %d", (int)r, nodes[i].name, dr->pid, dr->sig);
+			else
+				snprintf(why, sizeof why, "rank %d on node %s (pid %d) exited with "
+					 "status %d", (int)r, nodes[i].name, dr->pid, dr->exit_code);
 		}
-		drank dr = dead >= 0 ? d->ranks[dead] : (drank){0};
 		pthread_mutex_unlock(&d->mu);
 		json_decref(doc);
-		if (dead >= 0) {
-			if (strcmp(dr.proc, "killed") == 0)
-				fail(d, i, dead, "rank %d on node %s (pid %d) was killed by signal %d",
-				     dead, nodes[i].name, dr.pid, dr.sig);
-			else
-				fail(d, i, dead, "rank %d on node %s (pid %d) exited with status %d", dead,
-				     nodes[i].name, dr.pid, dr.exit_code);
-			return;
-		}
 	}
+	if (blame_pri > 0)
+		fail(d, blame_node, blame, "%s", why);
 }
 
 static void *monitor_main(void *arg)

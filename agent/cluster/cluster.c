@@ -1535,7 +1535,27 @@ static int plan_nodes(cluster *c, store_node **rows, size_t *nrows, json_t ***in
 			(*n)++;
 		}
 	}
-	return *n ? DS_OK : ds_err_set(err, DS_ENOTFOUND, "no alive node with an inventory");
+	if (!*n)
+		return ds_err_set(err, DS_ENOTFOUND, "no alive node with an inventory");
+	/* every alive member must be in the plan: a new head fetches the
+	 * inventories within a second of its election (collect) */
+	size_t nv = 0;
+	gossip_member *v = view_copy(c, &nv);
+	int rc = DS_OK;
+	for (size_t i = 0; i < nv && rc == DS_OK; i++) {
+		char hex[GOSSIP_ID_HEX];
+		int found = 0;
+		if (v[i].state != GOSSIP_ALIVE)
+			continue;
+		gossip_id_hex(v[i].id, hex);
+		for (int k = 0; k < *n && !found; k++)
+			found = strcmp((*ids)[k], hex) == 0;
+		if (!found)
+			rc = ds_err_set(err, DS_EBUSY, "the head has no inventory of node %s yet "
+					"(it is being fetched): retry shortly", v[i].name);
+	}
+	free(v);
+	return rc;
 }
 
 /* The head plans over its record and writes the plan (fenced). */

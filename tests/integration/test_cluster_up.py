@@ -84,8 +84,9 @@ class Cluster:
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:], self.logs())
         self.up = last_json(r.stdout)
         assert self.up["serving"] is True and self.up["api_url"].endswith("/v1"), self.up
+        self.starts = getattr(self, "starts", 0) + 1
         r = dsctl("--agent", self.up["control_url"], "--token-file", self.up["admin_token_file"],
-                  "--json", "keys", "create", "t")
+                  "--json", "keys", "create", f"t{self.starts}")
         assert r.returncode == 0, r.stderr
         self.key = json.loads(r.stdout)["key"]
         return self
@@ -204,10 +205,11 @@ def test_cluster_up_local_serves_the_one_node_text(tmp_path, tiny_chat, name, n,
     assert not (c.dir / "cluster.json").exists()
 
 
-def stream_one(api_url, key, i, out):
+def stream_one(api_url, key, i, out, started):
     """One streaming chat request: ('finish', reason) after a clean end,
-    ('error', message) for an error event, ('cut', exception) otherwise."""
-    body = json.dumps({"model": None, "stream": True, "max_tokens": 400, "temperature": 0,
+    ('error', message) for an error event, ('cut', exception) otherwise;
+    started gets i once its first chunk came."""
+    body = json.dumps({"model": None, "stream": True, "max_tokens": 100, "temperature": 0,
                        "ignore_eos": True,
                        "messages": [{"role": "user", "content": f"count to {i}"}]}).encode()
     req = urllib.request.Request(api_url + "/chat/completions", data=body, headers={
@@ -220,6 +222,7 @@ def stream_one(api_url, key, i, out):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ev = json.loads(line[6:])
+                started.add(i)
                 if "error" in ev:
                     error = ev["error"].get("message", "")
                 for ch in ev.get("choices", []):
@@ -245,13 +248,16 @@ def test_kill_a_rank_during_streams(tmp_path, tiny_chat):
         victim = next(k for n in st["nodes"] for k in n["ranks"] if k["rank"] == 1)
         victim_node = next(n["name"] for n in st["nodes"]
                            if any(k["rank"] == 1 for k in n["ranks"]))
-        out = [None] * 16
-        threads = [threading.Thread(target=stream_one, args=(c.up["api_url"], c.key, i, out))
+        out, started = [None] * 16, set()
+        threads = [threading.Thread(target=stream_one,
+                                    args=(c.up["api_url"], c.key, i, out, started))
                    for i in range(16)]
         for t in threads:
             t.start()
-        time.sleep(1.5)  # the streams are running
-        os.kill(victim["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while len(started) < 16 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(victim["pid"], signal.SIGKILL)  # the streams are running
         for t in threads:
             t.join(200)
         assert all(o and o[0] in ("error", "finish") for o in out), out
