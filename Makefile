@@ -209,14 +209,17 @@ asan:
 
 # Kernel timings, then the engine on a synthetic V3-shaped model (generated once
 # into .cache/bench/, about 3 GB for the FP8 and BF16 variants), the serving
-# benchmark (prompts of 512 tokens, 128 out, concurrency 1/4/16) and the gossip
-# benchmark (50 agents on loopback: convergence time, bytes/s per node).
+# benchmark (prompts of 512 tokens, 128 out, concurrency 1/4/16), the time to
+# serve (dsctl cluster up --local 2 --tp 2 on a 2 GB V3-shaped model, beside
+# reading its bytes) and the gossip benchmark (50 agents on loopback:
+# convergence time, bytes/s per node).
 bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
 	$(BUILD)/tests/bench_comm
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_distributed.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_cluster_up.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_gossip.py
 

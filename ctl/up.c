@@ -34,7 +34,7 @@ up_params up_default_params(void)
 	return (up_params){
 		.request_ms = 10000,
 		.wait_ms = 600000,
-		.poll_ms = 250,
+		.poll_ms = 100,
 		.dsctl = "dsctl",
 		.out = stdout,
 		.err = stderr,

@@ -152,6 +152,20 @@ static model *plan_model_load(serve *s, model_params *mp, ds_err *err)
 	return driver_model_load(mp, &l, err);
 }
 
+/* The tokenizer of a driver's model, parsed while the ranks load. */
+typedef struct tok_job {
+	msrc *src;
+	tok *tk;
+	ds_err err;
+} tok_job;
+
+static void *tok_main(void *arg)
+{
+	tok_job *j = arg;
+	j->tk = eng_tok_load_source(j->src, &j->err);
+	return NULL;
+}
+
 /* Model, tokenizer, chat template and scheduler of sp into s (which holds
  * none); ready is set on success.  On failure what was made is freed. */
 static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
@@ -167,7 +181,12 @@ static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
 	msrc *src = msrc_open(sp->model_path, err);
 	if (!src)
 		return err->code ? err->code : DS_EIO;
-	if (!(s->tk = eng_tok_load_source(src, err))) {
+	/* a driver's ranks load in their own processes: the tokenizer is
+	 * parsed meanwhile, on a thread of its own */
+	tok_job tj = {.src = src};
+	pthread_t tt;
+	int tok_thread = sp->launch && pthread_create(&tt, NULL, tok_main, &tj) == 0;
+	if (!tok_thread && !(s->tk = eng_tok_load_source(src, err))) {
 		msrc_unref(src);
 		return err->code ? err->code : DS_EIO;
 	}
@@ -188,6 +207,15 @@ static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
 		m = driver_model_load(&mp, sp->launch, err);
 	} else {
 		m = plan_world(s) > 1 ? plan_model_load(s, &mp, err) : model_load(&mp, err);
+	}
+	if (tok_thread) {
+		pthread_join(tt, NULL);
+		s->tk = tj.tk;
+		if (!s->tk && m) { /* the model loaded; the tokenizer is what failed */
+			model_free(m);
+			m = NULL;
+			*err = tj.err;
+		}
 	}
 	pthread_mutex_lock(&s->mu);
 	s->m = m;
