@@ -577,6 +577,9 @@ static void post_ranks(void *ud, const http_req *req, http_resp *resp)
 	if (rc == DS_OK)
 		rc = launcher_start(c->launcher, job, (uint64_t)epoch, json_object_get(body, "ranks"),
 				    &e);
+	deploy *dp = __atomic_load_n(&c->deploy, __ATOMIC_ACQUIRE);
+	if (rc == DS_OK && dp) /* a new head relaunches it (deploy_remember) */
+		deploy_remember(dp, json_object_get(body, "deployment"), (uint64_t)epoch);
 	if (rc == DS_OK)
 		reply(resp, launcher_json(c->launcher));
 	else if (rc == DS_EINVAL)
@@ -598,7 +601,9 @@ static void get_ranks(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, launcher_json(c->launcher));
 }
 
-/* DELETE /v1/ranks: stops whatever job runs (SIGTERM, SIGKILL after 2 s). */
+/* DELETE /v1/ranks [{"forget": true}]: stops whatever job runs (SIGTERM,
+ * SIGKILL after 2 s); with forget, the deployment's request is dropped too
+ * (dsctl cluster down: no new head relaunches it). */
 static void delete_ranks(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
@@ -606,6 +611,20 @@ static void delete_ranks(void *ud, const http_req *req, http_resp *resp)
 	if (!cluster_auth(c, req, resp, sender) || !launcher_ok(c, resp))
 		return;
 	ds_err e = {0};
+	int forget = 0;
+	if (req->body_len) {
+		json_t *body = jsonx_parse(req->body, req->body_len, 4, &e);
+		if (!json_is_object(body) || jsonx_get_bool(body, "forget", 0, &forget, &e)) {
+			http_resp_error(resp, 400, "invalid_request_error", "invalid_body", "%s",
+					e.msg[0] ? e.msg : "the body is not a JSON object");
+			json_decref(body);
+			return;
+		}
+		json_decref(body);
+	}
+	deploy *dp = __atomic_load_n(&c->deploy, __ATOMIC_ACQUIRE);
+	if (forget && dp)
+		deploy_forget(dp);
 	if (launcher_stop(c->launcher, NULL, 2000, &e) != DS_OK)
 		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
 	else

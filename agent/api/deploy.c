@@ -82,6 +82,12 @@ struct deploy {
 	/* nodes of the deployment before (their ranks stop at the next launch) */
 	int n_old;
 	dnode old[NODES_MAX];
+	/* the request of the newest deployment this node took part in, for a
+	 * new head to relaunch (deploy_remember); NULL when none or forgotten */
+	json_t *remembered;
+	uint64_t remembered_epoch;
+	uint64_t relaunched_epoch; /* the reign in which this node relaunched it */
+	char *request_text;        /* the current deployment's request body */
 };
 
 static double now_s(void)
@@ -102,9 +108,12 @@ static void plan_status(deploy *d, int64_t id, uint64_t epoch, const char *statu
 
 /* ---- calls to the nodes ---- */
 
-/* DELETE /v1/ranks on every node of list (this node: its launcher). */
-static void stop_ranks(deploy *d, const dnode *list, int n)
+/* DELETE /v1/ranks on every node of list (this node: its launcher); with
+ * forget, the nodes also drop the deployment's request (no new head
+ * relaunches a deployment that was stopped). */
+static void stop_ranks(deploy *d, const dnode *list, int n, int forget)
 {
+	static const char forget_body[] = "{\"forget\":true}";
 	for (int i = 0; i < n; i++) {
 		ds_err e = {0};
 		int status = 0;
@@ -112,10 +121,13 @@ static void stop_ranks(deploy *d, const dnode *list, int n)
 		if (list[i].self) {
 			if (launcher_stop(d->p.lr, NULL, 2000, &e) != DS_OK)
 				log_warn("deploy", "cannot stop this node's ranks", "error=\"%s\"", e.msg);
+			if (forget)
+				deploy_forget(d);
 			continue;
 		}
-		if (cluster_node_call(d->p.cl, list[i].id, "DELETE", "/v1/ranks", NULL, 0, CALL_MS,
-				      &status, &ans, &e) != DS_OK || status != 200)
+		if (cluster_node_call(d->p.cl, list[i].id, "DELETE", "/v1/ranks",
+				      forget ? forget_body : NULL, forget ? sizeof forget_body - 1 : 0,
+				      CALL_MS, &status, &ans, &e) != DS_OK || status != 200)
 			log_warn("deploy", "cannot stop a node's ranks", "node=%s status=%d error=\"%s\"",
 				 list[i].name, status, e.msg);
 		json_decref(ans);
@@ -178,7 +190,7 @@ static void fail(deploy *d, int node, int rank, const char *fmt, ...)
 	plan_status(d, id, epoch, "failed", msg);
 	serve_refuse(d->p.sv, "deployment_failed", msg);
 	if (was != ST_SERVING)
-		stop_ranks(d, nodes, n);
+		stop_ranks(d, nodes, n, 0);
 }
 
 /* ---- the monitor ---- */
@@ -291,6 +303,72 @@ static void monitor_round(deploy *d)
 		fail(d, blame_node, blame, "%s", why);
 }
 
+/* A new head relaunches the deployment the previous head ran (once per
+ * reign): the request it remembered from that head's POST /v1/ranks. */
+static void relaunch_check(deploy *d)
+{
+	uint64_t epoch = 0;
+	if (!cluster_is_head(d->p.cl, &epoch))
+		return;
+	pthread_mutex_lock(&d->mu);
+	int go = d->remembered && d->remembered_epoch < epoch && d->relaunched_epoch < epoch &&
+		 d->epoch < epoch && d->state != ST_LAUNCHING && d->state != ST_LOADING &&
+		 d->job == JOB_NONE;
+	char *text = go ? json_dumps(d->remembered, JSON_COMPACT) : NULL;
+	uint64_t from = d->remembered_epoch;
+	pthread_mutex_unlock(&d->mu);
+	if (!text)
+		return;
+	json_t *out = NULL;
+	ds_err e = {0};
+	int rc = deploy_up(d, text, strlen(text), &out, &e);
+	if (rc == DS_EINVAL || rc == DS_ERANGE) {
+		/* the sizes given no longer match the nodes left (one is gone):
+		 * the planner chooses them */
+		json_t *req = jsonx_parse(text, strlen(text), 8, NULL);
+		json_object_del(req, "tp");
+		json_object_del(req, "pp");
+		json_object_del(req, "ep");
+		char *auto_text = json_is_object(req) ? json_dumps(req, JSON_COMPACT) : NULL;
+		json_decref(req);
+		if (auto_text) {
+			log_warn("deploy", "the previous plan's sizes do not fit the nodes left: "
+				 "replanning without them", "error=\"%s\"", e.msg);
+			json_decref(out);
+			out = NULL;
+			e = (ds_err){0};
+			rc = deploy_up(d, auto_text, strlen(auto_text), &out, &e);
+			free(auto_text);
+		}
+	}
+	if (rc == DS_EBUSY) { /* inventories still coming in: the next round */
+		json_decref(out);
+		free(text);
+		return;
+	}
+	pthread_mutex_lock(&d->mu);
+	d->relaunched_epoch = epoch;
+	pthread_mutex_unlock(&d->mu);
+	log_info("deploy", "relaunched the previous head's deployment", "from_epoch=%llu epoch=%llu "
+		 "rc=%d", (unsigned long long)from, (unsigned long long)epoch, rc);
+	if (rc != DS_OK) {
+		log_error("deploy", "cannot relaunch the previous head's deployment", "error=\"%s\"",
+			  e.msg);
+		pthread_mutex_lock(&d->mu);
+		if (d->state == ST_NONE || d->state == ST_STOPPED || d->state == ST_SERVING) {
+			d->state = ST_FAILED;
+			d->epoch = epoch;
+			d->failed_rank = -1;
+			d->failed_node[0] = 0;
+			snprintf(d->error, sizeof d->error, "relaunch as the new head: %s", e.msg);
+		}
+		pthread_mutex_unlock(&d->mu);
+		serve_refuse(d->p.sv, "deployment_failed", e.msg);
+	}
+	json_decref(out);
+	free(text);
+}
+
 static void *monitor_main(void *arg)
 {
 	deploy *d = arg;
@@ -309,6 +387,7 @@ static void *monitor_main(void *arg)
 		if (d->stop)
 			break;
 		pthread_mutex_unlock(&d->mu);
+		relaunch_check(d);
 		monitor_round(d);
 		pthread_mutex_lock(&d->mu);
 	}
@@ -331,6 +410,8 @@ static int dispatch(deploy *d, ds_err *err)
 	char job[sizeof d->job_id];
 	ds_strlcpy(job, d->job_id, sizeof job);
 	uint64_t epoch = d->epoch;
+	json_t *request = d->request_text ? jsonx_parse(d->request_text, strlen(d->request_text),
+							 8, NULL) : NULL;
 	for (int r = 1; r < W; r++) {
 		int i = d->ranks[r].node;
 		json_t *env = json_object_get(
@@ -354,6 +435,8 @@ static int dispatch(deploy *d, ds_err *err)
 		}
 		json_t *body = json_pack("{s:s,s:I,s:O}", "job", job, "epoch", (json_int_t)epoch,
 					 "ranks", per[i]);
+		if (body && json_is_object(request)) /* for a new head to relaunch */
+			json_object_set(body, "deployment", request);
 		char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
 		json_decref(body);
 		int status = 0;
@@ -373,6 +456,7 @@ static int dispatch(deploy *d, ds_err *err)
 	}
 	for (int i = 0; i < n; i++)
 		json_decref(per[i]);
+	json_decref(request);
 	pthread_mutex_lock(&d->mu);
 	d->dispatched = rc == DS_OK;
 	pthread_mutex_unlock(&d->mu);
@@ -455,7 +539,7 @@ static void run_up(deploy *d)
 	d->state = ST_LOADING;
 	pthread_mutex_unlock(&d->mu);
 
-	stop_ranks(d, old, n_old); /* the nodes the new plan leaves out */
+	stop_ranks(d, old, n_old, 0); /* the nodes the new plan leaves out */
 	log_info("deploy", "launching", "id=%lld model=%s tp=%d pp=%d ep=%d world=%d threads=%d",
 		 (long long)id, sp.model_path, l.plan.tp, l.plan.pp, l.plan.ep, W, sp.threads);
 	int rc = exe ? serve_deploy(d->p.sv, &sp, &err) : DS_EIO;
@@ -486,7 +570,7 @@ static void run_up(deploy *d)
 	if (!failed)
 		plan_status(d, id, epoch, "failed", why);
 	serve_undeploy(d->p.sv, "deployment_failed", why);
-	stop_ranks(d, nodes, n);
+	stop_ranks(d, nodes, n, 0);
 }
 
 /* After a rank died while serving: requests in flight end with the
@@ -506,7 +590,7 @@ static void run_cleanup(deploy *d)
 	memcpy(nodes, d->nodes, sizeof nodes);
 	pthread_mutex_unlock(&d->mu);
 	serve_undeploy(d->p.sv, "deployment_failed", why);
-	stop_ranks(d, nodes, n);
+	stop_ranks(d, nodes, n, 0);
 }
 
 static void run_down(deploy *d)
@@ -518,7 +602,7 @@ static void run_down(deploy *d)
 	pthread_mutex_unlock(&d->mu);
 	serve_undeploy(d->p.sv, "no_model",
 		       "the deployment was stopped (dsctl cluster down): run `dsctl cluster up`");
-	stop_ranks(d, nodes, n);
+	stop_ranks(d, nodes, n, 1);
 	pthread_mutex_lock(&d->mu);
 	int was = d->state;
 	d->state = ST_STOPPED;
@@ -603,13 +687,15 @@ void deploy_free(deploy *d)
 	int n = d->state == ST_NONE ? 0 : d->n_nodes;
 	memcpy(nodes, d->nodes, sizeof nodes);
 	pthread_mutex_unlock(&d->mu);
-	stop_ranks(d, nodes, n);
+	stop_ranks(d, nodes, n, 0);
 	driver_signal_teardown(); /* a load in progress ends now: rank 0 goes */
 	pthread_join(d->monitor, NULL);
 	pthread_join(d->runner, NULL);
 	for (int r = 0; r < RANKS_MAX; r++)
 		json_decref(d->ranks[r].opts);
 	json_decref(d->plan);
+	json_decref(d->remembered);
+	free(d->request_text);
 	pthread_cond_destroy(&d->cv);
 	pthread_mutex_destroy(&d->mu);
 	free(d);
@@ -761,6 +847,11 @@ int deploy_up(deploy *d, const char *body, size_t len, json_t **out, ds_err *err
 	d->failed_rank = -1;
 	d->t_post = now_s();
 	d->t_ready = 0;
+	free(d->request_text);
+	d->request_text = strndup(body, len);
+	json_decref(d->remembered); /* this node's own, for when it is head again */
+	d->remembered = json_incref(req);
+	d->remembered_epoch = epoch;
 	d->state = ST_LAUNCHING;
 	d->job = JOB_UP;
 	pthread_cond_broadcast(&d->cv);
@@ -790,7 +881,7 @@ int deploy_down(deploy *d, json_t **out, ds_err *err)
 	}
 	pthread_mutex_unlock(&d->mu);
 	if (loading)
-		stop_ranks(d, nodes, n);
+		stop_ranks(d, nodes, n, 0);
 	pthread_mutex_lock(&d->mu);
 	while (d->job != JOB_NONE) /* a queued job first */
 		pthread_cond_wait(&d->cv, &d->mu);
@@ -906,4 +997,25 @@ json_t *deploy_node_ranks(deploy *d, const char *name)
 	}
 	pthread_mutex_unlock(&d->mu);
 	return rs;
+}
+
+void deploy_remember(deploy *d, const json_t *request, uint64_t epoch)
+{
+	if (!json_is_object(request) || !json_is_string(json_object_get(request, "model")))
+		return;
+	pthread_mutex_lock(&d->mu);
+	if (epoch >= d->remembered_epoch) {
+		json_decref(d->remembered);
+		d->remembered = json_deep_copy(request);
+		d->remembered_epoch = epoch;
+	}
+	pthread_mutex_unlock(&d->mu);
+}
+
+void deploy_forget(deploy *d)
+{
+	pthread_mutex_lock(&d->mu);
+	json_decref(d->remembered);
+	d->remembered = NULL;
+	pthread_mutex_unlock(&d->mu);
 }

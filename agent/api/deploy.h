@@ -74,6 +74,14 @@ json_t *deploy_status(deploy *d);
  * the status after.  DS_EBUSY when this node is not the head. */
 int deploy_down(deploy *d, json_t **out, ds_err *err);
 
+/* A follower keeps the request of the deployment its ranks belong to
+ * (POST /v1/ranks "deployment", from the head of epoch): when the head
+ * changes, the new head relaunches it (once per reign), so the cluster
+ * serves again without an operator.  deploy_forget drops it (dsctl cluster
+ * down: DELETE /v1/ranks {"forget": true}). */
+void deploy_remember(deploy *d, const json_t *request, uint64_t epoch);
+void deploy_forget(deploy *d);
+
 /* The ranks on node `name` of the current deployment as a JSON array (a
  * new reference), or NULL when it has none. */
 json_t *deploy_node_ranks(deploy *d, const char *name);

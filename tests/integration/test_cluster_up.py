@@ -6,10 +6,14 @@ tokens as from a one-node dsagent serving the same files; the plan in the
 head's SQLite is what `dsctl plan show --json` prints and what each rank
 process has in its environment; a rank killed during 16 streams ends each
 stream with an error event or a clean finish, turns /health to 503 naming
-it, shows in `dsctl nodes`, and `dsctl cluster up` serves again.
-`dsctl cluster down --local` leaves no process behind."""
+it, shows in `dsctl nodes`, and `dsctl cluster up` serves again.  A head
+whose agent is killed is replaced by one that relaunches the deployment
+(replanned over the nodes left) and serves the same text; its API answers
+503 with Retry-After until then.  `dsctl cluster down --local` leaves no
+process behind."""
 import json
 import os
+import pathlib
 import shutil
 import signal
 import sqlite3
@@ -288,5 +292,49 @@ def test_kill_a_rank_during_streams(tmp_path, tiny_chat):
         c.start()
         got = complete(c.up["api_url"], c.key)
         assert got[2] == 12
+    finally:
+        c.down()
+
+
+def test_a_new_head_relaunches(tmp_path, tiny_chat):
+    """The head's agent is SIGKILLed: a new head is elected, relaunches the
+    deployment over the nodes left and serves the same text; until then its
+    API answers 503 with Retry-After."""
+    want = one_node(tmp_path, tiny_chat)
+    c = Cluster(tmp_path, 3, tiny_chat, "--pp", 3)
+    try:
+        c.start()
+        agents = json.loads((c.dir / "cluster.json").read_text())["agents"]
+        head = next(a for a in agents if a["control_url"] == c.up["control_url"])
+        others = [a for a in agents if a is not head]
+        os.kill(head["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        seen, served = set(), None
+        while served is None and time.monotonic() - t0 < 90:
+            for a in others:
+                try:
+                    with urllib.request.urlopen(a["api_url"] + "/v1/models", timeout=5) as r:
+                        served = a
+                        break
+                except urllib.error.HTTPError as e:
+                    seen.add((e.code, e.headers.get("Retry-After") is not None,
+                              json.loads(e.read())["error"]["code"]))
+                except urllib.error.URLError:
+                    seen.add(("refused",))
+            time.sleep(0.1)
+        assert served, (seen, c.logs())
+        print(f"serving again after {time.monotonic() - t0:.1f} s; answers meanwhile: {seen}")
+        assert seen and all(s[0] == 503 and s[1] for s in seen), seen
+        token = (pathlib.Path(served["data_dir"]) / "admin.token").read_text().strip()
+        req = urllib.request.Request(served["control_url"] + "/v1/cluster/up",
+                                     headers={"Authorization": "Bearer " + token})
+        st = json.loads(urllib.request.urlopen(req, timeout=10).read())
+        assert st["state"] == "serving" and st["world"] == 2, st  # replanned over 2
+        r = dsctl("--agent", served["control_url"], "--token-file",
+                  pathlib.Path(served["data_dir"]) / "admin.token", "--json", "keys", "create",
+                  "after")
+        assert r.returncode == 0, r.stderr
+        got = complete(served["api_url"] + "/v1", json.loads(r.stdout)["key"])
+        assert got == want
     finally:
         c.down()
