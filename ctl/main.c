@@ -978,6 +978,50 @@ static void plan_rank_row(const json_t *k, char (*row)[CELL])
 		snprintf(row[9], CELL, "-");
 }
 
+/* The planner's memory figures of rank r (the plan's document): reserve
+ * (workspace) and what is left free, in GiB, or "-". */
+static void plan_rank_memory(const json_t *doc, long long r, char (*row)[CELL])
+{
+	const json_t *m = json_object_get(json_array_get(json_object_get(doc, "ranks"), (size_t)r),
+					  "memory");
+	long long v = 0;
+	if (jint(m, "reserve", &v))
+		fmt_gib(v, row[10], CELL);
+	else
+		snprintf(row[10], CELL, "-");
+	if (jint(m, "free", &v))
+		fmt_gib(v, row[11], CELL);
+	else
+		snprintf(row[11], CELL, "-");
+}
+
+/* Why this plan: its estimated cost per decode token and the layouts the
+ * planner rejected with theirs. */
+static void print_plan_cost(const json_t *doc)
+{
+	const json_t *c = json_object_get(doc, "cost");
+	if (!json_is_object(c))
+		return;
+	printf("\n  why: %.3f ms per decode token (weight reads %.3f ms, collectives %.3f ms)\n",
+	       1e3 * json_number_value(json_object_get(c, "seconds_per_token")),
+	       1e3 * json_number_value(json_object_get(c, "read_s")),
+	       1e3 * json_number_value(json_object_get(c, "comm_s")));
+	printf("  cost model: %s\n", jstr(c, "model", "?"));
+	const json_t *rej = json_object_get(c, "rejected");
+	if (json_array_size(rej))
+		printf("  rejected:\n");
+	for (size_t i = 0; i < json_array_size(rej); i++) {
+		const json_t *x = json_array_get(rej, i);
+		long long t = 0, p = 0, e = 0;
+		jint(x, "tp", &t);
+		jint(x, "pp", &p);
+		jint(x, "ep", &e);
+		printf("    tp %lld x pp %lld x ep %lld: %.3f ms per token, %s\n", t, p, e,
+		       1e3 * json_number_value(json_object_get(x, "seconds_per_token")),
+		       jstr(x, "reason", "?"));
+	}
+}
+
 /* The environment of each node: that of its first rank (a node's ranks
  * share the fabric variables; per-rank ones show in --json). */
 static void print_plan_env(const json_t *ranks)
@@ -1032,10 +1076,11 @@ static int cmd_plan_show(const struct ctl_opts *o, const struct cmd_flags *fl, i
 		printf("kv:      max context %lld, %lld sequences of it at once\n", ctx, seqs);
 	else if (ctx >= 0)
 		printf("kv:      max context %lld\n", ctx);
-	const json_t *ranks = json_object_get(v, "ranks");
-	enum { NC = 10 };
+	const json_t *ranks = json_object_get(v, "ranks"), *doc = json_object_get(v, "document");
+	enum { NC = 12 };
 	static const char *head[NC] = {"RANK", "NODE", "DEVICE", "STAGE", "TP", "EP",
-				      "LAYERS", "EXPERTS", "WEIGHTS GiB", "KV GiB"};
+				      "LAYERS", "EXPERTS", "WEIGHTS GiB", "KV GiB", "RESERVE GiB",
+				      "FREE GiB"};
 	size_t rows = json_array_size(ranks);
 	char(*cells)[16][CELL] = calloc(rows + 1, sizeof *cells);
 	if (!cells) {
@@ -1044,11 +1089,14 @@ static int cmd_plan_show(const struct ctl_opts *o, const struct cmd_flags *fl, i
 	}
 	for (int c = 0; c < NC; c++)
 		snprintf(cells[0][c], CELL, "%s", head[c]);
-	for (size_t r = 0; r < rows; r++)
+	for (size_t r = 0; r < rows; r++) {
 		plan_rank_row(json_array_get(ranks, r), cells[r + 1]);
+		plan_rank_memory(doc, (long long)r, cells[r + 1]);
+	}
 	printf("\n");
 	print_table(cells, rows + 1, NC);
 	free(cells);
+	print_plan_cost(doc);
 	const json_t *groups = json_object_get(v, "comm_groups");
 	if (json_array_size(groups))
 		printf("\n  comm groups\n");

@@ -170,6 +170,25 @@ def check_plan_rows(c):
         assert k["env"] == json.loads(row[4])
     assert {g["name"]: g["ranks"] for g in shown["comm_groups"]} == \
         {k: json.loads(v) for k, v in groups.items()}
+    # the text form says why: memory per device, the cost, what was rejected
+    # (a plan the planner chose itself: one without --tp has alternatives)
+    token = open(c.up["admin_token_file"]).read().strip()
+    req = urllib.request.Request(c.up["control_url"] + "/v1/cluster/plan", method="POST",
+                                 data=json.dumps({"model": shown["model"],
+                                                  "max_ctx": 128}).encode(),
+                                 headers={"Authorization": "Bearer " + token,
+                                          "Content-Type": "application/json"})
+    auto = json.loads(urllib.request.urlopen(req, timeout=30).read())
+    r = c.ctl("plan", "show")
+    assert r.returncode == 0, r.stderr
+    text, cost = r.stdout, auto["cost"]
+    assert "RESERVE GiB" in text and "FREE GiB" in text, text
+    assert f"why: {cost['seconds_per_token'] * 1e3:.3f} ms per decode token" in text, text
+    assert cost["rejected"], cost
+    for x in cost["rejected"]:
+        line = (f"tp {x['tp']} x pp {x['pp']} x ep {x['ep']}: "
+                f"{x['seconds_per_token'] * 1e3:.3f} ms per token, {x['reason']}")
+        assert line in text, (line, text)
     # every rank process has its row's environment
     req = urllib.request.Request(c.up["control_url"] + "/v1/cluster/up", headers={
         "Authorization": "Bearer " + open(c.up["admin_token_file"]).read().strip()})
