@@ -48,6 +48,7 @@ typedef struct drank {
 	int pid;
 	char proc[16]; /* the launcher's state: running | exited | killed | "" (not seen) */
 	int exit_code, sig;
+	char last_error[520]; /* its log's last error line, once ended */
 	json_t *opts;  /* the options the driver gave it (start_remote) */
 	int64_t loaded; /* weight bytes copied so far (-1 = not reported) */
 	int64_t total;  /* the plan's weight bytes of its share (-1 = unknown) */
@@ -189,8 +190,10 @@ static void fail(deploy *d, int node, int rank, const char *fmt, ...)
 	log_error("deploy", "deployment failed", "id=%lld error=\"%s\"", (long long)id, msg);
 	plan_status(d, id, epoch, "failed", msg);
 	serve_refuse(d->p.sv, "deployment_failed", msg);
-	if (was != ST_SERVING)
+	if (was != ST_SERVING) { /* the load ends now, not at rank 0's comm timeout */
 		stop_ranks(d, nodes, n, 0);
+		driver_signal_teardown();
+	}
 }
 
 /* ---- the monitor ---- */
@@ -202,6 +205,17 @@ static void rank_from_json(drank *k, const json_t *j)
 	ds_strlcpy(k->proc, st ? st : "", sizeof k->proc);
 	k->exit_code = (int)json_integer_value(json_object_get(j, "exit_code"));
 	k->sig = (int)json_integer_value(json_object_get(j, "signal"));
+	/* logfmt: the error="..." value when there is one, else the line */
+	const char *le = json_string_value(json_object_get(j, "last_error"));
+	const char *e = le ? strstr(le, "error=\"") : NULL;
+	if (e) {
+		e += 7;
+		size_t n = strlen(e);
+		snprintf(k->last_error, sizeof k->last_error, "%.*s", (int)(n && e[n - 1] == '"' ? n - 1 : n),
+			 e);
+	} else {
+		snprintf(k->last_error, sizeof k->last_error, "%s", le ? le : "");
+	}
 }
 
 /* 1 when pid is gone or a zombie (rank 0, the driver's child). */
@@ -233,9 +247,9 @@ static void monitor_round(deploy *d)
 	pthread_mutex_unlock(&d->mu);
 	if (!(state == ST_SERVING || (state == ST_LOADING && dispatched)))
 		return;
-	/* The rank to blame: one killed by a signal before one that exited, a
-	 * rank the launchers saw end before rank 0 (which ends when a peer's
-	 * connection breaks). */
+	/* The rank to blame: one killed by a signal, then one that failed on
+	 * its own, then one whose collective lost a peer, then rank 0 (which
+	 * ends when a peer's connection breaks). */
 	int blame = -1, blame_node = -1, blame_pri = 0, pid0 = 0;
 	char why[512] = "";
 	if (state == ST_SERVING) {
@@ -282,8 +296,14 @@ static void monitor_round(deploy *d)
 				continue;
 			drank *dr = &d->ranks[r];
 			rank_from_json(dr, rj);
+			/* an exit with status 0 is a rank told to stop (STOP from rank 0);
+			 * one whose error is a collective that lost its peer ("comm ...")
+			 * ended because another did */
 			int killed = strcmp(dr->proc, "killed") == 0;
-			int pri = killed ? 4 : strcmp(dr->proc, "running") != 0 ? 3 : 0;
+			int failed = strcmp(dr->proc, "exited") == 0 && dr->exit_code;
+			int echo = strncmp(dr->last_error, "comm ", 5) == 0 ||
+				   strstr(dr->last_error, ": comm ") != NULL;
+			int pri = killed ? 5 : failed ? (echo ? 3 : 4) : 0;
 			if (pri <= blame_pri)
 				continue;
 			blame = (int)r;
@@ -294,7 +314,8 @@ static void monitor_round(deploy *d)
 					 "signal %d", (int)r, nodes[i].name, dr->pid, dr->sig);
 			else
 				snprintf(why, sizeof why, "rank %d on node %s (pid %d) exited with "
-					 "status %d", (int)r, nodes[i].name, dr->pid, dr->exit_code);
+					 "status %d%s%s", (int)r, nodes[i].name, dr->pid, dr->exit_code,
+					 dr->last_error[0] ? ": " : "", dr->last_error);
 		}
 		pthread_mutex_unlock(&d->mu);
 		json_decref(doc);
@@ -544,6 +565,8 @@ static void run_up(deploy *d)
 		 (long long)id, sp.model_path, l.plan.tp, l.plan.pp, l.plan.ep, W, sp.threads);
 	int rc = exe ? serve_deploy(d->p.sv, &sp, &err) : DS_EIO;
 
+	if (rc != DS_OK)
+		monitor_round(d); /* a rank that ended elsewhere is the cause, not rank 0 */
 	pthread_mutex_lock(&d->mu);
 	int failed = d->state == ST_FAILED;
 	if (rc == DS_OK && !failed) {
@@ -880,8 +903,10 @@ int deploy_down(deploy *d, json_t **out, ds_err *err)
 		ds_strlcpy(d->error, "stopped while loading (dsctl cluster down)", sizeof d->error);
 	}
 	pthread_mutex_unlock(&d->mu);
-	if (loading)
+	if (loading) {
 		stop_ranks(d, nodes, n, 0);
+		driver_signal_teardown(); /* rank 0 too: the load ends now */
+	}
 	pthread_mutex_lock(&d->mu);
 	while (d->job != JOB_NONE) /* a queued job first */
 		pthread_cond_wait(&d->cv, &d->mu);

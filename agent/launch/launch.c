@@ -464,6 +464,37 @@ int launcher_stop(launcher *l, const char *job, int grace_ms, ds_err *err)
 	return rc;
 }
 
+/* The last error line of an ended rank's log (the last line when none
+ * says level=error), at most 512 bytes of it, into out ("" when none). */
+static void log_last_error(const char *path, char *out, size_t n)
+{
+	char buf[8192];
+	out[0] = '\0';
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return;
+	long at = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+	size_t len = 0;
+	if (at >= 0 && fseek(f, at > (long)sizeof buf - 1 ? at - (long)(sizeof buf - 1) : 0,
+			     SEEK_SET) == 0)
+		len = fread(buf, 1, sizeof buf - 1, f);
+	fclose(f);
+	buf[len] = '\0';
+	const char *best = NULL, *last = NULL;
+	for (char *line = buf, *next; line && *line; line = next) {
+		next = strchr(line, '\n');
+		if (next)
+			*next++ = '\0';
+		if (!*line)
+			continue;
+		last = line;
+		if (strstr(line, "level=error"))
+			best = line;
+	}
+	if (best || last)
+		snprintf(out, n, "%.512s", best ? best : last);
+}
+
 json_t *launcher_json(launcher *l)
 {
 	pthread_mutex_lock(&l->mu);
@@ -479,8 +510,13 @@ json_t *launcher_json(launcher *l)
 			json_object_set_new(o, "exit_code", json_integer(p->code));
 		if (o && p->state == RANK_KILLED)
 			json_object_set_new(o, "signal", json_integer(p->code));
-		if (o && p->state != RANK_RUNNING)
+		if (o && p->state != RANK_RUNNING) {
+			char tail[520];
 			json_object_set_new(o, "ended", json_integer((json_int_t)p->ended));
+			log_last_error(p->log, tail, sizeof tail);
+			if (tail[0])
+				json_object_set_new(o, "last_error", json_string(tail));
+		}
 		json_array_append_new(ranks, o);
 	}
 	json_t *out = json_pack("{s:s?,s:I,s:o}", "job", l->job[0] ? l->job : NULL, "epoch",

@@ -60,7 +60,9 @@ int launcher_start(launcher *l, const char *job, uint64_t epoch, const json_t *r
 int launcher_stop(launcher *l, const char *job, int grace_ms, ds_err *err);
 
 /* {"job", "epoch", "ranks": [{"rank", "pid", "state" (running | exited |
- * killed), "exit_code" or "signal", "started", "ended", "log"}]} of the
+ * killed), "exit_code" or "signal", "started", "ended", "log", "last_error"
+ * (an ended rank's last log line that says level=error, else its last
+ * line)}]} of the
  * current (or last) job; {"job": null} before the first.  NULL on ENOMEM. */
 json_t *launcher_json(launcher *l);
 

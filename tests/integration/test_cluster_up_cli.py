@@ -171,6 +171,21 @@ def local3(tmp_path_factory, tiny_chat):
     kill_all(d)
 
 
+def swap_shape(model_dir, name):
+    """Reverses the shape of tensor name in its safetensors header (same
+    bytes, so the file stays valid; only a rank that loads it fails)."""
+    idx = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    f = model_dir / idx["weight_map"][name]
+    b = f.read_bytes()
+    n = int.from_bytes(b[:8], "little")
+    h = json.loads(b[8:8 + n])
+    assert h[name]["shape"][0] != h[name]["shape"][1]
+    h[name]["shape"] = h[name]["shape"][::-1]
+    hs = json.dumps(h, separators=(",", ":")).encode()
+    assert len(hs) <= n
+    f.write_bytes(b[:8] + hs + b" " * (n - len(hs)) + b[8 + n:])
+
+
 def node1(d):
     a = json.loads((d / "cluster.json").read_text())["agents"][0]
     return a["control_url"], pathlib.Path(a["data_dir"]) / "admin.token"
@@ -282,6 +297,18 @@ def test_does_not_fit_and_failed_launch(local3, tiny_chat, tmp_path):
     r = dsctl("--agent", url, "--token-file", tok, "cluster", "up", "--model", bare, "--pp", "3",
               "--max-ctx", "128", timeout=240)
     assert r.returncode == 1 and "tokenizer.json" in last_line(r.stderr), r.stderr
+    # a checkpoint whose layer 2 (stage 2 of pp 3: node3's rank) has a tensor
+    # of the wrong shape: that rank fails to load, and the last line says so
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_chat, bad)
+    swap_shape(bad, "model.layers.2.self_attn.o_proj.weight")
+    r = dsctl("--agent", url, "--token-file", tok, "--json", "cluster", "up", "--model", bad,
+              "--pp", "3", "--max-ctx", "128", timeout=240)
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = json.loads(last_line(r.stdout))
+    assert last["serving"] is False and last["failed_rank"] == 2, last
+    assert last["failed_node"] == "node3" and "expected shape" in last["error"], last
+    assert "node node3, rank 2" in last_line(r.stderr), r.stderr
     # a rejected admin token: nothing is posted
     wrong = tmp_path / "wrong.token"
     wrong.write_text("not-the-token\n")
