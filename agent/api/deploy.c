@@ -30,6 +30,7 @@
 #define POLL_MS 500        /* the monitor's period */
 #define UNREACHABLE_POLLS 6 /* a node silent this many polls in a row fails the deployment */
 #define DRAIN_MS 5000      /* after a rank died: how long requests in flight get to end */
+#define FENCE_WAIT_S 10.0  /* how long a follower may take to recognise this head */
 
 enum { ST_NONE, ST_LAUNCHING, ST_LOADING, ST_SERVING, ST_FAILED, ST_STOPPED };
 static const char *const state_names[] = {"none", "launching", "loading", "serving", "failed",
@@ -462,11 +463,22 @@ static int dispatch(deploy *d, ds_err *err)
 		json_decref(body);
 		int status = 0;
 		json_t *ans = NULL;
+		/* a follower that has not heard of this head yet answers 503 (its
+		 * fence): it learns with the next heartbeat, so ask again */
+		double until = now_s() + FENCE_WAIT_S;
 		if (!text)
 			rc = ds_err_set(err, DS_ENOMEM, "out of memory");
-		else if ((rc = cluster_node_call(d->p.cl, nodes[i].id, "POST", "/v1/ranks", text,
-						 strlen(text), CALL_MS, &status, &ans, err)) == DS_OK &&
-			 status != 200) {
+		else
+			while ((rc = cluster_node_call(d->p.cl, nodes[i].id, "POST", "/v1/ranks", text,
+						       strlen(text), CALL_MS, &status, &ans,
+						       err)) == DS_OK &&
+			       status == 503 && now_s() < until) {
+				json_decref(ans);
+				ans = NULL;
+				struct timespec ts = {0, 100 * 1000 * 1000};
+				nanosleep(&ts, NULL);
+			}
+		if (rc == DS_OK && status != 200) {
 			const char *m = json_string_value(
 				json_object_get(json_object_get(ans, "error"), "message"));
 			rc = ds_err_set(err, DS_EIO, "node %s refused its ranks (%d): %s", nodes[i].name,
