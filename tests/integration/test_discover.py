@@ -105,7 +105,7 @@ def run_nvml(root, lib, fn, tmp_path):
                     env={"DS_FAKE_NVML": str(cfg)})
 
 
-# ---- the four fixture nodes ------------------------------------------------------------
+# ---- the fixture nodes ------------------------------------------------------------
 
 def test_h100_node_with_fake_gpus(tmp_path):
     root = tmp_path / "root"
@@ -263,6 +263,23 @@ def test_node_without_nvml(tmp_path):
     check(doc, sr.expected(node, sr.NoNvml(
         "not loaded: --sysroot is set and no --nvml-lib was given (this machine's NVML "
         "would describe another node)")))
+
+
+def test_vm_node_flat_pci_tree_without_numa(tmp_path):
+    """A KVM guest (the vm fixture): every device alone on a root port of one
+    host bridge, numa_node -1 everywhere.  What the planner's topology file
+    starts from: every GPU-NIC pair PHB from sysfs, NICs with no NUMA node."""
+    root = tmp_path / "root"
+    node = sr.build("vm", root)
+    spec = "8xH100-80GB:nvswitch"
+    r, doc = discover("--sysroot", str(root), "--fake-gpus", spec)
+    assert r.returncode == 0, r.stderr
+    check(doc, sr.expected(node, sr.FakeSpec(spec)))
+    assert all(p["numa_node"] is None for p in doc["ib_ports"] + doc["pci_gpus"])
+    # fake GPUs keep their spread NUMA nodes when sysfs says -1
+    assert [g["numa_node"] for g in doc["gpus"]] == [0] * 4 + [1] * 4
+    assert {(e["level"], e["source"]) for e in doc["gpu_nic"]} == {("PHB", "sysfs")}
+    assert [p["device"] for p in doc["ib_ports"] if not p["usable"]] == ["mlx5_5"]
 
 
 def test_nvml_init_failure_and_missing_symbol(tmp_path, nvml_lib):
