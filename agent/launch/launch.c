@@ -5,7 +5,7 @@
  * (new, free).  Calls: fork/execve/waitpid/kill, jansson.
  *
  * Lifecycle of a rank:
- *   launcher_start ──fork (child: PDEATHSIG, parent check, fds, execve)──> RUNNING
+ *   launcher_start ──check, write the job's files, fork (child: PDEATHSIG, parent check, fds, execve)──> RUNNING
  *   RUNNING ──reap: waitpid says it exited──> EXITED (exit_code) | KILLED (signal)
  *   RUNNING ──launcher_stop / a newer job / launcher_free: SIGTERM, SIGKILL
  *             after the grace, reap──> EXITED | KILLED
@@ -21,6 +21,11 @@
  *   4. every fork happens on the spawner thread, which lives as long as the
  *      launcher: PR_SET_PDEATHSIG fires when the *thread* that forked ends,
  *      and the HTTP server's threads end with their connections.
+ *   5. a job's files (a rank's "files": {"VAR": content}) are one file per
+ *      variable for all its ranks on this node, DATA_DIR/ranks/<job>.<var in
+ *      lower case>.<xml|txt>, mode 0600, written whole (rename) after the
+ *      running job is stopped and before the first fork, so no rank ever
+ *      reads a half-written file or another job's.
  */
 #include "agent/launch/launch.h"
 #include "common/fileutil.h"
@@ -75,7 +80,19 @@ struct launcher {
 	uint64_t epoch;
 	rank_proc ranks[LAUNCH_RANKS_MAX];
 	int n;
+	/* the job's files (invariant 5): variable and path */
+	char file_var[LAUNCH_FILES_MAX][LAUNCH_VAR_MAX + 1];
+	char file_path[LAUNCH_FILES_MAX][PATH_MAX];
+	int n_files;
 };
+
+/* One file of the job being started; var and data borrowed from the request. */
+typedef struct job_file {
+	const char *var;
+	const char *data;
+	size_t len;
+	char path[PATH_MAX];
+} job_file;
 
 static int64_t unix_now(void)
 {
@@ -235,7 +252,75 @@ static int var_name_ok(const char *s)
 		if (!((*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') || (*c >= '0' && *c <= '9') ||
 		      *c == '_'))
 			return 0;
-	return strlen(s) < 256;
+	return strlen(s) <= LAUNCH_VAR_MAX;
+}
+
+/* The "files" of ranks[i]: an object of at most LAUNCH_FILES_MAX variable
+ * names, none also in "env", each with a string of at most LAUNCH_FILE_MAX
+ * bytes without NUL, the same as any earlier rank's for that variable
+ * (invariant 5); at most LAUNCH_FILES_MAX variables over the job. */
+static int files_check(const json_t *ranks, size_t i, ds_err *err)
+{
+	const json_t *r = json_array_get(ranks, i), *files = json_object_get(r, "files");
+	const json_t *env = json_object_get(r, "env"), *v;
+	long long rk = (long long)json_integer_value(json_object_get(r, "rank"));
+	const char *name;
+	if (!files)
+		return DS_OK;
+	if (!json_is_object(files))
+		return ds_err_set(err, DS_EINVAL, "rank %lld: \"files\" must be an object of "
+				  "variable names to file contents", rk);
+	if (json_object_size(files) > LAUNCH_FILES_MAX)
+		return ds_err_set(err, DS_EINVAL, "rank %lld: %zu files, more than %d", rk,
+				  json_object_size(files), LAUNCH_FILES_MAX);
+	json_object_foreach((json_t *)files, name, v)
+	{
+		if (!var_name_ok(name))
+			return ds_err_set(err, DS_EINVAL, "rank %lld: files: '%.80s' is not a variable "
+					  "name (letters, digits and _, not starting with a digit, at "
+					  "most %d)", rk, name, LAUNCH_VAR_MAX);
+		if (!json_is_string(v))
+			return ds_err_set(err, DS_EINVAL, "rank %lld: files: %s must be a string (the "
+					  "file's content)", rk, name);
+		size_t len = json_string_length(v);
+		if (len > LAUNCH_FILE_MAX)
+			return ds_err_set(err, DS_EINVAL, "rank %lld: files: %s is %zu bytes, more than "
+					  "the limit of %d", rk, name, len, LAUNCH_FILE_MAX);
+		if (memchr(json_string_value(v), '\0', len))
+			return ds_err_set(err, DS_EINVAL, "rank %lld: files: %s contains a NUL byte",
+					  rk, name);
+		if (json_object_get(env, name))
+			return ds_err_set(err, DS_EINVAL, "rank %lld: %s is both in \"env\" and in "
+					  "\"files\"", rk, name);
+		for (size_t j = 0; j < i; j++) {
+			const json_t *o = json_array_get(ranks, j);
+			const json_t *w = json_object_get(json_object_get(o, "files"), name);
+			if (w && (json_string_length(w) != len ||
+				  memcmp(json_string_value(w), json_string_value(v), len) != 0))
+				return ds_err_set(err, DS_EINVAL, "rank %lld: files: %s differs from rank "
+						  "%lld's (the ranks of a job on a node share one file "
+						  "per variable)", rk, name,
+						  (long long)json_integer_value(json_object_get(o, "rank")));
+		}
+	}
+	/* every variable of the job so far, this rank's included */
+	int n = 0;
+	char seen[LAUNCH_FILES_MAX][LAUNCH_VAR_MAX + 1];
+	for (size_t j = 0; j <= i; j++) {
+		json_object_foreach(json_object_get(json_array_get(ranks, j), "files"), name, v)
+		{
+			int dup = 0;
+			for (int k = 0; k < n; k++)
+				dup |= strcmp(seen[k], name) == 0;
+			if (dup)
+				continue;
+			if (n == LAUNCH_FILES_MAX)
+				return ds_err_set(err, DS_EINVAL, "rank %lld: the job's ranks name more "
+						  "than %d files", rk, LAUNCH_FILES_MAX);
+			ds_strlcpy(seen[n++], name, sizeof seen[0]);
+		}
+	}
+	return DS_OK;
 }
 
 /* Checks the whole request before anything starts. */
@@ -289,6 +374,9 @@ static int ranks_check(const json_t *ranks, ds_err *err)
 						  "of letters, digits and _ with a string value",
 						  (long long)json_integer_value(rk), name);
 		}
+		int rc = files_check(ranks, i, err);
+		if (rc)
+			return rc;
 	}
 	return DS_OK;
 }
@@ -311,16 +399,38 @@ static char **argv_of(const char *exe, const json_t *args)
 	return v;
 }
 
-static char **envp_of(const json_t *env)
+/* NAME=value as a new string (NULL on ENOMEM). */
+static char *var_dup(const char *name, const char *value)
+{
+	size_t len = strlen(name) + 1 + strlen(value) + 1;
+	char *s = malloc(len);
+	if (s)
+		snprintf(s, len, "%s=%s", name, value);
+	return s;
+}
+
+/* The path of the job file of var (files_of put it in jf). */
+static const char *file_path_of(const job_file *jf, int n_jf, const char *var)
+{
+	for (int i = 0; i < n_jf; i++)
+		if (strcmp(jf[i].var, var) == 0)
+			return jf[i].path;
+	return NULL;
+}
+
+/* The agent's environment, less what the plan sets, plus the plan's
+ * variables and each of the rank's files as VAR=its path; NULL when an
+ * allocation fails. */
+static char **envp_of(const json_t *env, const json_t *files, const job_file *jf, int n_jf)
 {
 	size_t ne = 0;
 	while (environ && environ[ne])
 		ne++;
-	char **v = calloc(ne + json_object_size(env) + 1, sizeof *v);
+	char **v = calloc(ne + json_object_size(env) + json_object_size(files) + 1, sizeof *v);
 	if (!v)
 		return NULL;
 	size_t k = 0;
-	for (size_t i = 0; i < ne; i++) { /* the agent's, less what the plan sets */
+	for (size_t i = 0; i < ne; i++) {
 		const char *eq = strchr(environ[i], '=');
 		size_t len = eq ? (size_t)(eq - environ[i]) : strlen(environ[i]);
 		int overridden = 0;
@@ -331,20 +441,68 @@ static char **envp_of(const json_t *env)
 			if (strlen(name) == len && strncmp(name, environ[i], len) == 0)
 				overridden = 1;
 		}
+		json_object_foreach((json_t *)files, name, val)
+		{
+			if (strlen(name) == len && strncmp(name, environ[i], len) == 0)
+				overridden = 1;
+		}
 		if (!overridden)
 			v[k++] = strdup(environ[i]);
 	}
 	const char *name;
 	const json_t *val;
 	json_object_foreach((json_t *)env, name, val)
-	{
-		size_t len = strlen(name) + 1 + strlen(json_string_value(val)) + 1;
-		char *s = malloc(len);
-		if (s)
-			snprintf(s, len, "%s=%s", name, json_string_value(val));
-		v[k++] = s;
-	}
+		v[k++] = var_dup(name, json_string_value(val));
+	json_object_foreach((json_t *)files, name, val)
+		v[k++] = var_dup(name, file_path_of(jf, n_jf, name));
+	for (size_t i = 0; i < k; i++)
+		if (!v[i]) { /* a hole would end the environment there */
+			for (size_t j = 0; j < k; j++)
+				free(v[j]);
+			free(v);
+			return NULL;
+		}
 	return v;
+}
+
+/* The job's files (invariant 5), in first-seen order, and their paths:
+ * DATA_DIR/ranks/<job>.<var in lower case>.xml when the content starts
+ * with '<' (after blanks), else .txt.  DS_EINVAL when a path is too long. */
+static int files_of(const launcher *l, const char *job, const json_t *ranks, job_file *jf,
+		    int *n_jf, ds_err *err)
+{
+	size_t i;
+	const json_t *r;
+	*n_jf = 0;
+	json_array_foreach(ranks, i, r)
+	{
+		const char *name;
+		const json_t *v;
+		json_object_foreach(json_object_get(r, "files"), name, v)
+		{
+			if (file_path_of(jf, *n_jf, name))
+				continue;
+			job_file *f = &jf[(*n_jf)++]; /* files_check: at most LAUNCH_FILES_MAX */
+			f->var = name;
+			f->data = json_string_value(v);
+			f->len = json_string_length(v);
+			char lower[LAUNCH_VAR_MAX + 1];
+			size_t k = 0;
+			for (; name[k] && k < LAUNCH_VAR_MAX; k++)
+				lower[k] = (name[k] >= 'A' && name[k] <= 'Z') ? (char)(name[k] - 'A' + 'a')
+									      : name[k];
+			lower[k] = '\0';
+			const char *c = f->data;
+			while (c < f->data + f->len && (*c == ' ' || *c == '\t' || *c == '\n' || *c == '\r'))
+				c++;
+			const char *ext = c < f->data + f->len && *c == '<' ? "xml" : "txt";
+			if (snprintf(f->path, sizeof f->path, "%s/%s.%s.%s", l->dir, job, lower, ext) >=
+			    (int)sizeof f->path)
+				return ds_err_set(err, DS_EINVAL, "files: the path of %s under %s is too "
+						  "long", name, l->dir);
+		}
+	}
+	return DS_OK;
 }
 
 static void free_vec(char **v)
@@ -389,19 +547,24 @@ int launcher_start(launcher *l, const char *job, uint64_t epoch, const json_t *r
 	if (!job_ok(job))
 		return ds_err_set(err, DS_EINVAL, "job id '%s': 1..%d characters of letters, digits, "
 				  ". _ -", job ? job : "", LAUNCH_JOB_MAX);
-	int rc = ranks_check(ranks, err);
+	int rc = ranks_check(ranks, err), n_jf = 0;
 	if (rc)
 		return rc;
 	size_t n = json_array_size(ranks);
 	char **argvs[LAUNCH_RANKS_MAX] = {0}, **envps[LAUNCH_RANKS_MAX] = {0};
 	rank_proc *fresh = calloc(n, sizeof *fresh); /* PATH_MAX logs: not on the stack */
-	if (!fresh)
+	job_file *jf = calloc(LAUNCH_FILES_MAX, sizeof *jf);
+	if (!fresh || !jf) {
+		free(fresh);
+		free(jf);
 		return ds_err_set(err, DS_ENOMEM, "out of memory");
+	}
+	rc = files_of(l, job, ranks, jf, &n_jf, err);
 	for (size_t i = 0; i < n && !rc; i++) {
 		const json_t *r = json_array_get(ranks, i);
 		const json_t *args = json_object_get(r, "args"), *env = json_object_get(r, "env");
 		argvs[i] = argv_of(l->exe, args);
-		envps[i] = envp_of(env);
+		envps[i] = envp_of(env, json_object_get(r, "files"), jf, n_jf);
 		fresh[i].rank = (int)json_integer_value(json_object_get(r, "rank"));
 		if (!vec_whole(argvs[i], json_array_size(args) + 2) || !envps[i] ||
 		    snprintf(fresh[i].log, sizeof fresh[i].log, "%s/%s.rank%d.log", l->dir, job,
@@ -421,6 +584,17 @@ int launcher_start(launcher *l, const char *job, uint64_t epoch, const json_t *r
 		if (running)
 			log_info("launch", "replacing a job", "old=%s new=%s", l->job, job);
 		stop_locked(l, 2000);
+		/* invariant 5: the files, whole, before the first fork */
+		for (int i = 0; i < n_jf && !rc; i++)
+			if ((rc = ds_file_write_private(jf[i].path, jf[i].data, jf[i].len, 0, err)))
+				ds_err_wrap(err, "files: %s", jf[i].var);
+	}
+	if (!rc) {
+		l->n_files = n_jf;
+		for (int i = 0; i < n_jf; i++) {
+			ds_strlcpy(l->file_var[i], jf[i].var, sizeof l->file_var[i]);
+			ds_strlcpy(l->file_path[i], jf[i].path, sizeof l->file_path[i]);
+		}
 		ds_strlcpy(l->job, job, sizeof l->job);
 		l->epoch = epoch;
 		l->n = 0;
@@ -448,6 +622,7 @@ int launcher_start(launcher *l, const char *job, uint64_t epoch, const json_t *r
 		free_vec(envps[i]);
 	}
 	free(fresh);
+	free(jf);
 	return rc;
 }
 
@@ -519,8 +694,12 @@ json_t *launcher_json(launcher *l)
 		}
 		json_array_append_new(ranks, o);
 	}
-	json_t *out = json_pack("{s:s?,s:I,s:o}", "job", l->job[0] ? l->job : NULL, "epoch",
-				(json_int_t)l->epoch, "ranks", ranks ? ranks : json_array());
+	json_t *files = json_object();
+	for (int i = 0; files && i < l->n_files; i++)
+		json_object_set_new(files, l->file_var[i], json_string(l->file_path[i]));
+	json_t *out = json_pack("{s:s?,s:I,s:o,s:o}", "job", l->job[0] ? l->job : NULL, "epoch",
+				(json_int_t)l->epoch, "ranks", ranks ? ranks : json_array(),
+				"files", files ? files : json_object());
 	pthread_mutex_unlock(&l->mu);
 	return out;
 }
