@@ -15,7 +15,8 @@
  *      (candidate_check), each sized (eval: weights per rank, KV tokens,
  *      shortfall) and costed (cost: seconds per decode token)
  *   -> the cheapest that fits, else the one short by the fewest bytes
- *   -> per-node environment (node_env).
+ *   -> per-node environment (node_env) and, for a GPU node whose topology
+ *      NCCL cannot see, its NCCL topology file (node_topo, plan_topo.c).
  * Invariants:
  *   - world rank r runs on device r in node order (node 0's devices first,
  *     each node's in its inventory's order), so rank 0 is on node 0 and a tp
@@ -67,6 +68,7 @@ typedef struct pnode {
 	int domain_max;     /* largest NVLink domain */
 	json_t *env;        /* ordered NCCL variables */
 	json_t *notes;      /* strings */
+	char *topo_xml;     /* NCCL topology file (hidden topology only), or NULL */
 } pnode;
 
 typedef struct cand {
@@ -413,6 +415,26 @@ static int node_env(plan *pl, int ni, json_t *inv, ds_err *err)
 		json_object_set_new(n->env, "GLOO_SOCKET_IFNAME", json_string(ifname));
 	}
 	return rc;
+}
+
+/* The NCCL topology file of GPU node ni when its topology is hidden
+ * (plan_topo.c).  The file's path is known only on the node, so the plan
+ * carries its text and the launcher writes it ("files" of POST /v1/ranks)
+ * and sets NCCL_TOPO_FILE there; env does not name it. */
+static int node_topo(plan *pl, int ni, json_t *inv, ds_err *err)
+{
+	pnode *n = &pl->node[ni];
+	char why[200], who[300], note[600];
+	if (!n->gpu || !plan_topo_hidden(inv, why, sizeof why))
+		return DS_OK;
+	snprintf(who, sizeof who, "inventory %d (%s)", ni + 1, n->host);
+	int rc = plan_topo_xml(inv, who, n->notes, &n->topo_xml, err);
+	if (rc)
+		return rc;
+	snprintf(note, sizeof note, "topology hidden from NCCL (%s): nccl_topo_xml describes what "
+		 "discovery knows; the launcher writes it to a file and sets NCCL_TOPO_FILE "
+		 "(\"files\" of POST /v1/ranks)", why);
+	return add_note(n->notes, note);
 }
 
 /* ---- sizing --------------------------------------------------------------- */
@@ -762,7 +784,8 @@ int plan_make(const plan_params *p, plan **out, ds_err *err)
 	for (int i = 0; i < p->n_nodes; i++) {
 		const char *addr = p->addresses ? p->addresses[i] : NULL;
 		if ((rc = load_node(pl, i, p->inventories[i], addr, err)) != DS_OK ||
-		    (rc = node_env(pl, i, p->inventories[i], err)) != DS_OK)
+		    (rc = node_env(pl, i, p->inventories[i], err)) != DS_OK ||
+		    (rc = node_topo(pl, i, p->inventories[i], err)) != DS_OK)
 			goto out;
 		if (pl->node[i].gpu != pl->node[0].gpu) {
 			rc = ds_err_set(err, DS_EUNSUPPORTED, "inventory %d (%s) has %s ranks, inventory 1 "
@@ -827,6 +850,7 @@ void plan_free(plan *pl)
 	for (int i = 0; i < pl->n_node; i++) {
 		json_decref(pl->node[i].env);
 		json_decref(pl->node[i].notes);
+		free(pl->node[i].topo_xml);
 	}
 	json_decref(pl->warnings);
 	free(pl->cands);
@@ -932,10 +956,11 @@ json_t *plan_to_json(const plan *pl)
 	groups = NULL;
 	for (int i = 0; i < pl->n_node; i++) {
 		const pnode *n = &pl->node[i];
-		json_t *nj = json_pack("{s:i, s:s, s:s?, s:s, s:i, s:i, s:b, s:f, s:O, s:O}", "index", i,
-			"hostname", n->host, "address", n->addr[0] ? n->addr : NULL, "kind", n->gpu ? "gpu" : "cpu",
-			"devices", n->n_dev, "nvlink_domain", n->domain_max, "rdma", n->rdma,
-			"net_bytes_per_s_per_device", n->net_bw, "env", n->env, "notes", n->notes);
+		json_t *nj = json_pack("{s:i, s:s, s:s?, s:s, s:i, s:i, s:b, s:f, s:O, s:s?, s:O}",
+			"index", i, "hostname", n->host, "address", n->addr[0] ? n->addr : NULL,
+			"kind", n->gpu ? "gpu" : "cpu", "devices", n->n_dev, "nvlink_domain",
+			n->domain_max, "rdma", n->rdma, "net_bytes_per_s_per_device", n->net_bw,
+			"env", n->env, "nccl_topo_xml", n->topo_xml, "notes", n->notes);
 		json_array_append_new(nodes, nj);
 	}
 	json_object_set_new(o, "nodes", nodes);
@@ -1078,6 +1103,9 @@ void plan_print(const plan *pl, FILE *f)
 			else
 				fprintf(f, "  %s=%s\n", k, json_string_value(v));
 		}
+		const char *xml = json_string_value(json_object_get(n, "nccl_topo_xml"));
+		if (xml)
+			fprintf(f, "  NCCL topology file: %zu bytes (nccl_topo_xml)\n", strlen(xml));
 		size_t q;
 		json_t *note;
 		json_array_foreach(json_object_get(n, "notes"), q, note)

@@ -89,4 +89,23 @@ int plan_model_from_config(const plan_mcfg *c, plan_model *m, ds_err *err);
 void plan_model_free(plan_model *m);
 int plan_layer_is_moe(const plan_mcfg *c, int L);
 
+/* ---- plan_topo.c: the NCCL topology file of a node NCCL cannot see into ---- */
+
+#define PLAN_TOPO_XML_MAX ((size_t)1 << 20) /* as the launcher's cap on one file */
+
+/* 1 when NCCL's own detection would misplace the GPUs or RDMA devices of GPU
+ * node inv (a GPU not on the PCI bus sysfs shows; a GPU or usable RDMA
+ * device with a PCI address but no NUMA node on a host with several), with
+ * the first reason in why; else 0. */
+int plan_topo_hidden(const json_t *inv, char *why, size_t size);
+
+/* The NCCL topology XML of GPU node inv: its GPUs (NVML index, compute
+ * capability, NVLinks) and RDMA devices with a usable port, under the CPU of
+ * their NUMA node, devices discovery finds at PIX or PXB under a shared
+ * bridge.  *out is a new string (free).  Notes (RDMA devices it leaves to
+ * NCCL) go to notes.  who names the inventory in messages.  DS_EFORMAT (a
+ * bus id or cpulist that does not parse), DS_ERANGE (past
+ * PLAN_TOPO_XML_MAX), DS_ENOMEM; *out stays NULL on error. */
+int plan_topo_xml(const json_t *inv, const char *who, json_t *notes, char **out, ds_err *err);
+
 #endif

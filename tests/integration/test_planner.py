@@ -24,6 +24,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -427,6 +428,152 @@ def test_cpu_nodes(tmp):
         assert w + kv + GiB <= 0.9 * mems[r]
     assert doc["nodes"][1]["env"]["NCCL_IB_DISABLE"] == "1"
     assert doc["nodes"][1]["env"]["GLOO_SOCKET_IFNAME"] == "eno1"
+    # CPU ranks never get an NCCL topology file
+    assert [n["nccl_topo_xml"] for n in doc["nodes"]] == [None, None]
+
+
+# ---- the NCCL topology file of a node whose topology NCCL cannot see ------------------------
+
+def cpu_mask(cpulists, words):
+    """A cpumap-style mask (32-bit hex words, most significant first) of the CPUs
+    of the given cpulists."""
+    bits = 0
+    for cl in cpulists:
+        for part in cl.split(","):
+            a, _, b = part.partition("-")
+            for c in range(int(a), int(b or a) + 1):
+                bits |= 1 << c
+    return ",".join(f"{(bits >> (32 * w)) & 0xffffffff:08x}" for w in reversed(range(words)))
+
+
+def topo_tree(xml):
+    """The parsed file: the root, each element's parent, and the <pci> element
+    of every GPU or NIC bus id."""
+    root = ET.fromstring(xml)
+    parent = {c: p for p in root.iter() for c in p}
+    pci = {e.get("busid"): e for e in root.iter("pci") if e.get("class") != "0x060400"}
+    return root, parent, pci
+
+
+def cpu_above(parent, e):
+    while e.tag != "cpu":
+        e = parent[e]
+    return e
+
+
+def xml_level(parent, a, b):
+    """NCCL's PCI distance between elements a and b of the file: PIX when one
+    bridge joins them, PXB when several, PHB when only their CPU, SYS when
+    different CPUs."""
+    up = []
+    x = parent[a]
+    while x is not None:
+        up.append(x)
+        x = parent.get(x)
+    x = parent[b]
+    while x not in up:
+        x = parent[x]
+    if x.tag == "system":
+        return "SYS"
+    if x.tag == "cpu":
+        return "PHB"
+    return "PIX" if x is parent[a] and x is parent[b] else "PXB"
+
+
+def test_vm_node_gets_an_nccl_topology_file(tmp):
+    """A KVM guest's flat PCI tree with NICs of no NUMA node (the vm fixture) gets
+    a topology file listing exactly its GPUs and its RDMA devices with an ACTIVE
+    port; a bare-metal node beside it (h100 fixture) gets none."""
+    spec = "8xH100-80GB:nvswitch"
+    vm_path, vm = discover(tmp, spec, "vm", "vm-0")
+    hw_path, _ = discover(tmp, spec, "h100", "hw-1")
+    rc, doc = plan([vm_path, hw_path], model_dir(tmp, "v3", V3))
+    assert rc == 0 and doc["fits"], doc.get("shortfall")
+    decl = sr.build("vm", tmp / "vm-declared")  # the fixture as declared
+    numa_ids = decl.numa_ids()
+    cc_major, cc_minor, links = sr.FAKE_MODELS["H100"]
+    # what the file must say, from the declaration and the fake-GPU rules
+    want_gpus = {(sr.fake_bus(i), numa_ids[i * len(numa_ids) // 8], i, cc_major * 10 + cc_minor)
+                 for i in range(8)}
+    want_nics = {p["bus_id"] for p in decl.ib_ports if p["usable"]}
+    assert len(want_nics) == 7  # mlx5_5 is DOWN
+
+    node = doc["nodes"][0]
+    assert "NCCL_TOPO_FILE" not in node["env"]  # its path is the node's business
+    assert any("nccl_topo_xml" in n and "NUMA" in n for n in node["notes"]), node["notes"]
+    root, parent, pci = topo_tree(node["nccl_topo_xml"])
+    assert root.tag == "system" and root.get("version") == "1"
+    got_gpus = set()
+    for g in root.iter("gpu"):
+        e = parent[g]
+        got_gpus.add((e.get("busid"), int(cpu_above(parent, e).get("numaid")), int(g.get("dev")),
+                      int(g.get("sm"))))
+        assert e.get("class").startswith("0x03")
+        # every link reaches the NVSwitches NCCL cannot see in a guest
+        assert [(x.get("target"), x.get("count"), x.get("tclass")) for x in g.iter("nvlink")] == \
+            [("fffffff:ffff:ff", str(links), "0x068000")]
+        assert g.get("rank") is None and g.get("gdr") is None  # NCCL's, per communicator
+    assert got_gpus == want_gpus
+    nics = {b: e for b, e in pci.items() if e.get("class").startswith("0x02")}
+    assert set(nics) == want_nics
+    # the NICs have no NUMA node on a two-node host: NCCL's unknown CPU (-1)
+    assert {int(cpu_above(parent, e).get("numaid")) for e in nics.values()} == {-1}
+    assert not list(root.iter("net"))  # NCCL fills each <net> from its plugin
+    assert len(pci) == len(want_gpus) + len(want_nics)  # nothing else, no bridges
+    assert not [e for e in root.iter("pci") if e.get("class") == "0x060400"]
+    cpulists = {n[0]: n[1] for n in decl.numa}
+    words = (max(int(c) for cl in cpulists.values() for c in cl.replace("-", ",").split(",")) + 32) // 32
+    for c in root.findall("cpu"):
+        nid = int(c.get("numaid"))
+        want = cpu_mask([cpulists[nid]] if nid >= 0 else list(cpulists.values()), words)
+        assert c.get("affinity") == want, (nid, c.get("affinity"), want)
+    # the visible node: no file, no note
+    assert doc["nodes"][1]["nccl_topo_xml"] is None
+    assert not any("nccl_topo_xml" in n for n in doc["nodes"][1]["notes"])
+
+
+def test_topology_file_keeps_the_pci_distances_discovery_knows(tmp):
+    """GPUs the PCI bus does not show (4 fake GPUs on the roce fixture's 2): the
+    file puts every GPU and active NIC at the distance the inventory gives
+    (PIX, PXB under shared bridges; NODE as PHB, NCCL's name; SYS across CPUs)."""
+    path, inv = discover(tmp, "4xH100-80GB:nvswitch", "roce", "roce-hidden")
+    rc, doc = plan([path], model_dir(tmp, "v2lite", V2_LITE))
+    assert rc == 0
+    node = doc["nodes"][0]
+    assert any("not on the PCI bus" in n for n in node["notes"]), node["notes"]
+    root, parent, pci = topo_tree(node["nccl_topo_xml"])
+    usable = {p["device"]: p["bus_id"] for p in inv["ib_ports"] if p["usable"]}
+    gpu_bus = [g["bus_id"] for g in inv["gpus"]]
+    assert {b for b, e in pci.items() if e.find("gpu") is not None} == set(gpu_bus)
+    assert {b for b, e in pci.items() if e.find("gpu") is None} == set(usable.values())
+    nccl = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS"}
+    levels = set()
+    for e in inv["gpu_nic"]:
+        if e["nic"] not in usable:
+            continue
+        got = xml_level(parent, pci[gpu_bus[e["gpu"]]], pci[usable[e["nic"]]])
+        assert got == nccl[e["level"]], (e, got)
+        levels.add(e["level"])
+    assert {"PIX", "PXB", "SYS"} <= levels  # the fixture has each kind
+    for g in inv["gpus"]:
+        assert int(cpu_above(parent, pci[g["bus_id"]]).get("numaid")) == g["numa_node"]
+
+
+def test_topology_file_refuses_a_malformed_inventory(tmp):
+    """A hidden node's bus id or CPU list that does not parse stops the plan
+    (exit 2) naming it."""
+    _, vm = discover(tmp, "8xH100-80GB:nvswitch", "vm", "vm-bad")
+    m = model_dir(tmp, "v2lite", V2_LITE)
+    bad_bus = json.loads(json.dumps(vm))
+    bad_bus["gpus"][3]["bus_id"] = "38:00.0"
+    bad_cpus = json.loads(json.dumps(vm))
+    bad_cpus["host"]["numa_nodes"][1]["cpulist"] = "8-x"
+    for doc, word in ((bad_bus, "gpu 3: bus_id '38:00.0' is not a PCI address"),
+                      (bad_cpus, "cpulist '8-x' is not a list of CPUs")):
+        p = tmp / "bad-topo.json"
+        p.write_text(json.dumps(doc))
+        r = run_plan("--inventory", str(p), "--model", str(m))
+        assert r.returncode == 2 and word in r.stderr, (r.returncode, r.stderr)
 
 
 def cpu_inventory(tmp, name, numa_nodes):
