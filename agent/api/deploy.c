@@ -419,6 +419,20 @@ static void *monitor_main(void *arg)
 
 /* ---- launching ---- */
 
+/* The pids and states of node i's ranks from its launcher's document. */
+static void ranks_seen(deploy *d, int i, const json_t *doc)
+{
+	size_t k;
+	json_t *rj;
+	pthread_mutex_lock(&d->mu);
+	json_array_foreach(json_object_get(doc, "ranks"), k, rj) {
+		json_int_t r = json_integer_value(json_object_get(rj, "rank"));
+		if (r > 0 && r < d->W && d->ranks[r].node == i)
+			rank_from_json(&d->ranks[r], rj);
+	}
+	pthread_mutex_unlock(&d->mu);
+}
+
 /* start_remote of the driver: collects each rank's options; with the last
  * one, every node gets its ranks (POST /v1/ranks, this node's launcher
  * directly).  Runs on the serve's loader thread. */
@@ -436,13 +450,16 @@ static int dispatch(deploy *d, ds_err *err)
 							 8, NULL) : NULL;
 	for (int r = 1; r < W; r++) {
 		int i = d->ranks[r].node;
-		json_t *env = json_object_get(
-			json_array_get(json_object_get(d->plan, "nodes"), (size_t)i), "env");
+		const json_t *nd = json_array_get(json_object_get(d->plan, "nodes"), (size_t)i);
+		json_t *env = json_object_get(nd, "env");
+		const json_t *topo = json_object_get(nd, "nccl_topo_xml");
 		if (!per[i])
 			per[i] = json_array();
-		json_array_append_new(per[i], json_pack("{s:i,s:O,s:O}", "rank", r, "args",
-							d->ranks[r].opts, "env",
-							json_is_object(env) ? env : json_object()));
+		json_t *e = json_pack("{s:i,s:O,s:O}", "rank", r, "args", d->ranks[r].opts, "env",
+				      json_is_object(env) ? env : json_object());
+		if (e && json_is_string(topo)) /* the node writes it and names it */
+			json_object_set_new(e, "files", json_pack("{s:O}", "NCCL_TOPO_FILE", topo));
+		json_array_append_new(per[i], e);
 	}
 	pthread_mutex_unlock(&d->mu);
 	int rc = DS_OK;
@@ -451,8 +468,13 @@ static int dispatch(deploy *d, ds_err *err)
 			continue;
 		if (nodes[i].self) {
 			rc = launcher_start(d->p.lr, job, epoch, per[i], err);
-			if (rc)
+			if (rc) {
 				ds_err_wrap(err, "node %s (this node) cannot start its ranks", nodes[i].name);
+			} else {
+				json_t *doc = launcher_json(d->p.lr);
+				ranks_seen(d, i, doc);
+				json_decref(doc);
+			}
 			continue;
 		}
 		json_t *body = json_pack("{s:s,s:I,s:O}", "job", job, "epoch", (json_int_t)epoch,
@@ -483,6 +505,8 @@ static int dispatch(deploy *d, ds_err *err)
 				json_object_get(json_object_get(ans, "error"), "message"));
 			rc = ds_err_set(err, DS_EIO, "node %s refused its ranks (%d): %s", nodes[i].name,
 					status, m ? m : "no reason given");
+		} else if (rc == DS_OK) {
+			ranks_seen(d, i, ans); /* the answer is the launcher's document */
 		}
 		json_decref(ans);
 		free(text);
@@ -544,6 +568,24 @@ static void run_up(deploy *d)
 			snprintf(envs[n_env], sizeof envs[n_env], "%s=%s", k, json_string_value(v));
 			env[n_env] = envs[n_env];
 			n_env++;
+		}
+	}
+	/* a node whose topology NCCL cannot see gets the plan's topology file:
+	 * rank 0's is written here, the other ranks' by their launchers */
+	char topo_env[PATH_MAX + 32];
+	const char *topo = json_string_value(json_object_get(
+		json_array_get(json_object_get(d->plan, "nodes"), 0), "nccl_topo_xml"));
+	if (topo && n_env < 64) {
+		char path[PATH_MAX];
+		ds_err te = {0};
+		snprintf(path, sizeof path, "%s/ranks/%s.rank0.nccl_topo.xml", d->p.data_dir,
+			 d->job_id);
+		if (ds_file_write_private(path, topo, strlen(topo), 0, &te) == DS_OK) {
+			snprintf(topo_env, sizeof topo_env, "NCCL_TOPO_FILE=%s", path);
+			env[n_env++] = topo_env;
+		} else {
+			log_warn("deploy", "cannot write rank 0's NCCL topology file", "error=\"%s\"",
+				 te.msg);
 		}
 	}
 	env[n_env] = NULL;

@@ -357,3 +357,38 @@ def test_a_new_head_relaunches(tmp_path, tiny_chat):
         assert got == want
     finally:
         c.down()
+
+
+def test_hidden_topology_reaches_every_rank(tmp_path, tiny_chat):
+    """Nodes whose topology NCCL cannot see (the vm fixture: RDMA functions
+    without a NUMA node) get the plan's NCCL topology file: every rank's
+    NCCL_TOPO_FILE names a file on its node holding exactly its node's XML
+    (rank 0's written by the head, the others' by their node's launcher).
+    The ranks are CPU ranks here (the agents run --backend cpu): the plan is
+    the GPUs'."""
+    from tests.fixtures import sysroots as sr
+    root = tmp_path / "vmroot"
+    sr.build("vm", str(root))
+    c = Cluster(tmp_path, 2, tiny_chat, extra=["--fake-gpus", "2xH100-80GB:nvswitch"])
+    os.environ["DSAGENT_SYSROOT"] = str(root)  # dsctl passes DSAGENT_* to the agents
+    try:
+        c.start()
+    finally:
+        del os.environ["DSAGENT_SYSROOT"]
+    try:
+        doc = json.loads(c.ctl("--json", "plan", "show").stdout)["document"]
+        xml = {n["name"]: n["nccl_topo_xml"] for n in doc["nodes"]}
+        assert all(isinstance(x, str) and x.startswith("<system") for x in xml.values()), xml
+        token = open(c.up["admin_token_file"]).read().strip()
+        req = urllib.request.Request(c.up["control_url"] + "/v1/cluster/up",
+                                     headers={"Authorization": "Bearer " + token})
+        st = json.loads(urllib.request.urlopen(req, timeout=10).read())
+        ranks = [(n["name"], k) for n in st["nodes"] for k in n["ranks"]]
+        assert len(ranks) == doc["world"] == 4, st
+        for node, k in ranks:
+            path = rank_env(k["pid"])["NCCL_TOPO_FILE"]
+            assert f"/{node}/ranks/" in path, (node, path)
+            assert os.stat(path).st_mode & 0o777 == 0o600
+            assert open(path).read() == xml[node], (node, k["rank"])
+    finally:
+        c.down()
