@@ -29,6 +29,25 @@
  * table, the other side merges it and answers with its own table, both close.
  * Frames are u32 length + a sealed packet, capped at GOSSIP_FRAME_MAX.
  *
+ * An incoming connection is a stranger until its frame opens (the tag is at
+ * the end, so nothing earlier can prove the key).  Its slot, one of
+ * CONNS_IN (ours use CONNS_OUT others, so a flood never stops our own
+ * exchanges):
+ *
+ *   listen backlog --accept_tcp (a slot free, or evictable)--> READ, stranger
+ *   READ: u32 length + sealed header into head[] --gossip_head_check fails
+ *     (length past gossip_frame_preauth_max, version, key id)--> closed
+ *   head passed --malloc(length)--> rest of the packet --frame_process opens
+ *     it--> WRITE, authed (deadline: accept + tcp_timeout) --answer sent--> closed
+ *   READ at accept + tcp_first_ms (after one last read) --timers--> closed
+ *   READ, the oldest stranger, held evict_grace_ms, and a newer connection
+ *     waiting --accept_tcp--> closed (tcp_evicted)
+ *
+ * With every slot held by a stranger younger than the grace, or by an
+ * authenticated exchange, new connections wait in the backlog (the listener
+ * leaves the poll set) instead of being accepted and dropped: a dialer's
+ * frame waits with it and is often read at the accept.
+ *
  * Every datagram and frame is opened (key id, AEAD), checked against the
  * replay window, decoded as a whole, and only then acted on; a failure at any
  * step increments exactly one drop counter.
@@ -60,7 +79,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CONNS_MAX 16
+#define CONNS_IN 16  /* incoming exchanges: conns[0 .. CONNS_IN) */
+#define CONNS_OUT 16 /* ours (joins, push-pulls, reconnects): the rest */
+#define CONNS_MAX (CONNS_IN + CONNS_OUT)
+#define ACCEPTS_PER_ROUND (4 * CONNS_IN) /* then poll again: timers keep running */
 #define RELAYS_MAX 64
 #define SEEDS_MAX 32
 #define DROP_NAMES_MAX 64
@@ -74,11 +96,14 @@ typedef struct conn {
 	int phase;
 	int fd;
 	int purpose;
+	int authed;       /* PP_INCOMING: its frame opened; we are answering */
 	struct sockaddr_in peer;
-	uint8_t *buf;     /* frame being written, or body being read */
+	uint8_t *buf;     /* frame being written, or packet being read (allocated
+			   * once head[] passed gossip_head_check) */
 	size_t len, off;  /* write: len bytes, off sent; read: len expected, off got */
-	uint8_t hdr[4];
-	size_t hdr_got;
+	uint8_t head[4 + GOSSIP_HDR_LEN]; /* read: u32 length + the packet's header */
+	size_t head_got;
+	int64_t opened_ms;   /* accepted or dialed */
 	int64_t deadline_ms;
 	int refer;        /* PP_JOIN: the answer referred us to refer_id / refer_addr */
 	uint8_t refer_id[GOSSIP_ID_LEN];
@@ -136,6 +161,7 @@ struct gossip {
 	char drop_names[DROP_NAMES_MAX][GOSSIP_NAME_MAX + 1];
 	int n_drop;
 	int64_t own_id_warned_ms;
+	int64_t evict_warned_ms;
 };
 
 /* ---- clocks ---- */
@@ -472,11 +498,44 @@ static void conn_close(gossip *g, conn *c)
 	c->phase = CONN_FREE;
 }
 
-static conn *conn_slot(gossip *g)
+/* A free slot for an exchange we start, or NULL (incoming ones never take
+ * these). */
+static conn *conn_slot_out(gossip *g)
 {
-	for (int i = 0; i < CONNS_MAX; i++)
+	for (int i = CONNS_IN; i < CONNS_MAX; i++)
 		if (g->conns[i].phase == CONN_FREE)
 			return &g->conns[i];
+	return NULL;
+}
+
+/* An unauthenticated connection keeps its slot at least this long (a dialer
+ * sends its frame right after connecting; a flood must not evict it before
+ * it arrived). */
+static int64_t evict_grace_ms(const gossip *g)
+{
+	return g->t.tcp_first_ms / 4;
+}
+
+/* The slot for the next incoming connection: a free one; else the
+ * unauthenticated holder accepted first, once it has held its slot
+ * evict_grace_ms (the caller closes it); else NULL: the connection waits in
+ * the listen backlog, and *retry_ms (may be NULL) is when a holder may be
+ * evicted (INT64_MAX: every holder is authenticated and answering). */
+static conn *conn_slot_in(gossip *g, int64_t now, int64_t *retry_ms)
+{
+	conn *oldest = NULL;
+	for (int i = 0; i < CONNS_IN; i++) {
+		conn *c = &g->conns[i];
+		if (c->phase == CONN_FREE)
+			return c;
+		if (!c->authed && (!oldest || c->opened_ms < oldest->opened_ms))
+			oldest = c;
+	}
+	int64_t at = oldest ? oldest->opened_ms + evict_grace_ms(g) : INT64_MAX;
+	if (now >= at)
+		return oldest;
+	if (retry_ms)
+		*retry_ms = at;
 	return NULL;
 }
 
@@ -545,7 +604,7 @@ static int pp_start(gossip *g, const struct sockaddr_in *to, const uint8_t *id, 
 		g->st.drop_test++;
 		return DS_EPERM;
 	}
-	conn *c = conn_slot(g);
+	conn *c = conn_slot_out(g);
 	if (!c)
 		return DS_EBUSY;
 	int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -559,6 +618,7 @@ static int pp_start(gossip *g, const struct sockaddr_in *to, const uint8_t *id, 
 	c->fd = fd;
 	c->purpose = purpose;
 	c->peer = *to;
+	c->opened_ms = now;
 	c->deadline_ms = now + g->t.tcp_timeout_ms;
 	int flags = purpose == PP_JOIN	    ? GOSSIP_PP_JOIN
 		    : purpose == PP_REFERRED ? GOSSIP_PP_JOIN | GOSSIP_PP_REFERRED
@@ -929,6 +989,10 @@ static int frame_process(gossip *g, conn *c, int64_t now)
 			count_drop(g, why);
 		goto out;
 	}
+	if (c->purpose == PP_INCOMING) { /* a key holder: the whole exchange time */
+		c->authed = 1;
+		c->deadline_ms = c->opened_ms + g->t.tcp_timeout_ms;
+	}
 	size_t off = 0;
 	gossip_msg m;
 	int rc = gossip_msg_next(plain, plen, &off, &m);
@@ -1000,6 +1064,14 @@ out:
 	return ok;
 }
 
+/* The largest packet c may bring: an answer to our own dial may be a whole
+ * frame; an incoming first frame is not authenticated before it is whole,
+ * so only as large as a member's table can plausibly be. */
+static size_t frame_limit(const gossip *g, const conn *c)
+{
+	return c->purpose == PP_INCOMING ? gossip_frame_preauth_max(g->tab.n) : GOSSIP_FRAME_MAX;
+}
+
 static void conn_io(gossip *g, conn *c, short rev, int64_t now)
 {
 	if (c->phase == CONN_CONNECTING) {
@@ -1030,47 +1102,53 @@ static void conn_io(gossip *g, conn *c, short rev, int64_t now)
 		}
 		free(c->buf);
 		c->buf = NULL;
-		c->len = c->off = c->hdr_got = 0;
+		c->len = c->off = c->head_got = 0;
 		c->phase = CONN_READ;
 		return;
 	}
 	if (c->phase != CONN_READ)
 		return;
+	/* The length and the packet's header go to head[]; the packet's buffer
+	 * exists only once they passed gossip_head_check against the limit of
+	 * this direction (frame_limit), so a peer without the key makes us hold
+	 * at most head[] until its header shows it. */
 	for (;;) {
 		ssize_t r;
-		if (c->hdr_got < 4) {
-			r = recv(c->fd, c->hdr + c->hdr_got, 4 - c->hdr_got, MSG_DONTWAIT);
-		} else {
+		size_t want = c->head_got < 4 ? 4 : sizeof c->head;
+		if (!c->buf)
+			r = recv(c->fd, c->head + c->head_got, want - c->head_got, MSG_DONTWAIT);
+		else
 			r = recv(c->fd, c->buf + c->off, c->len - c->off, MSG_DONTWAIT);
-		}
 		if (r < 0 && (errno == EAGAIN || errno == EINTR))
 			return;
 		if (r <= 0) {
 			conn_finish(g, c, 0, now);
 			return;
 		}
-		if (c->hdr_got < 4) {
-			c->hdr_got += (size_t)r;
-			if (c->hdr_got < 4)
+		if (!c->buf) {
+			c->head_got += (size_t)r;
+			if (c->head_got < 4)
 				continue;
-			uint32_t n = ((uint32_t)c->hdr[0] << 24) | ((uint32_t)c->hdr[1] << 16) |
-				     ((uint32_t)c->hdr[2] << 8) | c->hdr[3];
-			if (n > GOSSIP_FRAME_MAX || n < GOSSIP_OVERHEAD) {
+			uint32_t n = ((uint32_t)c->head[0] << 24) | ((uint32_t)c->head[1] << 16) |
+				     ((uint32_t)c->head[2] << 8) | c->head[3];
+			int why = gossip_head_check(&g->keys, n, frame_limit(g, c), c->head + 4,
+						    c->head_got - 4);
+			if (why) {
 				g->st.packets_in++;
-				if (n > GOSSIP_FRAME_MAX)
-					g->st.drop_too_large++;
-				else
-					g->st.drop_malformed++;
+				count_drop(g, why);
 				conn_finish(g, c, 0, now);
 				return;
 			}
-			c->buf = malloc(n);
+			if (c->head_got < sizeof c->head)
+				continue;
+			c->buf = malloc(n); /* n >= GOSSIP_OVERHEAD > GOSSIP_HDR_LEN */
 			if (!c->buf) {
 				conn_finish(g, c, 0, now);
 				return;
 			}
+			memcpy(c->buf, c->head + 4, GOSSIP_HDR_LEN);
 			c->len = n;
-			c->off = 0;
+			c->off = GOSSIP_HDR_LEN;
 			continue;
 		}
 		c->off += (size_t)r;
@@ -1085,25 +1163,41 @@ static void conn_io(gossip *g, conn *c, short rev, int64_t now)
 	}
 }
 
+/* Accepts while there is an incoming slot to give (conn_slot_in); the rest
+ * waits in the listen backlog, where a dialer's frame waits with it. */
 static void accept_tcp(gossip *g, int64_t now)
 {
-	for (;;) {
+	for (int k = 0; k < ACCEPTS_PER_ROUND; k++) {
+		conn *c = conn_slot_in(g, now, NULL);
+		if (!c)
+			return;
 		struct sockaddr_in from;
 		socklen_t fl = sizeof from;
 		int fd = accept4(g->tcp, (struct sockaddr *)&from, &fl, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		if (fd < 0)
 			return;
-		conn *c = conn_slot(g);
-		if (!c) {
-			close(fd);
-			continue;
+		if (c->phase != CONN_FREE) {
+			g->st.tcp_evicted++;
+			if (now - g->evict_warned_ms > 10000 || !g->evict_warned_ms) {
+				char a[16];
+				inet_ntop(AF_INET, &c->peer.sin_addr, a, sizeof a);
+				log_warn("gossip",
+					 "TCP slots full: closing connections that sent no whole frame "
+					 "(a flood from a peer without the cluster key?)",
+					 "oldest_from=%s:%d evicted=%llu", a, ntohs(c->peer.sin_port),
+					 (unsigned long long)g->st.tcp_evicted);
+				g->evict_warned_ms = now;
+			}
+			conn_finish(g, c, 0, now);
 		}
 		g->st.tcp_accepted++;
 		c->fd = fd;
 		c->purpose = PP_INCOMING;
 		c->peer = from;
 		c->phase = CONN_READ;
-		c->deadline_ms = now + g->t.tcp_timeout_ms;
+		c->opened_ms = now;
+		c->deadline_ms = now + g->t.tcp_first_ms;
+		conn_io(g, c, POLLIN, now); /* its frame is often here already */
 	}
 }
 
@@ -1121,13 +1215,21 @@ static int64_t timers(gossip *g, int64_t now)
 	gossip_tick(g, now, &next);
 	for (int i = 0; i < CONNS_MAX; i++) {
 		conn *c = &g->conns[i];
+		if (c->phase == CONN_READ && now >= c->deadline_ms)
+			conn_io(g, c, POLLIN, now); /* a last read: we may have been slow, not it */
 		if (c->phase == CONN_FREE)
 			continue;
-		if (now >= c->deadline_ms)
+		if (now >= c->deadline_ms) {
+			if (c->purpose == PP_INCOMING && !c->authed)
+				g->st.tcp_first_timeouts++;
 			conn_finish(g, c, 0, now);
-		else if (c->deadline_ms < next)
+		} else if (c->deadline_ms < next) {
 			next = c->deadline_ms;
+		}
 	}
+	int64_t retry = INT64_MAX; /* no incoming slot to give: until one may be taken */
+	if (!conn_slot_in(g, now, &retry) && retry < next)
+		next = retry;
 	int64_t t = gossip_tab_tick(&g->tab, now);
 	return t < next ? t : next;
 }
@@ -1177,7 +1279,9 @@ static void *gossip_main(void *arg)
 		int nf = 0;
 		fds[nf++] = (struct pollfd){.fd = g->wake_rd, .events = POLLIN};
 		fds[nf++] = (struct pollfd){.fd = g->udp, .events = POLLIN};
-		fds[nf++] = (struct pollfd){.fd = g->tcp, .events = POLLIN};
+		/* no slot to give: leave new connections in the backlog */
+		int room = conn_slot_in(g, now, NULL) != NULL;
+		fds[nf++] = (struct pollfd){.fd = room ? g->tcp : -1, .events = POLLIN};
 		for (int i = 0; i < CONNS_MAX; i++) {
 			conn *c = &g->conns[i];
 			if (c->phase == CONN_FREE)
@@ -1343,9 +1447,17 @@ gossip *gossip_new(const gossip_params *p, ds_err *err)
 	if (p->timing.probe_interval_ms <= 0 || p->timing.probe_timeout_ms <= 0 ||
 	    p->timing.gossip_interval_ms <= 0 || p->timing.push_pull_ms <= 0 ||
 	    p->timing.reconnect_ms <= 0 || p->timing.tcp_timeout_ms <= 0 ||
+	    p->timing.tcp_first_ms <= 0 ||
 	    p->timing.max_skew_ms <= 0 || p->timing.join_backoff_min_ms <= 0 ||
 	    p->timing.join_full_per_s <= 0) {
 		ds_err_set(err, DS_EINVAL, "gossip timing has a zero or negative interval");
+		return NULL;
+	}
+	if (p->timing.tcp_first_ms > p->timing.tcp_timeout_ms) {
+		ds_err_set(err, DS_EINVAL,
+			   "gossip timing: the first-frame deadline (%d ms) is longer than the TCP "
+			   "exchange timeout (%d ms)",
+			   p->timing.tcp_first_ms, p->timing.tcp_timeout_ms);
 		return NULL;
 	}
 	if (p->port < 0 || p->port > 65535 || p->advertise_port < 0 || p->advertise_port > 65535) {

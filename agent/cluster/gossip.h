@@ -69,6 +69,8 @@ typedef struct gossip_timing {
 	int reconnect_ms;          /* push-pull with one dead member this often (heals partitions) */
 	int reap_ms;               /* dead/left members are forgotten after this */
 	int tcp_timeout_ms;        /* a push-pull exchange must finish within this */
+	int tcp_first_ms;          /* an incoming exchange's first frame must arrive whole
+				    * (and open) within this of the accept (dsagent) */
 	int awareness_max;         /* Lifeguard: local health multiplier saturates here */
 	int join_backoff_min_ms;   /* seed retries: min, doubling up to max */
 	int join_backoff_max_ms;
@@ -179,6 +181,8 @@ void gossip_event_json(const gossip_event *ev, char *out, size_t n);
 typedef struct gossip_stats {
 	uint64_t packets_in, bytes_in, packets_out, bytes_out; /* UDP datagrams + TCP frames */
 	uint64_t tcp_accepted, tcp_connected, tcp_failed;
+	uint64_t tcp_evicted;       /* incoming, unauthenticated: closed for a newer one */
+	uint64_t tcp_first_timeouts; /* incoming: no whole first frame within tcp_first_ms */
 	uint64_t tcp_bytes_in, tcp_bytes_out; /* the TCP share of bytes_in / bytes_out */
 	uint64_t pings_out, acks_in, ping_reqs_out, nacks_in, probes_failed;
 	uint64_t push_pulls, joins_ok, join_attempts;

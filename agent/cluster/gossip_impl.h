@@ -32,6 +32,7 @@
 #define GOSSIP_UDP_MAX 1400 /* whole datagram */
 #define GOSSIP_UDP_PLAIN_MAX (GOSSIP_UDP_MAX - GOSSIP_OVERHEAD)
 #define GOSSIP_FRAME_MAX (1u << 20) /* TCP frame: u32 length + sealed packet */
+#define GOSSIP_PREAUTH_SLACK 64     /* see gossip_frame_preauth_max */
 
 typedef struct gossip_hdr {
 	uint8_t version, key_id;
@@ -59,6 +60,25 @@ enum gossip_drop {
 int gossip_seal(const clusterkey_ring *keys, const uint8_t sender[GOSSIP_ID_LEN], uint64_t epoch,
 		uint64_t seq, const uint8_t *plain, size_t plen, uint8_t *out, size_t cap,
 		size_t *outlen);
+
+/* What the first `have` bytes (0 .. GOSSIP_HDR_LEN; head may be NULL when
+ * have is 0) tell of a sealed packet of len bytes, before the rest has
+ * arrived and before a buffer of len bytes exists: GOSSIP_DROP_NONE (nothing
+ * wrong yet; it is authenticated only by gossip_open), TOO_LARGE (len >
+ * max_len), MALFORMED (len < GOSSIP_OVERHEAD, or a version byte other than
+ * GOSSIP_WIRE_VERSION), BAD_KEY (a key id not in the ring).  gossip_open
+ * makes the same checks first, so a packet is counted the same way whether
+ * a frame was refused early or opened whole. */
+int gossip_head_check(const clusterkey_ring *keys, size_t len, size_t max_len,
+		      const uint8_t *head, size_t have);
+
+/* The largest sealed packet a TCP frame may carry before its sender is
+ * authenticated, for a node that knows `members` members (itself included).
+ * The first frame of an exchange is a push-pull with the dialer's table,
+ * which it shares with us: room for 2 * members + GOSSIP_PREAUTH_SLACK
+ * entries of the largest size (about 40 KiB for a lone node), at most
+ * GOSSIP_FRAME_MAX. */
+size_t gossip_frame_preauth_max(size_t members);
 
 /* Opens a packet of len bytes (max_len: the size limit of its transport) into
  * plain (needs len bytes) and fills *h.  Returns GOSSIP_DROP_NONE or the

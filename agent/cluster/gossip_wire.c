@@ -105,13 +105,38 @@ int gossip_seal(const clusterkey_ring *keys, const uint8_t sender[GOSSIP_ID_LEN]
 	return DS_OK;
 }
 
-int gossip_open(const clusterkey_ring *keys, const uint8_t *pkt, size_t len, size_t max_len,
-		gossip_hdr *h, uint8_t *plain, size_t *plen)
+int gossip_head_check(const clusterkey_ring *keys, size_t len, size_t max_len,
+		      const uint8_t *head, size_t have)
 {
 	if (len > max_len)
 		return GOSSIP_DROP_TOO_LARGE;
-	if (len < GOSSIP_OVERHEAD || pkt[0] != GOSSIP_WIRE_VERSION)
+	if (len < GOSSIP_OVERHEAD || (have >= 1 && head[0] != GOSSIP_WIRE_VERSION))
 		return GOSSIP_DROP_MALFORMED;
+	if (have >= 2) {
+		for (int i = 0; i < keys->n; i++)
+			if (keys->id[i] == head[1])
+				return GOSSIP_DROP_NONE;
+		return GOSSIP_DROP_BAD_KEY;
+	}
+	return GOSSIP_DROP_NONE;
+}
+
+size_t gossip_frame_preauth_max(size_t members)
+{
+	if (members > GOSSIP_MAX_MEMBERS)
+		members = GOSSIP_MAX_MEMBERS;
+	size_t entries = 2 * members + GOSSIP_PREAUTH_SLACK;
+	size_t n = GOSSIP_OVERHEAD + GOSSIP_MSG_HDR + 3 + entries * GOSSIP_MSG_MAX;
+	return n < GOSSIP_FRAME_MAX ? n : GOSSIP_FRAME_MAX;
+}
+
+int gossip_open(const clusterkey_ring *keys, const uint8_t *pkt, size_t len, size_t max_len,
+		gossip_hdr *h, uint8_t *plain, size_t *plen)
+{
+	int why = gossip_head_check(keys, len, max_len, pkt,
+				    len < GOSSIP_HDR_LEN ? len : GOSSIP_HDR_LEN);
+	if (why)
+		return why;
 	const uint8_t *key = NULL;
 	for (int i = 0; i < keys->n; i++)
 		if (keys->id[i] == pkt[1])
@@ -464,6 +489,7 @@ static const gossip_timing profiles[] = {
 		.reconnect_ms = 30000,
 		.reap_ms = 3600000,
 		.tcp_timeout_ms = 10000,
+		.tcp_first_ms = 2000,
 		.awareness_max = 8,
 		.join_backoff_min_ms = 1000,
 		.join_backoff_max_ms = 30000,
@@ -487,6 +513,7 @@ static const gossip_timing profiles[] = {
 		.reconnect_ms = 1000,
 		.reap_ms = 60000,
 		.tcp_timeout_ms = 1000,
+		.tcp_first_ms = 500,
 		.awareness_max = 8,
 		.join_backoff_min_ms = 100,
 		.join_backoff_max_ms = 1000,
@@ -694,7 +721,8 @@ void gossip_event_json(const gossip_event *ev, char *out, size_t n)
 #define S(f) {.name = #f, .offset = offsetof(gossip_stats, f)}
 const gossip_stat_field gossip_stat_fields[] = {
 	S(packets_in),	     S(bytes_in),	     S(packets_out),	S(bytes_out),
-	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(tcp_bytes_in), S(tcp_bytes_out), S(pings_out),
+	S(tcp_accepted),     S(tcp_connected),	     S(tcp_failed),	S(tcp_evicted),
+	S(tcp_first_timeouts), S(tcp_bytes_in),    S(tcp_bytes_out),	S(pings_out),
 	S(acks_in),	     S(ping_reqs_out),	     S(nacks_in),	S(probes_failed),
 	S(push_pulls),	     S(joins_ok),	     S(join_attempts), S(joins_referred),	S(drop_too_large),
 	S(drop_malformed),   S(drop_bad_key),	     S(drop_auth_fail), S(drop_replay),

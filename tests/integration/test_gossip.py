@@ -22,7 +22,13 @@
 - a burst: ten agents join a fresh seed at once; the seed refers the joins
   past its limit (two a second in the test profile) to members it synced
   with, every referral becomes one more successful join elsewhere, and all
-  ten converge within 5 s of the last start.
+  ten converge within 5 s of the last start;
+- a TCP flood without the key: a client holds three times as many sockets
+  as the gossip TCP slots against a node's port (some send nothing, some a
+  partial length header, some a garbage or oversized one), opening a new
+  one for each the node closes.  A newcomer still joins through it within
+  10 s, and two members under the same flood still complete push-pulls
+  with each other.
 
 The fuzzer seals its packets itself: this file holds a second, independent
 implementation of the wire format of docs/cluster.md (header, associated
@@ -46,6 +52,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -545,6 +552,145 @@ def test_join_burst_is_referred(tmp_path):
         assert second == referred, {n: (s["joins_ok"], s["joins_referred"])
                                     for n, s in stats.items()}
         assert all(stats[n]["drop_malformed"] == 0 for n in stats)
+    finally:
+        for n in nodes:
+            n.kill(signal.SIGTERM)
+
+
+# ------------------------------------------------------------- TCP flood --
+
+class TcpFlood:
+    """A client without the cluster key that holds n TCP sockets against
+    127.0.0.1:port: every fourth one sends nothing, the next a partial length
+    header, the next a length of up to 1 MiB (what any frame may be) with
+    garbage after it, the next four random bytes.  Each socket the node closes is opened again at once (on a
+    thread) so the pressure never lets up."""
+
+    def __init__(self, port, n=48):
+        self.port, self.n = port, n
+        self.socks = {}
+        self.reopened = 0
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, i):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", self.port))
+            kind = i % 4
+            if kind == 1:
+                s.send(b"\x00\x00")
+            elif kind == 2:
+                s.send(struct.pack(">I", random.randrange(OVERHEAD, 1 << 20)) + os.urandom(9))
+            elif kind == 3:
+                s.send(os.urandom(4))
+        except OSError:
+            s.close()
+            return
+        s.setblocking(False)
+        self.socks[s] = i
+
+    def _run(self):
+        for i in range(self.n):
+            self._open(i)
+        while not self.stop_ev.is_set():
+            ready = select.select(list(self.socks), [], [], 0.05)[0] if self.socks else []
+            for s in ready:
+                try:
+                    if s.recv(4096):
+                        continue            # the node never answers a stranger
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                i = self.socks.pop(s)
+                s.close()
+                self.reopened += 1
+                self._open(i)
+            for i in set(range(self.n)) - set(self.socks.values()):
+                self._open(i)               # a connect that failed: try again
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while len(self.socks) < self.n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_ev.set()
+        self.thread.join(10)
+        for s in list(self.socks):
+            s.close()
+
+
+JOIN_UNDER_FLOOD_S = 10.0
+
+
+def new_key(tmp_path):
+    key = tmp_path / "cluster.key"
+    r = subprocess.run([binary("dsctl"), "cluster", "init", "--key-file", str(key)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return key
+
+
+def test_join_under_tcp_flood(tmp_path):
+    """A seed whose gossip TCP port a keyless client floods (48 sockets, three
+    times the slots) still answers a newcomer's join."""
+    key = new_key(tmp_path)
+    seed_port = free_port()
+    nodes = [Node(tmp_path / "s", "s", key, seed_port, gossip_port=seed_port)]
+    try:
+        nodes[0].wait_listening()
+        with TcpFlood(seed_port) as flood:
+            time.sleep(1.5)                 # the flood holds every slot by now
+            nodes.append(Node(tmp_path / "j", "j", key, seed_port))
+            nodes[1].wait_listening()
+            t0 = nodes[1].started
+            t = wait_for(lambda: converged(nodes), JOIN_UNDER_FLOOD_S + 5, "join under a flood")
+            st = nodes[0].members()["stats"]
+            print(f"join under a TCP flood: converged {t - t0:.2f} s after the start; the "
+                  f"flood reopened {flood.reopened} sockets; seed stats tcp_accepted "
+                  f"{st['tcp_accepted']} tcp_evicted {st.get('tcp_evicted')} tcp_first_timeouts "
+                  f"{st.get('tcp_first_timeouts')}")
+            assert t - t0 <= JOIN_UNDER_FLOOD_S
+            assert flood.reopened > 0
+            assert st["tcp_evicted"] > 0 and st["drop_too_large"] > 0
+        for n in nodes:
+            assert n.proc.poll() is None
+    finally:
+        for n in nodes:
+            n.kill(signal.SIGTERM)
+
+
+def test_push_pull_under_tcp_flood(tmp_path):
+    """Two members whose gossip TCP ports are both flooded keep completing
+    push-pulls (every exchange is incoming at a flooded node)."""
+    key = new_key(tmp_path)
+    seed_port = free_port()
+    a = Node(tmp_path / "a", "a", key, seed_port, gossip_port=seed_port)
+    nodes = [a]
+    try:
+        a.wait_listening()
+        nodes.append(Node(tmp_path / "b", "b", key, seed_port))
+        nodes[1].wait_listening()
+        wait_for(lambda: converged(nodes), 15, "convergence")
+        with TcpFlood(a.gport), TcpFlood(nodes[1].gport):
+            time.sleep(1.5)
+            before = {n.name: n.members()["stats"] for n in nodes}
+
+            def exchanged():
+                got = {n.name: n.members()["stats"]["push_pulls"] - before[n.name]["push_pulls"]
+                       for n in nodes}
+                return all(v >= 2 for v in got.values()), got
+            t0 = time.monotonic()
+            t = wait_for(exchanged, 15, "two push-pulls at each member under a flood")
+            print(f"push-pull under a TCP flood: two at each member after {t - t0:.2f} s "
+                  f"(interval 2 s)")
+        wait_for(lambda: converged(nodes), 5, "both alive")
     finally:
         for n in nodes:
             n.kill(signal.SIGTERM)

@@ -1,8 +1,10 @@
 /*
  * test_gossip.c - unit tests of agent/cluster/gossip: the message codec, sealing,
  * the replay window, the suspicion-timeout math, the incarnation rules of
- * the membership table, metadata TLVs, the key and node id files, and three
- * in-process instances on loopback (join, bad packets counted, leave).
+ * the membership table, metadata TLVs, the key and node id files, three
+ * in-process instances on loopback (join, bad packets counted, leave), and
+ * what a TCP client without the key can make an instance hold (buffers,
+ * time) before its frame opens.
  * Every name starts with gossip_ (run them with `tests/unit gossip_`).
  */
 #include "agent/auth/clusterkey_file.h"
@@ -11,8 +13,10 @@
 #include "tests/unit/unit.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +25,20 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define UT_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define UT_ASAN 1
+#endif
+#endif
+#if defined(UT_ASAN)
+/* the sanitizer runtime's (sanitizer/allocator_interface.h, not always installed) */
+size_t __sanitizer_get_current_allocated_bytes(void);
+#else
+#include <malloc.h>
+#endif
 
 /* ---- helpers ---------------------------------------------------------------- */
 
@@ -1069,4 +1087,205 @@ TEST(gossip_three_instances_loopback)
 out:
 	for (int i = 0; i < 3; i++)
 		gossip_free(g[i]);
+}
+
+/* ---- TCP before authentication ------------------------------------------- */
+
+/* What a frame's first bytes tell before the rest arrives: the same verdict
+ * gossip_open gives the whole packet for a size, version or key id problem,
+ * and nothing against a header that may still open. */
+TEST(gossip_frame_head_check)
+{
+	CHECK(sodium_init() >= 0);
+	uint8_t key[32], sender[16], plain[40], pkt[200];
+	rand_bytes(key, 32);
+	rand_bytes(sender, 16);
+	rand_bytes(plain, sizeof plain);
+	clusterkey_ring ring = ring_of(9, key);
+	size_t n = 0;
+	CHECK_EQ(gossip_seal(&ring, sender, 1, 2, plain, sizeof plain, pkt, sizeof pkt, &n), DS_OK);
+	for (size_t have = 0; have <= GOSSIP_HDR_LEN; have++)
+		CHECK_EQ(gossip_head_check(&ring, n, GOSSIP_FRAME_MAX, pkt, have), GOSSIP_DROP_NONE);
+	CHECK_EQ(gossip_head_check(&ring, n, n - 1, NULL, 0), GOSSIP_DROP_TOO_LARGE);
+	CHECK_EQ(gossip_head_check(&ring, GOSSIP_OVERHEAD - 1, GOSSIP_FRAME_MAX, NULL, 0),
+		 GOSSIP_DROP_MALFORMED);
+	uint8_t bad[GOSSIP_HDR_LEN];
+	memcpy(bad, pkt, sizeof bad);
+	bad[0] = GOSSIP_WIRE_VERSION + 1;
+	CHECK_EQ(gossip_head_check(&ring, n, GOSSIP_FRAME_MAX, bad, 1), GOSSIP_DROP_MALFORMED);
+	bad[0] = GOSSIP_WIRE_VERSION;
+	bad[1] = 10;
+	CHECK_EQ(gossip_head_check(&ring, n, GOSSIP_FRAME_MAX, bad, 1), GOSSIP_DROP_NONE);
+	CHECK_EQ(gossip_head_check(&ring, n, GOSSIP_FRAME_MAX, bad, 2), GOSSIP_DROP_BAD_KEY);
+	/* the limit before authentication: a table like ours fits, twice as
+	 * many members plus the slack fit, 1 MiB is the most ever */
+	size_t lone = gossip_frame_preauth_max(1);
+	CHECK(lone >= GOSSIP_OVERHEAD + GOSSIP_MSG_HDR + 3 + (2 + GOSSIP_PREAUTH_SLACK) * GOSSIP_MSG_MAX);
+	CHECK(lone < 64 * 1024);
+	CHECK(gossip_frame_preauth_max(100) > lone);
+	CHECK(gossip_frame_preauth_max(100) >= 200 * GOSSIP_MSG_MAX);
+	CHECK_EQ(gossip_frame_preauth_max(GOSSIP_MAX_MEMBERS), GOSSIP_FRAME_MAX);
+	CHECK_EQ(gossip_frame_preauth_max((size_t)-1), GOSSIP_FRAME_MAX);
+}
+
+/* Heap bytes this process has allocated and not freed: glibc's count over
+ * every arena and mmap'd block, or the sanitizer allocator's under ASan. */
+static size_t heap_in_use(void)
+{
+#if defined(UT_ASAN)
+	return __sanitizer_get_current_allocated_bytes();
+#else
+	struct mallinfo2 mi = mallinfo2();
+	return mi.uordblks + mi.hblkhd;
+#endif
+}
+
+/* A blocking TCP client of 127.0.0.1:port that sent n bytes of p. */
+static int tcp_send_to(int port, const void *p, size_t n)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+	to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (fd < 0 || connect(fd, (struct sockaddr *)&to, sizeof to) != 0 ||
+	    send(fd, p, n, MSG_NOSIGNAL) != (ssize_t)n) {
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* 1 when the other side closed fd (EOF or reset) within ms, 0 if not. */
+static int closed_within(int fd, int ms)
+{
+	struct pollfd p = {.fd = fd, .events = POLLIN};
+	if (poll(&p, 1, ms) != 1)
+		return 0;
+	char b[16];
+	ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
+	return r == 0 || (r < 0 && errno != EAGAIN);
+}
+
+static int64_t mono_ms_now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Clients without the key declare frames of up to 1 MiB (GOSSIP_FRAME_MAX,
+ * the most any frame may be) and send a few bytes of it.  A lone node with
+ * the lan profile would hold an exchange for 10 s; here each client is
+ * closed at once and counted by reason, and the node allocates nothing for
+ * their frames: a length past what an unauthenticated first frame may be
+ * (a few dozen KiB for a node that knows one member) is refused on its
+ * four bytes, a plausible one is read into a small buffer until the
+ * header's version and key id are known. */
+TEST(gossip_tcp_unauthenticated_frame_not_allocated)
+{
+	CHECK(sodium_init() >= 0);
+	uint8_t key[32];
+	rand_bytes(key, 32);
+	clusterkey_ring ring = ring_of(0x42, key);
+	gossip_params p = gossip_default_params();
+	p.bind_addr = "127.0.0.1";
+	p.port = 0;
+	rand_bytes(p.node_id, 16);
+	p.node_name = "solo";
+	p.keys = &ring;
+	ds_err e = {0};
+	gossip *g = gossip_new(&p, &e);
+	CHECK(g != NULL);
+	if (!g)
+		return;
+	int port = gossip_port(g);
+	enum { BIG = 8, BADVER = 4, BADKEY = 4, N = BIG + BADVER + BADKEY };
+	int fds[N];
+	gossip_stats s0, s1;
+	gossip_stats_get(g, &s0);
+	size_t heap0 = heap_in_use();
+	for (int i = 0; i < N; i++) {
+		uint8_t h[4 + 8];
+		uint32_t len = i < BIG ? GOSSIP_FRAME_MAX : 30000; /* 30000: plausible */
+		h[0] = (uint8_t)(len >> 24);
+		h[1] = (uint8_t)(len >> 16);
+		h[2] = (uint8_t)(len >> 8);
+		h[3] = (uint8_t)len;
+		rand_bytes(h + 4, 8);
+		h[4] = i < BIG + BADVER && i >= BIG ? 2 : GOSSIP_WIRE_VERSION;
+		h[5] = i >= BIG + BADVER ? 0x41 : 0x42;
+		fds[i] = tcp_send_to(port, h, sizeof h);
+		CHECK(fds[i] >= 0);
+	}
+	for (int t = 0; t < 200; t++) {
+		gossip_stats_get(g, &s1);
+		if (s1.tcp_accepted - s0.tcp_accepted >= N)
+			break;
+		sleep_ms(25);
+	}
+	CHECK_EQ(s1.tcp_accepted - s0.tcp_accepted, N);
+	sleep_ms(300); /* the node has read what each client sent */
+	size_t heap1 = heap_in_use();
+	CHECK(heap1 < heap0 + 64 * 1024);
+	if (heap1 >= heap0 + 64 * 1024)
+		fprintf(stderr, "  heap grew by %zu bytes for %d unauthenticated frames\n",
+			heap1 - heap0, N);
+	int64_t t0 = mono_ms_now();
+	int closed = 0;
+	for (int i = 0; i < N; i++) {
+		int left = (int)(t0 + 3000 - mono_ms_now());
+		closed += fds[i] >= 0 && closed_within(fds[i], left > 0 ? left : 0);
+	}
+	CHECK_EQ(closed, N); /* within 3 s, not the 10 s of an exchange */
+	gossip_stats_get(g, &s1);
+	CHECK_EQ(s1.drop_too_large - s0.drop_too_large, BIG);
+	CHECK_EQ(s1.drop_malformed - s0.drop_malformed, BADVER);
+	CHECK_EQ(s1.drop_bad_key - s0.drop_bad_key, BADKEY);
+	for (int i = 0; i < N; i++)
+		if (fds[i] >= 0)
+			close(fds[i]);
+	gossip_free(g);
+}
+
+/* A client that sends a plausible length and a header with the right
+ * version and key id, then nothing: it could be a member, so its frame gets
+ * a buffer, but it must be whole within the first-frame deadline (2 s in
+ * the lan profile), not the 10 s of an exchange. */
+TEST(gossip_tcp_first_frame_deadline)
+{
+	CHECK(sodium_init() >= 0);
+	uint8_t key[32];
+	rand_bytes(key, 32);
+	clusterkey_ring ring = ring_of(0x42, key);
+	gossip_params p = gossip_default_params();
+	p.bind_addr = "127.0.0.1";
+	p.port = 0;
+	rand_bytes(p.node_id, 16);
+	p.node_name = "solo";
+	p.keys = &ring;
+	ds_err e = {0};
+	gossip *g = gossip_new(&p, &e);
+	CHECK(g != NULL);
+	if (!g)
+		return;
+	gossip_stats s0, s1;
+	gossip_stats_get(g, &s0);
+	uint8_t h[4 + GOSSIP_HDR_LEN];
+	rand_bytes(h, sizeof h);
+	h[0] = h[1] = 0;
+	h[2] = 1; /* 256 + ... bytes: plausible */
+	h[4] = GOSSIP_WIRE_VERSION;
+	h[5] = 0x42;
+	int64_t t0 = mono_ms_now();
+	int fd = tcp_send_to(gossip_port(g), h, sizeof h);
+	CHECK(fd >= 0);
+	int closed = fd >= 0 && closed_within(fd, 6000);
+	int64_t took = mono_ms_now() - t0;
+	CHECK(closed);
+	CHECK(took >= 1500); /* not before its deadline */
+	gossip_stats_get(g, &s1);
+	CHECK_EQ(s1.tcp_first_timeouts - s0.tcp_first_timeouts, 1);
+	if (fd >= 0)
+		close(fd);
+	gossip_free(g);
 }
