@@ -155,13 +155,19 @@ static int unhex(const char *s, size_t n, uint8_t *out)
 	return ds_hex_decode(s, n, out);
 }
 
-int rpc_auth_verify(rpc_auth *a, const char *method, const char *path, const char *body,
-		    size_t body_len, const char *header, int64_t now_ms, char sender[33],
-		    ds_err *err)
+/* The parts of a DSCluster value. */
+struct cred {
+	uint8_t mac[32];
+	int64_t ms;
+	char idhex[33], nonce[17];
+};
+
+/* Parses a DSCluster value and checks its time against now_ms: DS_OK, or
+ * DS_EAUTH with a message naming what is wrong. */
+static int cred_parse(const char *header, int64_t now_ms, struct cred *c, ds_err *err)
 {
-	uint8_t got[32], want[32], idb[16], nb[8];
-	char idhex[33], mstext[24], nonce[17];
-	sender[0] = '\0';
+	uint8_t idb[16], nb[8];
+	char mstext[24];
 	if (!rpc_auth_is_cluster(header))
 		return ds_err_set(err, DS_EAUTH, "no cluster credential (Authorization: DSCluster ...)");
 	const char *p = header + 10;
@@ -169,31 +175,51 @@ int rpc_auth_verify(rpc_auth *a, const char *method, const char *path, const cha
 	const char *d3 = d2 ? strchr(d2 + 1, '.') : NULL;
 	if (!d1 || !d2 || !d3 || d1 - p != 32 || d2 - d1 - 1 < 1 ||
 	    d2 - d1 - 1 >= (long)sizeof mstext || d3 - d2 - 1 != 16 || strlen(d3 + 1) != 64 ||
-	    unhex(p, 16, idb) || unhex(d2 + 1, 8, nb) || unhex(d3 + 1, 32, got))
+	    unhex(p, 16, idb) || unhex(d2 + 1, 8, nb) || unhex(d3 + 1, 32, c->mac))
 		return ds_err_set(err, DS_EAUTH, "malformed cluster credential");
-	memcpy(nonce, d2 + 1, 16);
-	nonce[16] = '\0';
-	memcpy(idhex, p, 32);
-	idhex[32] = '\0';
+	memcpy(c->nonce, d2 + 1, 16);
+	c->nonce[16] = '\0';
+	memcpy(c->idhex, p, 32);
+	c->idhex[32] = '\0';
 	memcpy(mstext, d1 + 1, (size_t)(d2 - d1 - 1));
 	mstext[d2 - d1 - 1] = '\0';
-	int64_t ms;
-	if (ds_parse_i64(mstext, 0, INT64_MAX / 2, &ms) != DS_OK)
+	if (ds_parse_i64(mstext, 0, INT64_MAX / 2, &c->ms) != DS_OK)
 		return ds_err_set(err, DS_EAUTH, "malformed cluster credential time");
-	if (ms < now_ms - RPC_SKEW_MS || ms > now_ms + RPC_SKEW_MS)
+	if (c->ms < now_ms - RPC_SKEW_MS || c->ms > now_ms + RPC_SKEW_MS)
 		return ds_err_set(err, DS_EAUTH,
 				  "cluster credential time is %lld ms off this node's clock "
 				  "(more than %d ms: are the clocks synchronised?)",
-				  (long long)(ms - now_ms), RPC_SKEW_MS);
+				  (long long)(c->ms - now_ms), RPC_SKEW_MS);
+	return DS_OK;
+}
+
+int rpc_auth_check_header(const char *header, int64_t now_ms, ds_err *err)
+{
+	struct cred c;
+	return cred_parse(header, now_ms, &c, err);
+}
+
+int rpc_auth_verify(rpc_auth *a, const char *method, const char *path, const char *body,
+		    size_t body_len, const char *header, int64_t now_ms, char sender[33],
+		    ds_err *err)
+{
+	uint8_t want[32];
+	struct cred c;
+	sender[0] = '\0';
+	int rc = cred_parse(header, now_ms, &c, err);
+	if (rc != DS_OK)
+		return rc;
+	const uint8_t *got = c.mac;
+	const char *idhex = c.idhex, *nonce = c.nonce;
+	int64_t ms = c.ms;
 	int ok = 0;
 	for (int i = 0; i < a->n; i++) {
 		mac_of(a->key[i], method, path, body, body_len, ms, nonce, idhex, want);
-		ok |= sodium_memcmp(want, got, sizeof got) == 0;
+		ok |= sodium_memcmp(want, got, sizeof want) == 0;
 	}
 	if (!ok)
 		return ds_err_set(err, DS_EAUTH,
 				  "cluster credential does not verify (another cluster key?)");
-	int rc = DS_OK;
 	pthread_mutex_lock(&a->mu);
 	if (ms <= a->floor_ms) {
 		rc = ds_err_set(err, DS_EAUTH, "cluster credential older than the replay window");

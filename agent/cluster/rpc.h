@@ -66,6 +66,13 @@ int rpc_auth_verify(rpc_auth *a, const char *method, const char *path, const cha
 		    size_t body_len, const char *header, int64_t now_ms, char sender[33],
 		    ds_err *err);
 
+/* The part of rpc_auth_verify that needs no body and no key: the value's
+ * form and its time within RPC_SKEW_MS of now_ms.  The control API runs it
+ * on the headers before reading a body (the MAC covers the body, so only
+ * rpc_auth_verify, after it, authenticates).  DS_OK or DS_EAUTH with the
+ * message rpc_auth_verify would give. */
+int rpc_auth_check_header(const char *header, int64_t now_ms, ds_err *err);
+
 /* 1 when an Authorization value uses the DSCluster scheme. */
 int rpc_auth_is_cluster(const char *header);
 
