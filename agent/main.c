@@ -35,6 +35,7 @@
 
 #include <malloc.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <string.h>
@@ -65,6 +66,40 @@ static void print_config(const agent_opts *o)
 static const char *model_path(const agent_opts *o)
 {
 	return o->model ? o->model : "models/default.gguf";
+}
+
+/* The limits of both HTTP servers (docs/serving.md, "Timeouts and limits of
+ * the HTTP servers"). */
+static void http_limits(const agent_opts *o, const char *name, http_params *p)
+{
+	p->name = name;
+	p->max_conns = o->http_max_conns;
+	p->max_conns_per_addr = o->http_max_conns_per_addr;
+	p->header_timeout_s = o->http_header_timeout_s;
+	p->keepalive_timeout_s = o->http_keepalive_timeout_s;
+	p->timeout_s = o->http_timeout_s;
+	p->max_body_total = (size_t)o->http_max_body_total_mb << 20;
+}
+
+/* Every HTTP connection holds a descriptor: the soft limit (often 1024) is
+ * raised to the hard one so both servers' connections fit; a warning when
+ * even the hard limit is short of them. */
+static void raise_nofile(const agent_opts *o)
+{
+	struct rlimit rl;
+	if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+		return;
+	rlim_t want = 2 * ((rlim_t)o->http_max_conns + (rlim_t)o->http_max_conns / 4 + 16) + 256;
+	if (rl.rlim_cur < rl.rlim_max) {
+		rl.rlim_cur = rl.rlim_max;
+		if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+			getrlimit(RLIMIT_NOFILE, &rl);
+	}
+	if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want)
+		log_warn("agent", "the descriptor limit is below what the HTTP servers may hold",
+			 "nofile=%llu wanted=%llu (raise the hard limit, or lower "
+			 "--http-max-conns)",
+			 (unsigned long long)rl.rlim_cur, (unsigned long long)want);
 }
 
 /* Where membership events go: the store's event log and the cluster's
@@ -173,6 +208,7 @@ int main(int argc, char **argv)
 		goto out;
 	}
 
+	raise_nofile(&opts);
 	const kb_backend *be = eng_backend_choose(opts.backend, &err);
 	if (!be) {
 		fprintf(stderr, "dsagent: %s\n", err.msg);
@@ -255,6 +291,7 @@ int main(int argc, char **argv)
 	hp.port = opts.control_port;
 	hp.routes = control_routes;
 	hp.ud = &ctx;
+	http_limits(&opts, "control", &hp);
 	control = http_server_new(&hp, &err);
 	if (!control) {
 		fprintf(stderr, "dsagent: control API: %s\n", err.msg);
@@ -297,6 +334,7 @@ int main(int argc, char **argv)
 	ap.routes = serve_routes;
 	ap.ud = sv;
 	ap.max_body = (size_t)opts.max_body_kb << 10;
+	http_limits(&opts, "api", &ap);
 	ap.cors_origin = opts.cors_origin;
 	if (!(api = http_server_new(&ap, &err))) {
 		fprintf(stderr, "dsagent: OpenAI API: %s\n", err.msg);

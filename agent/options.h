@@ -29,6 +29,10 @@ typedef struct agent_opts {
 	int max_running, max_waiting, max_batch_tokens, prefill_chunk, page_size;
 	int kv_cache_mb;
 	int max_body_kb;
+	/* both HTTP servers (agent/api/http.h) */
+	int http_max_conns, http_max_conns_per_addr;
+	int http_header_timeout_s, http_keepalive_timeout_s, http_timeout_s;
+	int http_max_body_total_mb;
 	int max_n, max_logprobs;
 	/* discovery (agent/node/discover.h) */
 	char *sysroot;           /* read /proc, /sys, /etc under it; "/" = this machine */

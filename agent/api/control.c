@@ -655,26 +655,64 @@ static void post_election(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, out);
 }
 
+/* ---- auth rules on the headers: http.c runs them before reading a body ---- */
+
+static int auth_admin(void *ud, const http_req *req, http_resp *resp)
+{
+	return admin_ok(ud, req, resp);
+}
+
+static int auth_test(void *ud, const http_req *req, http_resp *resp)
+{
+	return test_route_ok(ud, req, resp);
+}
+
+/* The admin token is checked whole; a cluster credential's MAC covers the
+ * body, so here only its form and time (rpc_auth_check_header), and
+ * cluster_auth verifies it after the body. */
+static int auth_cluster(void *ud, const http_req *req, http_resp *resp)
+{
+	const control_ctx *c = ud;
+	const char *h = http_req_header(req, "Authorization");
+	char sender[GOSSIP_ID_HEX];
+	ds_err e = {0};
+	if (!c->cluster || !rpc_auth_is_cluster(h) || !cluster_rpc_auth(c->cluster))
+		return cluster_auth(c, req, resp, sender) != 0; /* decided by the header */
+	if (rpc_auth_check_header(h, rpc_now_ms(), &e) == DS_OK)
+		return 1;
+	http_resp_error(resp, 401, "authentication_error", "invalid_cluster_credential", "%s",
+			e.msg);
+	http_resp_header(resp, "WWW-Authenticate", "DSCluster");
+	return 0;
+}
+
 const http_route control_routes[] = {
 	{.method = "GET", .path = "/health", .fn = get_health},
 	{.method = "GET", .path = "/v1/version", .fn = get_version},
-	{.method = "POST", .path = "/v1/keys", .fn = post_keys},
-	{.method = "GET", .path = "/v1/keys", .fn = get_keys},
-	{.method = "DELETE", .path = "/v1/keys/*", .fn = delete_key},
-	{.method = "GET", .path = "/v1/cluster/members", .fn = get_cluster_members},
-	{.method = "POST", .path = "/v1/cluster/test/drop", .fn = post_test_drop},
-	{.method = "POST", .path = "/v1/test/fail-steps", .fn = post_test_fail_steps},
-	{.method = "GET", .path = "/v1/node", .fn = get_node},
-	{.method = "GET", .path = "/v1/cluster/state", .fn = get_cluster_state},
-	{.method = "GET", .path = "/v1/cluster/nodes", .fn = get_cluster_nodes},
-	{.method = "GET", .path = "/v1/cluster/plan", .fn = get_cluster_plan},
-	{.method = "POST", .path = "/v1/cluster/plan", .fn = post_cluster_plan},
-	{.method = "POST", .path = "/v1/cluster/up", .fn = cluster_up},
-	{.method = "GET", .path = "/v1/cluster/up", .fn = cluster_up},
-	{.method = "DELETE", .path = "/v1/cluster/up", .fn = cluster_up},
-	{.method = "POST", .path = "/v1/ranks", .fn = post_ranks},
-	{.method = "GET", .path = "/v1/ranks", .fn = get_ranks},
-	{.method = "DELETE", .path = "/v1/ranks", .fn = delete_ranks},
-	{.method = "POST", .path = "/v1/cluster/election", .fn = post_election},
+	{.method = "POST", .path = "/v1/keys", .fn = post_keys, .auth = auth_admin},
+	{.method = "GET", .path = "/v1/keys", .fn = get_keys, .auth = auth_admin},
+	{.method = "DELETE", .path = "/v1/keys/*", .fn = delete_key, .auth = auth_admin},
+	{.method = "GET", .path = "/v1/cluster/members", .fn = get_cluster_members,
+	 .auth = auth_admin},
+	{.method = "POST", .path = "/v1/cluster/test/drop", .fn = post_test_drop,
+	 .auth = auth_test},
+	{.method = "POST", .path = "/v1/test/fail-steps", .fn = post_test_fail_steps,
+	 .auth = auth_test},
+	{.method = "GET", .path = "/v1/node", .fn = get_node, .auth = auth_cluster},
+	{.method = "GET", .path = "/v1/cluster/state", .fn = get_cluster_state,
+	 .auth = auth_cluster},
+	{.method = "GET", .path = "/v1/cluster/nodes", .fn = get_cluster_nodes,
+	 .auth = auth_cluster},
+	{.method = "GET", .path = "/v1/cluster/plan", .fn = get_cluster_plan, .auth = auth_cluster},
+	{.method = "POST", .path = "/v1/cluster/plan", .fn = post_cluster_plan,
+	 .auth = auth_cluster},
+	{.method = "POST", .path = "/v1/cluster/up", .fn = cluster_up, .auth = auth_cluster},
+	{.method = "GET", .path = "/v1/cluster/up", .fn = cluster_up, .auth = auth_cluster},
+	{.method = "DELETE", .path = "/v1/cluster/up", .fn = cluster_up, .auth = auth_cluster},
+	{.method = "POST", .path = "/v1/ranks", .fn = post_ranks, .auth = auth_cluster},
+	{.method = "GET", .path = "/v1/ranks", .fn = get_ranks, .auth = auth_cluster},
+	{.method = "DELETE", .path = "/v1/ranks", .fn = delete_ranks, .auth = auth_cluster},
+	{.method = "POST", .path = "/v1/cluster/election", .fn = post_election,
+	 .auth = auth_cluster},
 	{0},
 };

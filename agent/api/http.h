@@ -2,16 +2,29 @@
  * http.h - a small route table over libmicrohttpd.
  *
  * The control API and the OpenAI API declare routes as {method, path,
- * handler}; a path ending in '*' matches every path with that prefix.  This
- * module owns the daemon, collects the request body up to a hard cap (413
- * beyond it, after draining the upload so the connection stays usable),
+ * handler, auth}; a path ending in '*' matches every path with that prefix.
+ * This module owns the daemon, checks a route's auth rule on the request
+ * headers before any body byte is read, collects the body up to a hard cap
+ * (413 beyond it, after draining the upload so the connection stays usable),
  * dispatches, and sends the handler's response: a whole body, or a stream
  * produced by a reader callback (SSE), with extra headers.
  *
+ * Availability (docs/serving.md, "Timeouts and limits of the HTTP servers"):
+ * request headers must be complete within header_timeout_s of a connection
+ * opening or of its previous response ending (408 and closed otherwise, even
+ * when bytes trickle in); a connection idle between requests is closed after
+ * keepalive_timeout_s; one client address holds at most max_conns_per_addr
+ * connections and the server at most max_conns: when either is reached, the
+ * oldest connection that has not sent a whole request yet (or whose body is
+ * only being drained) is closed to make room, else the new one is refused;
+ * request bodies buffered at once across connections are capped by
+ * max_body_total (503 + Retry-After beyond it, before the body is read).
+ *
  * Threading: one thread per connection (MHD_USE_THREAD_PER_CONNECTION), so a
  * handler may block while the engine generates, and a stream reader may block
- * until its next event; the number of connections is capped by max_conns.
- * Handlers must be thread-safe; they never see a body larger than max_body.
+ * until its next event; one more thread per server enforces the header
+ * deadline.  Handlers and auth checks must be thread-safe; handlers never
+ * see a body larger than max_body.
  *
  * Errors are JSON in the OpenAI shape:
  *   {"error":{"message":..,"type":..,"param":..|null,"code":..|null}}.
@@ -59,10 +72,19 @@ typedef struct http_resp {
 
 typedef void (*http_handler)(void *ud, const http_req *req, http_resp *resp);
 
+/* A route's auth rule, run when the request headers are complete and before
+ * any body byte is read: req->body is "" (body_len 0), http_req_header works.
+ * Returns 1 to go on (the body is read, then the handler runs and keeps its
+ * own checks), or 0 with the refusal in resp (401, or whatever the owner's
+ * rule answers from the headers alone): it is sent at once and the
+ * connection is closed without reading the body. */
+typedef int (*http_auth_fn)(void *ud, const http_req *req, http_resp *resp);
+
 typedef struct http_route {
 	const char *method;
 	const char *path; /* exact, or a prefix when it ends in '*' */
 	http_handler fn;
+	http_auth_fn auth; /* NULL: no check before the body */
 } http_route;
 
 typedef struct http_params {
@@ -70,9 +92,15 @@ typedef struct http_params {
 	int port;                 /* 0 = any free port (see http_server_port) */
 	const http_route *routes; /* ends with {0} */
 	void *ud;                 /* passed to every handler */
-	size_t max_body;          /* default 1 MiB */
-	int max_conns;            /* concurrent connections, default 512 */
-	int timeout_s;            /* idle connection timeout, default 600 */
+	const char *name;         /* in log lines: "api", "control" (default "http") */
+	size_t max_body;          /* one request's body, default 1 MiB (413 beyond) */
+	size_t max_body_total;    /* bodies buffered at once, all connections: 256 MiB */
+	int max_conns;            /* connections at once, default 1024 */
+	int max_conns_per_addr;   /* from one client address, default 256; 0 = no limit */
+	int header_timeout_s;     /* whole request headers within this, default 10 */
+	int keepalive_timeout_s;  /* idle before a request's first byte, default 5 */
+	int timeout_s;            /* no byte moving while a request is read or its
+				     answer sent, default 600 */
 	const char *cors_origin;  /* NULL = no CORS headers; "*" or one origin */
 } http_params;
 
@@ -98,8 +126,16 @@ int http_resp_header(http_resp *resp, const char *name, const char *value);
 /* Header value of the request, or NULL. */
 const char *http_req_header(const http_req *req, const char *name);
 
-/* 1 when the client closed its side of the connection (checked without
- * blocking; for handlers and stream readers that wait on the engine). */
+/* 1 when the client hung up (checked without blocking; for handlers and
+ * stream readers that wait on the engine).  A client that only half-closed
+ * its socket after sending the whole request is not gone: it still reads
+ * the answer.  TCP tells the two apart only when data reaches the peer (a
+ * closed socket answers with a reset), so when the peer's FIN is seen while
+ * a handler runs and nothing of the response was sent, an interim
+ * "HTTP/1.1 100 Continue" goes out once (every HTTP/1.1 client skips it);
+ * the reset it draws makes a later call return 1.  HTTP/1.0 requests get no
+ * probe: a FIN alone never cancels them.  Call it from the connection's own
+ * thread (the handler or its stream reader). */
 int http_conn_gone(struct MHD_Connection *conn);
 
 /* Appends text[0..len) with every ill-formed UTF-8 subpart replaced by

@@ -756,13 +756,28 @@ GUARD(g_tokenize, post_tokenize)
 GUARD(g_detokenize, post_detokenize)
 #undef GUARD
 
+/* The routes' auth rules as http.c checks them on the request headers,
+ * before any body byte is read (a request without a valid key never gets
+ * its body buffered); the handlers still check after the body. */
+static int auth_key(void *ud, const http_req *req, http_resp *resp)
+{
+	int64_t key_id;
+	return serve_auth(ud, req, resp, &key_id) == 0;
+}
+
+static int auth_metrics(void *ud, const http_req *req, http_resp *resp)
+{
+	const serve *s = ud;
+	return !s->p.metrics_auth || auth_key(ud, req, resp);
+}
+
 const http_route serve_routes[] = {
 	{.method = "GET", .path = "/health", .fn = g_health},
 	{.method = "GET", .path = "/v1/models", .fn = g_models},
-	{.method = "GET", .path = "/metrics", .fn = g_metrics},
-	{.method = "POST", .path = "/v1/chat/completions", .fn = g_chat},
-	{.method = "POST", .path = "/v1/completions", .fn = g_completions},
-	{.method = "POST", .path = "/tokenize", .fn = g_tokenize},
-	{.method = "POST", .path = "/detokenize", .fn = g_detokenize},
+	{.method = "GET", .path = "/metrics", .fn = g_metrics, .auth = auth_metrics},
+	{.method = "POST", .path = "/v1/chat/completions", .fn = g_chat, .auth = auth_key},
+	{.method = "POST", .path = "/v1/completions", .fn = g_completions, .auth = auth_key},
+	{.method = "POST", .path = "/tokenize", .fn = g_tokenize, .auth = auth_key},
+	{.method = "POST", .path = "/detokenize", .fn = g_detokenize, .auth = auth_key},
 	{0},
 };
