@@ -24,8 +24,12 @@
  *  4. A node's nodes row and its rows in gpus, ib_ports, nics, links and
  *     gpu_nic change in one transaction (store_node_put): a reader never sees
  *     half an inventory, and a kill -9 leaves the old one or the new one.
- *  5. A vote is committed with synchronous=FULL before store_vote_put
- *     returns; an epoch never gets a second vote or a second head.
+ *  5. Security-relevant writes commit with synchronous=FULL (the WAL is
+ *     fsync'd at COMMIT, so they survive a power cut, not only a crash):
+ *     key creation and revocation, votes and elections (an epoch and its
+ *     head).  Everything else keeps the connection's NORMAL (synced at
+ *     checkpoints: a power cut may lose the last commits, never corrupt).
+ *     An epoch never gets a second vote or a second head.
  *
  * Threading: any thread; one connection serialised by s->mu.
  */
@@ -115,6 +119,20 @@ static int exec(store *s, const char *sql, const char *what, ds_err *err)
 			    msg ? msg : sqlite3_errmsg(s->db));
 	sqlite3_free(msg);
 	return rc;
+}
+
+/* Invariant 5: the next COMMIT (or autocommit statement) on this connection
+ * fsyncs the WAL; durable_end goes back to NORMAL.  PRAGMA synchronous is a
+ * setting of the connection, and every statement runs with s->mu held, so
+ * the setting covers exactly the writes between the two calls. */
+static int durable_begin(store *s, const char *what, ds_err *err)
+{
+	return exec(s, "PRAGMA synchronous = FULL", what, err);
+}
+
+static void durable_end(store *s)
+{
+	sqlite3_exec(s->db, "PRAGMA synchronous = NORMAL", NULL, NULL, NULL);
 }
 
 static int read_user_version(store *s, int *v, ds_err *err)
@@ -288,6 +306,9 @@ int store_key_insert(store *s, store_key *k, ds_err *err)
 	sqlite3_stmt *st = NULL;
 	int rc, in_tx = 0;
 	pthread_mutex_lock(&s->mu);
+	rc = durable_begin(s, "creating a key", err);
+	if (rc)
+		goto out;
 	rc = exec(s, "BEGIN IMMEDIATE", "creating a key", err);
 	if (rc)
 		goto out;
@@ -345,6 +366,7 @@ out:
 	sqlite3_finalize(st);
 	if (in_tx)
 		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	durable_end(s);
 	pthread_mutex_unlock(&s->mu);
 	return rc;
 }
@@ -422,6 +444,9 @@ int store_key_revoke(store *s, int64_t id, int64_t now, int *was_revoked, ds_err
 	if (was_revoked)
 		*was_revoked = 0;
 	pthread_mutex_lock(&s->mu);
+	rc = durable_begin(s, "revoking a key", err);
+	if (rc)
+		goto out;
 	rc = prep(s, "UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL",
 		  &st, err);
 	if (rc)
@@ -451,6 +476,7 @@ int store_key_revoke(store *s, int64_t id, int64_t now, int *was_revoked, ds_err
 	}
 out:
 	sqlite3_finalize(st);
+	durable_end(s);
 	pthread_mutex_unlock(&s->mu);
 	return rc;
 }
@@ -1117,6 +1143,9 @@ int store_election_put(store *s, const store_election *e, store_election *out, d
 				  "election row of epoch %lld: bad epoch, node id or outcome",
 				  (long long)e->epoch);
 	pthread_mutex_lock(&s->mu);
+	rc = durable_begin(s, "recording an election", err);
+	if (rc)
+		goto out;
 	rc = exec(s, "BEGIN IMMEDIATE", "recording an election", err);
 	if (rc)
 		goto out;
@@ -1176,6 +1205,7 @@ out:
 	sqlite3_finalize(st);
 	if (in_tx)
 		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+	durable_end(s);
 	pthread_mutex_unlock(&s->mu);
 	return rc;
 }
@@ -1234,9 +1264,7 @@ int store_vote_put(store *s, int64_t epoch, const char *candidate, int64_t ts,
 		return ds_err_set(err, DS_EINVAL, "vote in epoch %lld for '%s': bad epoch or id",
 				  (long long)epoch, candidate ? candidate : "");
 	pthread_mutex_lock(&s->mu);
-	/* A vote must survive a power cut, not only a crash: this transaction
-	 * syncs the WAL at commit (the connection's default is NORMAL). */
-	rc = exec(s, "PRAGMA synchronous = FULL", "syncing a vote", err);
+	rc = durable_begin(s, "syncing a vote", err);
 	if (rc)
 		goto out;
 	rc = exec(s, "BEGIN IMMEDIATE", "recording a vote", err);
@@ -1286,7 +1314,7 @@ out:
 	sqlite3_finalize(st);
 	if (in_tx)
 		sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
-	sqlite3_exec(s->db, "PRAGMA synchronous = NORMAL", NULL, NULL, NULL);
+	durable_end(s);
 	pthread_mutex_unlock(&s->mu);
 	return rc;
 }

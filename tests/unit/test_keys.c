@@ -896,6 +896,171 @@ TEST(keys_admin_token_created_once_0600_and_checked)
 	ut_tmpdir_free(dir);
 }
 
+/* ---- durability: a VFS that counts fsyncs of the WAL ----------------------------- */
+
+/* Every file the store opens goes through this VFS, which forwards to the
+ * default one and counts xSync calls on write-ahead logs: with
+ * synchronous=FULL SQLite syncs the WAL at each COMMIT, with NORMAL it does
+ * not (only at checkpoints), so the count tells which writes would survive a
+ * power cut. */
+typedef struct sync_file {
+	sqlite3_file base;
+	sqlite3_file *real; /* the default VFS's file, right after this struct */
+	int wal;
+} sync_file;
+
+static sqlite3_vfs *orig_vfs;
+static sqlite3_vfs sync_vfs;
+static sqlite3_io_methods sync_methods;
+static int wal_syncs;
+
+#define REAL(f) (((sync_file *)(f))->real)
+static int sf_close(sqlite3_file *f) { return REAL(f)->pMethods->xClose(REAL(f)); }
+static int sf_read(sqlite3_file *f, void *b, int n, sqlite3_int64 o)
+{
+	return REAL(f)->pMethods->xRead(REAL(f), b, n, o);
+}
+static int sf_write(sqlite3_file *f, const void *b, int n, sqlite3_int64 o)
+{
+	return REAL(f)->pMethods->xWrite(REAL(f), b, n, o);
+}
+static int sf_truncate(sqlite3_file *f, sqlite3_int64 sz)
+{
+	return REAL(f)->pMethods->xTruncate(REAL(f), sz);
+}
+static int sf_sync(sqlite3_file *f, int flags)
+{
+	if (((sync_file *)f)->wal)
+		wal_syncs++;
+	return REAL(f)->pMethods->xSync(REAL(f), flags);
+}
+static int sf_size(sqlite3_file *f, sqlite3_int64 *sz)
+{
+	return REAL(f)->pMethods->xFileSize(REAL(f), sz);
+}
+static int sf_lock(sqlite3_file *f, int l) { return REAL(f)->pMethods->xLock(REAL(f), l); }
+static int sf_unlock(sqlite3_file *f, int l) { return REAL(f)->pMethods->xUnlock(REAL(f), l); }
+static int sf_check(sqlite3_file *f, int *out)
+{
+	return REAL(f)->pMethods->xCheckReservedLock(REAL(f), out);
+}
+static int sf_fcntl(sqlite3_file *f, int op, void *arg)
+{
+	return REAL(f)->pMethods->xFileControl(REAL(f), op, arg);
+}
+static int sf_sector(sqlite3_file *f) { return REAL(f)->pMethods->xSectorSize(REAL(f)); }
+static int sf_devchar(sqlite3_file *f)
+{
+	return REAL(f)->pMethods->xDeviceCharacteristics(REAL(f));
+}
+static int sf_shm_map(sqlite3_file *f, int pg, int sz, int ext, void volatile **pp)
+{
+	return REAL(f)->pMethods->xShmMap(REAL(f), pg, sz, ext, pp);
+}
+static int sf_shm_lock(sqlite3_file *f, int off, int n, int flags)
+{
+	return REAL(f)->pMethods->xShmLock(REAL(f), off, n, flags);
+}
+static void sf_shm_barrier(sqlite3_file *f) { REAL(f)->pMethods->xShmBarrier(REAL(f)); }
+static int sf_shm_unmap(sqlite3_file *f, int del)
+{
+	return REAL(f)->pMethods->xShmUnmap(REAL(f), del);
+}
+static int sf_fetch(sqlite3_file *f, sqlite3_int64 off, int amt, void **pp)
+{
+	return REAL(f)->pMethods->xFetch(REAL(f), off, amt, pp);
+}
+static int sf_unfetch(sqlite3_file *f, sqlite3_int64 off, void *p)
+{
+	return REAL(f)->pMethods->xUnfetch(REAL(f), off, p);
+}
+#undef REAL
+
+static int sf_open(sqlite3_vfs *v, const char *name, sqlite3_file *f, int flags, int *out_flags)
+{
+	sync_file *sf = (sync_file *)f;
+	sf->real = (sqlite3_file *)(sf + 1);
+	sf->wal = (flags & SQLITE_OPEN_WAL) != 0;
+	int rc = orig_vfs->xOpen(orig_vfs, name, sf->real, flags, out_flags);
+	if (rc != SQLITE_OK || !sf->real->pMethods) {
+		f->pMethods = NULL;
+		return rc;
+	}
+	sync_methods = (sqlite3_io_methods){
+		.iVersion = sf->real->pMethods->iVersion < 3 ? sf->real->pMethods->iVersion : 3,
+		.xClose = sf_close, .xRead = sf_read, .xWrite = sf_write, .xTruncate = sf_truncate,
+		.xSync = sf_sync, .xFileSize = sf_size, .xLock = sf_lock, .xUnlock = sf_unlock,
+		.xCheckReservedLock = sf_check, .xFileControl = sf_fcntl,
+		.xSectorSize = sf_sector, .xDeviceCharacteristics = sf_devchar,
+		.xShmMap = sf_shm_map, .xShmLock = sf_shm_lock, .xShmBarrier = sf_shm_barrier,
+		.xShmUnmap = sf_shm_unmap, .xFetch = sf_fetch, .xUnfetch = sf_unfetch,
+	};
+	f->pMethods = &sync_methods;
+	return rc;
+}
+
+static void sync_vfs_install(void)
+{
+	orig_vfs = sqlite3_vfs_find(NULL);
+	sync_vfs = *orig_vfs;
+	sync_vfs.zName = "ds-sync-count";
+	sync_vfs.szOsFile = (int)sizeof(sync_file) + orig_vfs->szOsFile;
+	sync_vfs.xOpen = sf_open;
+	sync_vfs.pNext = NULL;
+	sqlite3_vfs_register(&sync_vfs, 1);
+}
+
+static void sync_vfs_remove(void)
+{
+	sqlite3_vfs_register(orig_vfs, 1);
+	sqlite3_vfs_unregister(&sync_vfs);
+}
+
+TEST(store_security_writes_sync_the_wal)
+{
+	sync_vfs_install();
+	fixture f;
+	if (fx_init(&f)) {
+		fx_free(&f);
+		sync_vfs_remove();
+		return;
+	}
+	ds_err e = {0};
+	keys_created a;
+	/* an ordinary write (usage) does not sync: the count can tell */
+	CHECK_EQ(make_key(&f, "durable", 0, 0, 0, &a), DS_OK);
+	int before = wal_syncs;
+	CHECK_EQ(store_key_usage_add(f.st, a.info.id, time(NULL), 1, 1, &e), DS_OK);
+	CHECK_EQ(wal_syncs, before);
+	/* key creation and revocation */
+	before = wal_syncs;
+	keys_created b;
+	CHECK_EQ(make_key(&f, "durable-2", 0, 0, 0, &b), DS_OK);
+	CHECK(wal_syncs > before);
+	before = wal_syncs;
+	CHECK_EQ(keys_revoke(f.k, b.info.id, NULL, &e), DS_OK);
+	CHECK(wal_syncs > before);
+	/* an election's epoch and head, and a vote */
+	char head[STORE_ID_HEX];
+	memset(head, 'a', STORE_ID_HEX - 1);
+	head[STORE_ID_HEX - 1] = '\0';
+	store_election el = {.epoch = 7, .votes = -1, .quorum = -1, .ts = 1000};
+	snprintf(el.head, sizeof el.head, "%s", head);
+	snprintf(el.outcome, sizeof el.outcome, "won");
+	before = wal_syncs;
+	CHECK_EQ(store_election_put(f.st, &el, NULL, &e), DS_OK);
+	CHECK(wal_syncs > before);
+	before = wal_syncs;
+	CHECK_EQ(store_vote_put(f.st, 8, head, 1001, NULL, &e), DS_OK);
+	CHECK(wal_syncs > before);
+	/* and the connection is back to NORMAL afterwards */
+	before = wal_syncs;
+	CHECK_EQ(store_key_usage_add(f.st, a.info.id, time(NULL), 1, 1, &e), DS_OK);
+	CHECK_EQ(wal_syncs, before);
+	fx_free(&f);
+	sync_vfs_remove();
+}
+
 /* ---- threads ------------------------------------------------------------------------ */
 
 typedef struct worker {
