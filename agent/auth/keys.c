@@ -138,6 +138,47 @@ static int token_text_ok(const char *s, size_t n)
 	return 1;
 }
 
+/* Shannon entropy, in bits per symbol, of the counts cnt[0..n) over total. */
+static double shannon(const unsigned *cnt, size_t n, size_t total)
+{
+	double h = 0;
+	for (size_t i = 0; i < n; i++)
+		if (cnt[i]) {
+			double p = (double)cnt[i] / (double)total;
+			h -= p * log2(p);
+		}
+	return h;
+}
+
+double keys_token_bits(const char *s, size_t n)
+{
+	unsigned chars[256] = {0}, deltas[511] = {0};
+	if (n < 2)
+		return 0;
+	for (size_t i = 0; i < n; i++) {
+		chars[(unsigned char)s[i]]++;
+		if (i)
+			deltas[255 + (int)(unsigned char)s[i] - (int)(unsigned char)s[i - 1]]++;
+	}
+	double hc = shannon(chars, 256, n), hd = shannon(deltas, 511, n - 1);
+	return (double)n * (hc < hd ? hc : hd);
+}
+
+/* DS_OK, or DS_EFORMAT naming path when the token is weak (never the token). */
+static int token_strong(const char *path, const char *tok, size_t n, ds_err *err)
+{
+	double bits = keys_token_bits(tok, n);
+	if (n >= KEYS_TOKEN_MIN_LEN && bits >= KEYS_TOKEN_MIN_BITS)
+		return DS_OK;
+	return ds_err_set(err, DS_EFORMAT,
+			  "%s holds a weak admin token (%zu characters, an estimated %.0f bits): "
+			  "a token needs at least %d characters and an estimated %.0f bits "
+			  "(no long repeats or runs of characters); write a random one, e.g. "
+			  "`openssl rand -base64 32 > %s` (mode 0600), or remove the file and "
+			  "dsagent makes one",
+			  path, n, bits, KEYS_TOKEN_MIN_LEN, KEYS_TOKEN_MIN_BITS, path);
+}
+
 int keys_admin_token_load(const char *data_dir, char out[KEYS_TOKEN_SIZE], int *created,
 			  ds_err *err)
 {
@@ -164,10 +205,10 @@ int keys_admin_token_load(const char *data_dir, char out[KEYS_TOKEN_SIZE], int *
 				len--;
 			if (!token_text_ok(buf + a, len - a)) {
 				rc = ds_err_set(err, DS_EFORMAT,
-						"%s must hold one token of 1..%d printable characters "
+						"%s must hold one token of %d..%d printable characters "
 						"without spaces",
-						path, KEYS_TOKEN_SIZE - 1);
-			} else {
+						path, KEYS_TOKEN_MIN_LEN, KEYS_TOKEN_SIZE - 1);
+			} else if ((rc = token_strong(path, buf + a, len - a, err)) == DS_OK) {
 				memcpy(out, buf + a, len - a);
 				out[len - a] = '\0';
 			}

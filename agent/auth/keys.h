@@ -135,12 +135,27 @@ int keys_finish(keys_svc *k, int64_t key_id, double now_mono, int64_t prompt_tok
  * (*tok, *len) pointing into header, or 0 when there is none. */
 int keys_bearer(const char *header, const char **tok, size_t *len);
 
+/* An operator's admin token needs at least KEYS_TOKEN_MIN_LEN characters
+ * and keys_token_bits >= KEYS_TOKEN_MIN_BITS. */
+#define KEYS_TOKEN_MIN_LEN 32
+#define KEYS_TOKEN_MIN_BITS 64.0
+
+/* A conservative estimate of the entropy of a token's n characters, in bits:
+ * n x the smaller of the Shannon entropy of its characters and that of the
+ * differences between neighbours.  Repeats ("aaaa", "abab") and runs
+ * ("abcd", "0123...") score near 0; random text of any alphabet scores about
+ * n x log2(alphabet) (32 random hex digits: over 90).  It cannot tell a
+ * dictionary phrase from random text. */
+double keys_token_bits(const char *s, size_t n);
+
 /* Loads DATA_DIR/admin.token into out (NUL-terminated, whitespace trimmed),
  * creating it first when missing: 32 random bytes in URL-safe base64, mode
  * 0600, created exclusively and fsync'd.  DS_EPERM when the file is readable
  * or writable by group or others; DS_EFORMAT when it is empty, longer than
- * 256 characters or holds whitespace or control characters. *created (may be
- * NULL) says whether it was made now. */
+ * 256 characters or holds whitespace or control characters, and when it is
+ * weak: shorter than KEYS_TOKEN_MIN_LEN or under KEYS_TOKEN_MIN_BITS (the
+ * message says so and how to make a good one, never the token).  *created
+ * (may be NULL) says whether it was made now. */
 int keys_admin_token_load(const char *data_dir, char out[KEYS_TOKEN_SIZE], int *created,
 			  ds_err *err);
 

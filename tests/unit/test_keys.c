@@ -880,12 +880,12 @@ TEST(keys_admin_token_created_once_0600_and_checked)
 	CHECK(strstr(e.msg, "admin.token") != NULL);
 	CHECK_EQ(tok2[0], '\0');
 	chmod(p, 0600);
-	/* An operator's own token is accepted; junk is not. */
+	/* An operator's own strong token is accepted; junk is not. */
 	FILE *fp = fopen(p, "w");
-	fputs("  my-own-token_123\n\n", fp);
+	fputs("  Zq7-vT2mXw9_LpR4sNc8eHb1KdJ6yUf3\n\n", fp);
 	fclose(fp);
 	CHECK_EQ(keys_admin_token_load(dir, tok2, NULL, &e), DS_OK);
-	CHECK_STR(tok2, "my-own-token_123");
+	CHECK_STR(tok2, "Zq7-vT2mXw9_LpR4sNc8eHb1KdJ6yUf3");
 	fp = fopen(p, "w");
 	fputs("two words\n", fp);
 	fclose(fp);
@@ -893,6 +893,49 @@ TEST(keys_admin_token_created_once_0600_and_checked)
 	fp = fopen(p, "w");
 	fclose(fp);
 	CHECK_EQ(keys_admin_token_load(dir, tok2, NULL, &e), DS_EFORMAT);
+	ut_tmpdir_free(dir);
+}
+
+TEST(keys_admin_token_weak_ones_refused)
+{
+	/* the estimate: repeats and runs score near 0, random text high */
+	CHECK(keys_token_bits("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", 36) < 1);
+	CHECK(keys_token_bits("abababababababababababababababab", 32) < 40);
+	CHECK(keys_token_bits("abcdefghijklmnopqrstuvwxyz012345", 32) < 10);
+	CHECK(keys_token_bits("0123456789abcdef0123456789abcdef", 32) < 20);
+	char *dir = ut_tmpdir_new("keys");
+	char tok[KEYS_TOKEN_SIZE], p[600];
+	ds_err e = {0};
+	snprintf(p, sizeof p, "%s/admin.token", dir);
+	/* tokens made the way the docs suggest always pass, whatever the draw */
+	for (int i = 0; i < 200; i++) {
+		unsigned char raw[24];
+		char hex[33], b64[sodium_base64_ENCODED_LEN(24, sodium_base64_VARIANT_ORIGINAL)];
+		randombytes_buf(raw, sizeof raw);
+		sodium_bin2hex(hex, sizeof hex, raw, 16); /* openssl rand -hex 16 */
+		sodium_bin2base64(b64, sizeof b64, raw, 24, sodium_base64_VARIANT_ORIGINAL);
+		CHECK(keys_token_bits(hex, 32) >= KEYS_TOKEN_MIN_BITS);
+		CHECK(keys_token_bits(b64, strlen(b64)) >= KEYS_TOKEN_MIN_BITS);
+	}
+	CHECK_EQ(keys_admin_token_load(dir, tok, NULL, &e), DS_OK); /* made here: strong */
+	CHECK(keys_token_bits(tok, strlen(tok)) >= KEYS_TOKEN_MIN_BITS);
+	static const char *const weak[] = {
+		"my-own-token_123",                     /* 16 characters */
+		"Zq7-vT2mXw9_LpR4sNc8eHb1KdJ6yUf",      /* 31 */
+		"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "abababababababababababababababab",
+		"0123456789abcdef0123456789abcdef0123", "abcdefghijklmnopqrstuvwxyzABCDEFGH",
+	};
+	for (size_t i = 0; i < sizeof weak / sizeof *weak; i++) {
+		FILE *fp = fopen(p, "w");
+		fprintf(fp, "%s\n", weak[i]);
+		fclose(fp);
+		e = (ds_err){0};
+		CHECK_EQ(keys_admin_token_load(dir, tok, NULL, &e), DS_EFORMAT);
+		CHECK_EQ(tok[0], '\0');
+		CHECK(strstr(e.msg, "weak admin token") != NULL && strstr(e.msg, p) != NULL);
+		CHECK(strstr(e.msg, "at least 32 characters") != NULL);
+		CHECK(strstr(e.msg, weak[i]) == NULL); /* never the token */
+	}
 	ut_tmpdir_free(dir);
 }
 
