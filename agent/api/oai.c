@@ -20,6 +20,14 @@
  * `data: [DONE]`.  A client that disconnects cancels every sequence of the
  * request (the scheduler frees the pages at its next step).
  *
+ * Metering (docs/keys.md): a request's key is charged in two steps, the
+ * cheap one before any prompt is tokenized (serve_admit: rpm, its prompts x n
+ * sequences against max_concurrency and the key's share of the waiting
+ * queue), then serve_reserve: prompt tokens + max_tokens x n against tpm.
+ * Between reads `meter` moves the sequences the scheduler started out of the
+ * key's queue share; gen_free settles the reservation with what was used
+ * (keys_finish).
+ *
  * Threading: a gen belongs to the connection thread that runs its handler
  * and then its stream reader; nothing here is shared between requests except
  * the serve context's thread-safe members.
@@ -71,6 +79,7 @@ typedef struct choice {
 	int32_t n_tok;
 	int finished, flushed, role_sent, final_sent;
 	int cut; /* ended by a stop string */
+	int dequeued; /* started by the scheduler: out of the key's queue share */
 	const char *finish_reason;
 	char error[256];
 	double t_first, t_last;
@@ -85,7 +94,8 @@ typedef struct gen {
 	const char *model;
 	json_int_t created;
 	int reasoning; /* split R1 <think> output */
-	int64_t key_id;
+	keys_hold hold; /* what it holds against its key's limits (zero: no key) */
+	double t_meter; /* when meter last asked the scheduler */
 	int n_prompts;
 	int32_t prompt_tokens; /* sum over prompts, each counted once */
 	int n_choices;
@@ -807,6 +817,30 @@ static int pull_round(gen *g)
 	return changed;
 }
 
+/* Metering between reads: the sequences the scheduler started (or ended)
+ * leave the key's queue share, looked up at most every 50 ms. */
+static void meter(gen *g)
+{
+	keys_svc *k = g->sv->p.keys;
+	if (g->hold.key_id <= 0)
+		return;
+	double now = ds_now_s();
+	if (g->hold.queued > 0 && now - g->t_meter >= 0.05) {
+		int64_t left = 0;
+		g->t_meter = now;
+		for (int i = 0; i < g->n_choices; i++) {
+			choice *c = &g->ch[i];
+			if (c->dequeued || !c->q)
+				continue;
+			if (c->t_first || c->finished || sched_seq_times(c->q).admitted > 0) {
+				c->dequeued = 1;
+				left++;
+			}
+		}
+		keys_dequeue(k, &g->hold, left);
+	}
+}
+
 static ssize_t stream_read(void *ctx, char *out, size_t max)
 {
 	gen *g = ctx;
@@ -844,6 +878,7 @@ static ssize_t stream_read(void *ctx, char *out, size_t max)
 			cancel_all(g);
 			return HTTP_STREAM_ERROR;
 		}
+		meter(g);
 		if (changed) {
 			for (int i = 0; i < g->n_choices; i++) {
 				choice *c = &g->ch[i];
@@ -921,11 +956,14 @@ static void gen_free(gen *g)
 		metrics_observe(sv->met, MET_E2E, now - g->t_arrival);
 		metrics_observe(sv->met, MET_PROMPT_TOKENS, g->prompt_tokens);
 	}
-	if (g->key_id >= 0) {
+	if (!g->ch) { /* refused before anything was submitted */
+		keys_drop(sv->p.keys, &g->hold);
+	} else if (g->hold.key_id > 0) {
 		ds_err err = {0};
-		if (keys_finish(sv->p.keys, g->key_id, now, g->prompt_tokens, comp, &err))
+		int64_t id = g->hold.key_id;
+		if (keys_finish(sv->p.keys, &g->hold, now, g->prompt_tokens, comp, &err))
 			log_warn("serve", "key usage not recorded", "key=%lld detail=\"%s\"",
-				 (long long)g->key_id, err.msg);
+				 (long long)id, err.msg);
 	}
 	for (int i = 0; i < g->n_choices; i++) {
 		buf_free(&g->ch[i].hold);
@@ -976,6 +1014,29 @@ static int check_context(serve *sv, const prompt *pr, gen_opts *o, http_resp *re
 	return DS_EINVAL;
 }
 
+/* How many prompts a /v1/completions body holds, read from its shape alone
+ * (no tokenizing) for admission: 1 for a shape completion_prompts refuses. */
+static int prompt_count(const json_t *b)
+{
+	json_t *p = json_object_get(b, "prompt");
+	if (!json_is_array(p) || json_array_size(p) == 0 || json_is_integer(json_array_get(p, 0)))
+		return 1;
+	return json_array_size(p) > MAX_PROMPTS ? MAX_PROMPTS : (int)json_array_size(p);
+}
+
+/* The most tokens the request may use, reserved against tpm: each prompt
+ * once, and max_tokens (chat without it: the rest of the context) for each of
+ * its n sequences, as usage will count them. */
+static int64_t most_tokens(const serve *sv, const gen *g, const prompt *prs, int n_prs)
+{
+	int64_t most = 0;
+	for (int i = 0; i < n_prs; i++)
+		most += (int64_t)prs[i].n + (int64_t)g->o.n * (g->o.max_tokens > 0
+								? g->o.max_tokens
+								: sv->max_ctx - (int64_t)prs[i].n);
+	return most;
+}
+
 static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 {
 	double t0 = ds_now_s();
@@ -1000,7 +1061,6 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 	}
 	g->sv = sv;
 	g->conn = req->conn;
-	g->key_id = -1;
 	g->t_arrival = t0;
 	g->model = model_name;
 	g->created = (json_int_t)time(NULL);
@@ -1011,6 +1071,10 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 		 rid);
 	if (parse_opts(sv, body, chat, &g->o, resp))
 		goto bad_request;
+	/* the cheap limits, before any prompt is tokenized */
+	if (serve_admit(sv, key_id, (int64_t)(chat ? 1 : prompt_count(body)) * g->o.n, 1,
+			g->o.n > 1 ? "n" : (chat ? "messages" : "prompt"), &g->hold, resp))
+		goto out;
 	if (chat) {
 		if (chat_prompt(sv, body, &prs[0], resp))
 			goto bad_request;
@@ -1026,26 +1090,8 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 			goto bad_request;
 		g->prompt_tokens += (int32_t)prs[i].n;
 	}
-	if (key_id >= 0) {
-		ds_err err = {0};
-		keys_denial d = {0};
-		int rc = keys_admit(sv->p.keys, key_id, ds_now_s(), &d, &err);
-		if (rc == DS_EBUSY) {
-			char ra[32];
-			metrics_rejected(sv->met, MET_REJ_RATE_LIMIT);
-			http_resp_error(resp, 429, "rate_limit_error", "rate_limit_exceeded", "%s",
-					err.msg);
-			snprintf(ra, sizeof ra, "%d", d.retry_after_s > 0 ? d.retry_after_s : 1);
-			http_resp_header(resp, "Retry-After", ra);
-			goto out;
-		} else if (rc != DS_OK) {
-			metrics_rejected(sv->met, MET_REJ_AUTH);
-			http_resp_error(resp, 401, "authentication_error", "invalid_api_key", "%s",
-					err.msg);
-			goto out;
-		}
-		g->key_id = key_id; /* from here gen_free calls keys_finish */
-	}
+	if (serve_reserve(sv, &g->hold, most_tokens(sv, g, prs, n_prs), "max_tokens", resp))
+		goto out;
 	g->n_prompts = n_prs;
 	g->n_choices = n_prs * g->o.n;
 	if (!(g->ch = calloc((size_t)g->n_choices, sizeof *g->ch))) {
@@ -1118,6 +1164,7 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 	}
 	while (!all_flushed(g)) {
 		pull_round(g);
+		meter(g);
 		if (http_conn_gone(req->conn) || atomic_load(&sv->stopping)) {
 			g->aborted = 1;
 			cancel_all(g);

@@ -465,6 +465,53 @@ int serve_auth(serve *s, const http_req *req, http_resp *resp, int64_t *key_id)
 	return 1;
 }
 
+/* The 429 / 400 / 401 of a refused admission or reservation. */
+static int refuse(serve *s, int rc, const keys_denial *d, const ds_err *err, const char *param,
+		  http_resp *resp)
+{
+	if (rc == DS_EBUSY) {
+		char ra[32];
+		metrics_rejected(s->met, MET_REJ_RATE_LIMIT);
+		http_resp_error(resp, 429, "rate_limit_error", "rate_limit_exceeded", "%s", err->msg);
+		snprintf(ra, sizeof ra, "%d", d->retry_after_s > 0 ? d->retry_after_s : 1);
+		http_resp_header(resp, "Retry-After", ra);
+	} else if (rc == DS_ERANGE) {
+		metrics_rejected(s->met, MET_REJ_RATE_LIMIT);
+		http_resp_error_param(resp, 400, "invalid_request_error", "exceeds_key_limit", param,
+				      "%s", err->msg);
+	} else {
+		metrics_rejected(s->met, MET_REJ_AUTH);
+		http_resp_error(resp, 401, "authentication_error", "invalid_api_key", "%s", err->msg);
+	}
+	return 1;
+}
+
+int serve_admit(serve *s, int64_t key_id, int64_t seqs, int queues, const char *param,
+		keys_hold *h, http_resp *resp)
+{
+	memset(h, 0, sizeof *h);
+	if (key_id < 0)
+		return 0;
+	/* the scheduler's own default when --max-waiting is 0 */
+	keys_cost c = {.seqs = seqs,
+		       .queue_cap = queues ? (s->p.max_waiting > 0 ? s->p.max_waiting : 256) : 0};
+	keys_denial d = {0};
+	ds_err err = {0};
+	int rc = keys_admit(s->p.keys, key_id, &c, ds_now_s(), h, &d, &err);
+	return rc == DS_OK ? 0 : refuse(s, rc, &d, &err, param, resp);
+}
+
+int serve_reserve(serve *s, keys_hold *h, int64_t tokens, const char *param, http_resp *resp)
+{
+	keys_denial d = {0};
+	ds_err err = {0};
+	int rc = keys_reserve(s->p.keys, h, tokens, ds_now_s(), &d, &err);
+	if (rc == DS_OK)
+		return 0;
+	keys_drop(s->p.keys, h);
+	return refuse(s, rc, &d, &err, param, resp);
+}
+
 json_t *serve_parse_body(serve *s, const http_req *req, http_resp *resp)
 {
 	const char *ct = http_req_header(req, "Content-Type");
@@ -589,25 +636,43 @@ static void get_metrics(void *ud, const http_req *req, http_resp *resp)
 	resp->content_type = "text/plain; version=0.0.4; charset=utf-8";
 }
 
+/* Ends the metering of a /tokenize or /detokenize request: tokens (what it
+ * produced or read) count as prompt tokens in the key's tpm window and usage. */
+static void meter_end(serve *s, keys_hold *h, size_t tokens)
+{
+	ds_err err = {0};
+	int64_t id = h->key_id;
+	if (keys_finish(s->p.keys, h, ds_now_s(), (int64_t)tokens, 0, &err))
+		log_warn("serve", "key usage not recorded", "key=%lld detail=\"%s\"", (long long)id,
+			 err.msg);
+}
+
 /* POST /tokenize {"prompt": str} or {"messages": [...]} (rendered by the chat
- * template with the generation prompt): vLLM's shape. */
+ * template with the generation prompt): vLLM's shape.  Metered like a
+ * request of one sequence: admitted (rpm, max_concurrency) before the text
+ * is tokenized, its tokens charged when it ends. */
 static void post_tokenize(void *ud, const http_req *req, http_resp *resp)
 {
 	serve *s = ud;
 	int64_t key_id;
-	if (serve_check_ready(s, resp) || serve_auth(s, req, resp, &key_id))
-		return;
-	json_t *body = serve_parse_body(s, req, resp);
-	if (!body || !serve_model_name(s, body, resp))
-		goto out;
+	keys_hold h;
 	const char *text = NULL;
 	int add_special = 1;
 	ds_err err = {0};
 	int32_t *ids = NULL;
 	size_t n = 0;
+	if (serve_check_ready(s, resp) || serve_auth(s, req, resp, &key_id))
+		return;
+	memset(&h, 0, sizeof h);
+	json_t *body = serve_parse_body(s, req, resp);
+	if (!body || !serve_model_name(s, body, resp) ||
+	    serve_admit(s, key_id, 1, 0, "prompt", &h, resp))
+		goto out;
 	if (json_object_get(body, "messages")) {
 		if (oai_chat_prompt(s, body, &ids, &n, resp)) {
 			free(ids);
+			ids = NULL;
+			n = 0;
 			goto out;
 		}
 		goto reply_ids;
@@ -624,6 +689,7 @@ static void post_tokenize(void *ud, const http_req *req, http_resp *resp)
 		flags |= TOK_ADD_BOS;
 	if (tok_encode_alloc(s->tk, text, strlen(text), flags, &ids, &n, &err)) {
 		http_resp_error(resp, 400, "invalid_request_error", NULL, "%s", err.msg);
+		n = 0;
 		goto out;
 	}
 reply_ids:;
@@ -634,18 +700,24 @@ reply_ids:;
 	reply(resp, 200, json_pack("{s:o,s:I,s:i}", "tokens", arr, "count", (json_int_t)n,
 				   "max_model_len", s->max_ctx));
 out:
+	meter_end(s, &h, n);
 	json_decref(body);
 }
 
+/* POST /detokenize {"tokens": [ids]}: metered as /tokenize is. */
 static void post_detokenize(void *ud, const http_req *req, http_resp *resp)
 {
 	serve *s = ud;
 	int64_t key_id;
+	keys_hold h;
+	size_t n = 0;
 	if (serve_check_ready(s, resp) || serve_auth(s, req, resp, &key_id))
 		return;
+	memset(&h, 0, sizeof h);
 	json_t *body = serve_parse_body(s, req, resp);
 	int32_t *ids = NULL;
-	if (!body || !serve_model_name(s, body, resp))
+	if (!body || !serve_model_name(s, body, resp) ||
+	    serve_admit(s, key_id, 1, 0, "tokens", &h, resp))
 		goto out;
 	json_t *arr = json_object_get(body, "tokens");
 	if (!json_is_array(arr)) {
@@ -653,13 +725,13 @@ static void post_detokenize(void *ud, const http_req *req, http_resp *resp)
 				      "'tokens' must be an array of token ids");
 		goto out;
 	}
-	size_t n = json_array_size(arr);
-	ids = malloc((n ? n : 1) * sizeof *ids);
+	size_t na = json_array_size(arr);
+	ids = malloc((na ? na : 1) * sizeof *ids);
 	if (!ids) {
 		http_resp_error(resp, 500, "server_error", NULL, "out of memory");
 		goto out;
 	}
-	for (size_t i = 0; i < n; i++) {
+	for (size_t i = 0; i < na; i++) {
 		json_t *v = json_array_get(arr, i);
 		json_int_t id = json_is_integer(v) ? json_integer_value(v) : -1;
 		if (id < 0 || id >= tok_vocab_size(s->tk) || !tok_token_text(s->tk, (int32_t)id, NULL)) {
@@ -672,10 +744,11 @@ static void post_detokenize(void *ud, const http_req *req, http_resp *resp)
 	char *text = NULL;
 	size_t len = 0;
 	ds_err err = {0};
-	if (tok_decode_alloc(s->tk, ids, n, &text, &len, &err)) {
+	if (tok_decode_alloc(s->tk, ids, na, &text, &len, &err)) {
 		http_resp_error(resp, 400, "invalid_request_error", NULL, "%s", err.msg);
 		goto out;
 	}
+	n = na;
 	/* decoded bytes may cut a character: JSON needs valid UTF-8 */
 	buf clean;
 	buf_init(&clean, 0);
@@ -684,6 +757,7 @@ static void post_detokenize(void *ud, const http_req *req, http_resp *resp)
 	reply(resp, 200, json_pack("{s:s%}", "prompt", clean.data ? clean.data : "", clean.len));
 	buf_free(&clean);
 out:
+	meter_end(s, &h, n);
 	free(ids);
 	json_decref(body);
 }

@@ -28,6 +28,7 @@
 
 #include "agent/api/http.h"
 #include "agent/api/metrics.h"
+#include "agent/auth/keys.h"
 #include "engine/chat.h"
 #include "engine/model.h"
 #include "engine/sched.h"
@@ -130,6 +131,18 @@ int serve_rank_pid(serve *s, int rank);
 /* Checks the bearer key: 0 with *key_id set (-1 when auth is off), or
  * nonzero after filling resp with the 401. */
 int serve_auth(serve *s, const http_req *req, http_resp *resp, int64_t *key_id);
+/* Admits a request of key_id (-1: auth is off, nothing to check) that runs
+ * seqs sequences, which wait in the scheduler's queue when `queues` (the
+ * key's share of it applies): 0 with h holding them (zeroed without a key),
+ * or nonzero after filling resp: 429 with Retry-After (over a limit now), 400
+ * `exceeds_key_limit` with param (the request can never fit the key's
+ * limits), 401 (revoked since serve_auth).  Checks nothing that needs the
+ * prompt's tokens: call it before tokenizing (docs/keys.md). */
+int serve_admit(serve *s, int64_t key_id, int64_t seqs, int queues, const char *param,
+		keys_hold *h, http_resp *resp);
+/* Reserves tokens against the tpm of h's key: 0, or nonzero after filling
+ * resp as serve_admit does (400 names param) and dropping h. */
+int serve_reserve(serve *s, keys_hold *h, int64_t tokens, const char *param, http_resp *resp);
 /* 503 while loading; 0 when ready. */
 int serve_check_ready(serve *s, http_resp *resp);
 /* Parses the JSON object body (content type, depth, UTF-8), or fills resp. */

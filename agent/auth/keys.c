@@ -11,21 +11,33 @@
  * Each entry has two sliding windows of 60 one-second buckets:
  *
  *   req: requests admitted in the last 60 s   (rpm)
- *   tok: tokens finished in the last 60 s     (tpm)
+ *   tok: tokens used by requests that finished in the last 60 s (tpm)
+ *
+ * and three counts of what admitted requests hold now (keys_hold):
+ *
+ *   in_flight: sequences (prompts x n) of requests not yet finished
+ *   queued:    of them, those not yet started by the scheduler
+ *   reserved:  tokens reserved against tpm (prompt + max_tokens x n each)
  *
  * A bucket belongs to second s = floor(now_mono) and counts while
- * now_mono < s + 60.  A request is admitted when in_flight < max_concurrency,
- * sum(req) < rpm and sum(tok) < tpm; a denial's Retry-After is the time until
- * enough of the oldest buckets have left the window for the sum to drop
- * below the limit (1 s for concurrency: slots free when requests end).
+ * now_mono < s + 60.  keys_admit checks in_flight + seqs <= max_concurrency,
+ * sum(req) < rpm, sum(tok) + reserved < tpm and queued + seqs <= the queue
+ * share; keys_reserve then checks sum(tok) + reserved + tokens <= tpm.  A
+ * denial's Retry-After is the time until enough of the oldest buckets have
+ * left the window (1 s for what only a request's end frees: sequences,
+ * queue places, reservations).
  *
  * Invariants:
  *  1. The key text is never stored or logged: only its keyed hash.
  *  2. entries[] is sorted by id (ids grow; create and revoke are serialised by
  *     admin_mu, the table is changed only with mu held).
  *  3. keys_auth compares the presented hash with every entry, no early exit.
- *  4. keys_auth/keys_admit do no I/O; keys_finish does its SQLite write
- *     without mu held.
+ *  4. keys_auth/keys_admit/keys_reserve do no I/O; keys_finish does its
+ *     SQLite write without mu held.
+ *  5. in_flight, queued and reserved are sums over the live holds of the key:
+ *     keys_admit/keys_reserve add exactly what they put in the hold, and
+ *     keys_finish/keys_drop/keys_dequeue take exactly that back.  n_queuing
+ *     counts the entries with queued > 0.
  *
  * Threading: mu guards entries[] and the windows (held briefly, no I/O);
  * admin_mu serialises create and revoke (which do I/O).
@@ -65,7 +77,9 @@ typedef struct entry {
 	int64_t expires; /* Unix s, 0 = never */
 	int revoked;
 	int64_t rpm, tpm, max_conc;
-	int64_t in_flight;
+	int64_t in_flight; /* sequences */
+	int64_t queued;    /* sequences not yet started by the scheduler */
+	int64_t reserved;  /* tokens */
 	window req, tok;
 } entry;
 
@@ -76,6 +90,7 @@ struct keys_svc {
 	pthread_mutex_t admin_mu; /* create / revoke */
 	entry *e;
 	size_t n, cap;
+	size_t n_queuing;          /* entries with queued > 0 (mu) */
 };
 
 /* ---- files that hold secrets ---- */
@@ -675,12 +690,58 @@ int keys_auth(keys_svc *k, const char *authorization, int64_t now_unix, keys_ide
 	return DS_OK;
 }
 
-int keys_admit(keys_svc *k, int64_t key_id, double now_mono, keys_denial *d, ds_err *err)
+int64_t keys_queue_share(int64_t queue_cap, int64_t others)
+{
+	if (others < 0)
+		others = 0;
+	int64_t share = queue_cap / (others + 2);
+	return share < 1 ? 1 : share;
+}
+
+/* Sets e->queued, keeping n_queuing; with mu held. */
+static void set_queued(keys_svc *k, entry *e, int64_t v)
+{
+	if (v < 0)
+		v = 0;
+	if (e->queued > 0 && v == 0)
+		k->n_queuing--;
+	else if (e->queued == 0 && v > 0)
+		k->n_queuing++;
+	e->queued = v;
+}
+
+/* Seconds until the tpm window leaves room for `want` more tokens beside the
+ * reservations (want >= 1): 1 when the reservations alone leave no room (only
+ * a request's end frees them).  With mu held. */
+static double tpm_wait(const entry *e, double now, int64_t want)
+{
+	int64_t room = e->tpm - e->reserved - want; /* the window must drop to <= room */
+	if (room < 0)
+		return 1;
+	return win_wait(&e->tok, now, room + 1);
+}
+
+/* Records a denial in d when it clears later than the one there. */
+static void deny(keys_denial *d, double *wait, double w, enum keys_limit limit, const char *name,
+		 int64_t value)
+{
+	if (w > *wait) {
+		*wait = w;
+		d->limit = limit;
+		d->name = name;
+		d->value = value;
+	}
+}
+
+int keys_admit(keys_svc *k, int64_t key_id, const keys_cost *c, double now_mono, keys_hold *h,
+	       keys_denial *d, ds_err *err)
 {
 	keys_denial tmp;
 	if (!d)
 		d = &tmp;
 	memset(d, 0, sizeof *d);
+	memset(h, 0, sizeof *h);
+	int64_t seqs = c->seqs > 0 ? c->seqs : 1;
 	int64_t now_s = sec_of(now_mono);
 	int rc = DS_OK;
 	pthread_mutex_lock(&k->mu);
@@ -693,73 +754,192 @@ int keys_admit(keys_svc *k, int64_t key_id, double now_mono, keys_denial *d, ds_
 		rc = ds_err_set(err, DS_EAUTH, "API key '%s' was revoked", e->name);
 		goto out;
 	}
-	double wait = -1;
-	if (e->max_conc > 0 && e->in_flight >= e->max_conc) {
-		wait = 1;
-		d->limit = KEYS_LIMIT_CONCURRENCY;
-		d->name = "max_concurrency";
-		d->value = e->max_conc;
-	}
-	if (e->rpm > 0 && win_sum(&e->req, now_s) >= e->rpm) {
-		double w = win_wait(&e->req, now_mono, e->rpm);
-		if (w > wait) {
-			wait = w;
-			d->limit = KEYS_LIMIT_RPM;
-			d->name = "rpm";
-			d->value = e->rpm;
-		}
-	}
-	if (e->tpm > 0 && win_sum(&e->tok, now_s) >= e->tpm) {
-		double w = win_wait(&e->tok, now_mono, e->tpm);
-		if (w > wait) {
-			wait = w;
-			d->limit = KEYS_LIMIT_TPM;
-			d->name = "tpm";
-			d->value = e->tpm;
-		}
-	}
-	if (d->limit != KEYS_LIMIT_NONE) {
-		d->retry_after_s = whole_seconds(wait);
-		rc = ds_err_set(err, DS_EBUSY,
-				d->limit == KEYS_LIMIT_CONCURRENCY
-					? "API key '%s' has %lld requests in flight, its limit "
-					  "(max_concurrency); retry in %d s"
-				: d->limit == KEYS_LIMIT_RPM
-					? "API key '%s' reached its limit of %lld requests per "
-					  "minute (rpm); retry in %d s"
-					: "API key '%s' reached its limit of %lld tokens per minute "
-					  "(tpm); retry in %d s",
-				e->name, (long long)d->value, d->retry_after_s);
+	int64_t others = (int64_t)k->n_queuing - (e->queued > 0);
+	int64_t share = keys_queue_share(c->queue_cap, others);
+	/* What can never pass: asking again cannot help, so no Retry-After. */
+	if (e->max_conc > 0 && seqs > e->max_conc) {
+		*d = (keys_denial){KEYS_LIMIT_CONCURRENCY, "max_concurrency", e->max_conc, 0};
+		rc = ds_err_set(err, DS_ERANGE,
+				"this request runs %lld sequences (prompts x n), more than API key "
+				"'%s' may run at once (max_concurrency %lld)",
+				(long long)seqs, e->name, (long long)e->max_conc);
 		goto out;
 	}
-	e->in_flight++;
+	if (c->queue_cap > 0 && seqs > keys_queue_share(c->queue_cap, 0)) {
+		*d = (keys_denial){KEYS_LIMIT_QUEUE, "queue_share",
+				   keys_queue_share(c->queue_cap, 0), 0};
+		rc = ds_err_set(err, DS_ERANGE,
+				"this request queues %lld sequences (prompts x n), more than one "
+				"key's share of the waiting queue (%lld of its %lld places)",
+				(long long)seqs, (long long)d->value, (long long)c->queue_cap);
+		goto out;
+	}
+	double wait = -1;
+	if (e->max_conc > 0 && e->in_flight + seqs > e->max_conc)
+		deny(d, &wait, 1, KEYS_LIMIT_CONCURRENCY, "max_concurrency", e->max_conc);
+	if (e->rpm > 0 && win_sum(&e->req, now_s) >= e->rpm)
+		deny(d, &wait, win_wait(&e->req, now_mono, e->rpm), KEYS_LIMIT_RPM, "rpm", e->rpm);
+	int64_t used = e->tpm > 0 ? win_sum(&e->tok, now_s) : 0;
+	if (e->tpm > 0 && used + e->reserved >= e->tpm)
+		deny(d, &wait, tpm_wait(e, now_mono, 1), KEYS_LIMIT_TPM, "tpm", e->tpm);
+	if (c->queue_cap > 0 && e->queued + seqs > share)
+		deny(d, &wait, 1, KEYS_LIMIT_QUEUE, "queue_share", share);
+	if (d->limit != KEYS_LIMIT_NONE) {
+		d->retry_after_s = whole_seconds(wait);
+		switch (d->limit) {
+		case KEYS_LIMIT_CONCURRENCY:
+			rc = ds_err_set(err, DS_EBUSY,
+					"API key '%s' has %lld sequences in flight and this request "
+					"runs %lld more, over its limit of %lld (max_concurrency); "
+					"retry in %d s",
+					e->name, (long long)e->in_flight, (long long)seqs,
+					(long long)e->max_conc, d->retry_after_s);
+			break;
+		case KEYS_LIMIT_RPM:
+			rc = ds_err_set(err, DS_EBUSY,
+					"API key '%s' reached its limit of %lld requests per minute "
+					"(rpm); retry in %d s",
+					e->name, (long long)e->rpm, d->retry_after_s);
+			break;
+		case KEYS_LIMIT_TPM:
+			rc = ds_err_set(err, DS_EBUSY,
+					"API key '%s' reached its limit of %lld tokens per minute "
+					"(tpm): %lld used in the last minute, %lld reserved by "
+					"requests in flight; retry in %d s",
+					e->name, (long long)e->tpm, (long long)used,
+					(long long)e->reserved, d->retry_after_s);
+			break;
+		default:
+			rc = ds_err_set(err, DS_EBUSY,
+					"API key '%s' has %lld sequences in the waiting queue and this "
+					"request adds %lld, over its share of the waiting queue (%lld "
+					"of %lld places while %lld other keys wait); retry in %d s",
+					e->name, (long long)e->queued, (long long)seqs,
+					(long long)share, (long long)c->queue_cap, (long long)others,
+					d->retry_after_s);
+			break;
+		}
+		goto out;
+	}
+	e->in_flight += seqs;
 	win_add(&e->req, now_s, 1);
+	h->key_id = e->id;
+	h->seqs = seqs;
+	if (c->queue_cap > 0) {
+		set_queued(k, e, e->queued + seqs);
+		h->queued = seqs;
+	}
 out:
 	pthread_mutex_unlock(&k->mu);
 	return rc;
 }
 
-int keys_finish(keys_svc *k, int64_t key_id, double now_mono, int64_t prompt_tokens,
+int keys_reserve(keys_svc *k, keys_hold *h, int64_t tokens, double now_mono, keys_denial *d,
+		 ds_err *err)
+{
+	keys_denial tmp;
+	if (!d)
+		d = &tmp;
+	memset(d, 0, sizeof *d);
+	if (h->key_id <= 0)
+		return DS_OK;
+	if (tokens < 0)
+		tokens = 0;
+	int rc = DS_OK;
+	pthread_mutex_lock(&k->mu);
+	entry *e = find_entry(k, h->key_id);
+	if (!e || e->tpm <= 0)
+		goto out; /* nothing to reserve against */
+	int64_t used = win_sum(&e->tok, sec_of(now_mono));
+	if (tokens > e->tpm) {
+		*d = (keys_denial){KEYS_LIMIT_TPM, "tpm", e->tpm, 0};
+		rc = ds_err_set(err, DS_ERANGE,
+				"this request may use %lld tokens (its prompt tokens plus max_tokens "
+				"for each sequence), more than API key '%s' may use in a minute "
+				"(tpm %lld)",
+				(long long)tokens, e->name, (long long)e->tpm);
+		goto out;
+	}
+	if (used + e->reserved + tokens > e->tpm) {
+		*d = (keys_denial){KEYS_LIMIT_TPM, "tpm", e->tpm,
+				   whole_seconds(tpm_wait(e, now_mono, tokens))};
+		rc = ds_err_set(err, DS_EBUSY,
+				"API key '%s' reached its limit of %lld tokens per minute (tpm): "
+				"this request may use %lld tokens, %lld were used in the last minute "
+				"and %lld are reserved by requests in flight; retry in %d s",
+				e->name, (long long)e->tpm, (long long)tokens, (long long)used,
+				(long long)e->reserved, d->retry_after_s);
+		goto out;
+	}
+	e->reserved += tokens;
+	h->reserved += tokens;
+out:
+	pthread_mutex_unlock(&k->mu);
+	return rc;
+}
+
+void keys_dequeue(keys_svc *k, keys_hold *h, int64_t n)
+{
+	if (h->key_id <= 0 || n <= 0 || h->queued == 0)
+		return;
+	if (n > h->queued)
+		n = h->queued;
+	pthread_mutex_lock(&k->mu);
+	entry *e = find_entry(k, h->key_id);
+	if (e)
+		set_queued(k, e, e->queued - n);
+	pthread_mutex_unlock(&k->mu);
+	h->queued -= n;
+}
+
+/* Takes back what h holds from its entry (mu held); tokens >= 0 go into the
+ * tpm window at now_s.  0 when the key is unknown. */
+static int release(keys_svc *k, keys_hold *h, int64_t now_s, int64_t tokens)
+{
+	entry *e = find_entry(k, h->key_id);
+	if (!e)
+		return 0;
+	e->in_flight -= h->seqs;
+	e->reserved -= h->reserved;
+	if (e->in_flight < 0 || e->reserved < 0) { /* invariant 5: our own bug */
+		log_warn("keys", "a key's counts went below zero", "id=%lld in_flight=%lld "
+			 "reserved=%lld", (long long)e->id, (long long)e->in_flight,
+			 (long long)e->reserved);
+		e->in_flight = e->in_flight < 0 ? 0 : e->in_flight;
+		e->reserved = e->reserved < 0 ? 0 : e->reserved;
+	}
+	set_queued(k, e, e->queued - h->queued);
+	if (tokens > 0)
+		win_add(&e->tok, now_s, tokens);
+	return 1;
+}
+
+int keys_finish(keys_svc *k, keys_hold *h, double now_mono, int64_t prompt_tokens,
 		int64_t completion_tokens, ds_err *err)
 {
+	int64_t id = h->key_id;
+	if (id <= 0)
+		return DS_OK;
 	if (prompt_tokens < 0)
 		prompt_tokens = 0;
 	if (completion_tokens < 0)
 		completion_tokens = 0;
 	pthread_mutex_lock(&k->mu);
-	entry *e = find_entry(k, key_id);
-	int had_slot = 0;
-	if (e) {
-		had_slot = e->in_flight > 0;
-		if (had_slot)
-			e->in_flight--;
-		win_add(&e->tok, sec_of(now_mono), prompt_tokens + completion_tokens);
-	}
+	int found = release(k, h, sec_of(now_mono), prompt_tokens + completion_tokens);
 	pthread_mutex_unlock(&k->mu);
-	if (!e)
-		return ds_err_set(err, DS_ENOTFOUND, "no key with id %lld", (long long)key_id);
-	if (!had_slot)
-		log_warn("keys", "keys_finish without keys_admit", "id=%lld", (long long)key_id);
-	return store_key_usage_add(k->st, key_id, (int64_t)time(NULL), prompt_tokens,
+	memset(h, 0, sizeof *h);
+	if (!found)
+		return ds_err_set(err, DS_ENOTFOUND, "no key with id %lld", (long long)id);
+	return store_key_usage_add(k->st, id, (int64_t)time(NULL), prompt_tokens,
 				   completion_tokens, err);
+}
+
+void keys_drop(keys_svc *k, keys_hold *h)
+{
+	if (h->key_id <= 0)
+		return;
+	pthread_mutex_lock(&k->mu);
+	release(k, h, 0, 0);
+	pthread_mutex_unlock(&k->mu);
+	memset(h, 0, sizeof *h);
 }

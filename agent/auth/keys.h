@@ -12,14 +12,23 @@
  * keys_auth and keys_admit never touch SQLite; keys_create and keys_revoke
  * update memory and the database together and take effect at once.
  *
- * Request flow for an API handler:
+ * Request flow for an API handler (docs/keys.md, "Limits"):
  *
  *   keys_auth(header) --DS_EAUTH--> 401 (who.fail says why)
  *        | DS_OK: who.id
- *   keys_admit(who.id) --DS_EBUSY--> 429 + Retry-After: d.retry_after_s
- *        | DS_OK: one slot in flight, one request counted in the rpm window
- *   ... generate ...
- *   keys_finish(who.id, tokens)   exactly once per DS_OK of keys_admit
+ *   keys_admit(who.id, cost) --DS_EBUSY--> 429 + Retry-After: d.retry_after_s
+ *        |                   --DS_ERANGE--> 400: the request can never fit
+ *        | DS_OK: h holds cost.seqs sequences (max_concurrency, and the
+ *        |        queue share when they queue); one request in the rpm window
+ *   ... tokenize the prompts (generation) ...
+ *   keys_reserve(h, tokens) --DS_EBUSY / DS_ERANGE--> 429 / 400, keys_drop(h)
+ *        | DS_OK: prompt + max_tokens x n reserved against tpm
+ *   ... generate: keys_dequeue(h, n) as the scheduler starts sequences ...
+ *   keys_finish(h, tokens used)  settles the reservation, records usage
+ *
+ * keys_admit checks only what is known before tokenizing (auth is done; the
+ * rpm window, sequences in flight, the queue share, a tpm window with no room
+ * at all), so a key over a cheap limit costs no tokenizer time.
  *
  * Threading: every function is safe from any thread.  Times: now_unix is wall
  * clock Unix seconds (time(NULL)) for expiry; now_mono is ds_now_s() (a
@@ -108,28 +117,88 @@ typedef struct keys_identity {
 int keys_auth(keys_svc *k, const char *authorization, int64_t now_unix, keys_identity *who,
 	      ds_err *err);
 
-enum keys_limit { KEYS_LIMIT_NONE = 0, KEYS_LIMIT_CONCURRENCY, KEYS_LIMIT_RPM, KEYS_LIMIT_TPM };
+enum keys_limit {
+	KEYS_LIMIT_NONE = 0,
+	KEYS_LIMIT_CONCURRENCY,
+	KEYS_LIMIT_RPM,
+	KEYS_LIMIT_TPM,
+	KEYS_LIMIT_QUEUE,
+};
 
 typedef struct keys_denial {
 	enum keys_limit limit;
-	const char *name;  /* "max_concurrency", "rpm" or "tpm" (static) */
-	int64_t value;     /* the key's setting of that limit */
-	int retry_after_s; /* >= 1: whole seconds until the request would pass */
+	const char *name;  /* "max_concurrency", "rpm", "tpm" or "queue_share" (static) */
+	int64_t value;     /* the key's setting of that limit (queue_share: the share now) */
+	int retry_after_s; /* DS_EBUSY: >= 1, whole seconds until it could pass;
+			    * DS_ERANGE: 0 (waiting cannot help) */
 } keys_denial;
 
-/* Admits one request of key_id.  DS_OK: it counts as in flight and in the rpm
- * window; call keys_finish once when it ends (whatever its outcome).
- * DS_EBUSY: over a limit; d says which and when to retry (when several are
- * exceeded, the one that clears last).  DS_EAUTH: the key was revoked since
- * keys_auth.  DS_ENOTFOUND: unknown id.  d may be NULL. */
-int keys_admit(keys_svc *k, int64_t key_id, double now_mono, keys_denial *d, ds_err *err);
+/* What a request costs, as far as it is known before its prompts are
+ * tokenized. */
+typedef struct keys_cost {
+	int64_t seqs;      /* sequences it runs: prompts x n; 1 for /tokenize */
+	int64_t queue_cap; /* the scheduler's waiting queue size (max_waiting) when the
+			    * sequences queue there, so the key's share applies; 0 = they
+			    * do not queue */
+} keys_cost;
 
-/* Ends a request admitted by keys_admit: frees its slot, adds its tokens to
- * the tpm window at now_mono, and adds one request and the tokens to
- * key_usage (today, UTC) and sets last_used, in SQLite.  The in-memory part
+/* What an admitted request holds against its key until keys_finish or
+ * keys_drop.  Zero-initialised it holds nothing, and every call below that
+ * takes a hold is then a no-op (requests served without auth). */
+typedef struct keys_hold {
+	int64_t key_id;   /* 0 = nothing held */
+	int64_t seqs;     /* sequences counted against max_concurrency */
+	int64_t queued;   /* of them still counted in the key's share of the waiting queue */
+	int64_t reserved; /* tokens reserved against tpm */
+} keys_hold;
+
+/* The most sequences of one key that may wait in a queue of queue_cap places
+ * while `others` other keys have sequences waiting there:
+ * max(1, floor(queue_cap / (others + 2))).  Alone a key gets half the queue,
+ * and whatever the number of keys some room stays for a key that arrives. */
+int64_t keys_queue_share(int64_t queue_cap, int64_t others);
+
+/* Admits a request of key_id costing c; DS_OK fills h (one request counted in
+ * the rpm window, c->seqs sequences in flight and, with c->queue_cap, in the
+ * key's queue share).  A request is admitted when
+ *   in_flight + seqs <= max_concurrency,
+ *   requests in the rpm window < rpm,
+ *   tokens in the tpm window + tokens reserved by requests in flight < tpm,
+ *   sequences of the key waiting + seqs <= keys_queue_share(queue_cap, others).
+ * DS_EBUSY: over a limit now; d says which and when to retry (when several are
+ * exceeded, the one that clears last).  DS_ERANGE: the request can never pass
+ * (more sequences than max_concurrency or than the key's share of the queue
+ * when it is alone); d names the limit.  DS_EAUTH: the key was revoked since
+ * keys_auth.  DS_ENOTFOUND: unknown id.  Refused requests are not counted.
+ * d may be NULL; err's message names the key and the numbers. */
+int keys_admit(keys_svc *k, int64_t key_id, const keys_cost *c, double now_mono, keys_hold *h,
+	       keys_denial *d, ds_err *err);
+
+/* Reserves tokens (the prompt tokens plus max_tokens for each sequence: the
+ * most the request may use) against the key's tpm: DS_OK when
+ *   tokens in the tpm window + tokens reserved in flight + tokens <= tpm.
+ * DS_EBUSY (d, err: when to retry) or DS_ERANGE (tokens > tpm: it can never
+ * fit); the hold is unchanged then and the caller drops it.  A key without tpm
+ * reserves nothing. */
+int keys_reserve(keys_svc *k, keys_hold *h, int64_t tokens, double now_mono, keys_denial *d,
+		 ds_err *err);
+
+/* n of the hold's sequences left the waiting queue (the scheduler started or
+ * ended them): they stop counting in the key's queue share. */
+void keys_dequeue(keys_svc *k, keys_hold *h, int64_t n);
+
+/* Ends an admitted request: frees its sequences and queue places, replaces
+ * its tpm reservation with the tokens it used (added to the window at
+ * now_mono), and adds one request and the tokens to key_usage (today, UTC)
+ * and sets last_used, in SQLite.  h then holds nothing.  The in-memory part
  * always happens; the return value reports the database write. */
-int keys_finish(keys_svc *k, int64_t key_id, double now_mono, int64_t prompt_tokens,
+int keys_finish(keys_svc *k, keys_hold *h, double now_mono, int64_t prompt_tokens,
 		int64_t completion_tokens, ds_err *err);
+
+/* Ends an admitted request that was refused before it ran (keys_reserve, a
+ * bad prompt): frees what h holds and records nothing; its rpm count stays
+ * (its prompt was parsed and tokenized). */
+void keys_drop(keys_svc *k, keys_hold *h);
 
 /* Finds the token of an Authorization value (see keys_auth): 1 and
  * (*tok, *len) pointing into header, or 0 when there is none. */

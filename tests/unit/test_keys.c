@@ -138,6 +138,21 @@ static double rand_base(void)
 	return 1000.0 + (double)(ut_rand_u64() % 1000000) + (double)ut_rand_float(0.0f, 0.9f);
 }
 
+/* Admits a request of `seqs` sequences that queue in a waiting queue of
+ * queue_cap places (0: they do not queue). */
+static int admit(fixture *f, int64_t id, int64_t seqs, int64_t queue_cap, double t, keys_hold *h,
+		 keys_denial *d, ds_err *e)
+{
+	keys_cost c = {.seqs = seqs, .queue_cap = queue_cap};
+	return keys_admit(f->k, id, &c, t, h, d, e);
+}
+
+/* One request of one sequence that does not queue. */
+static int admit1(fixture *f, int64_t id, double t, keys_hold *h, keys_denial *d, ds_err *e)
+{
+	return admit(f, id, 1, 0, t, h, d, e);
+}
+
 /* ---- store ------------------------------------------------------------------ */
 
 TEST(store_migrations_match_schema_dir)
@@ -502,8 +517,9 @@ TEST(keys_hash_is_keyed_and_key_text_never_stored)
 	ds_err e = {0};
 	keys_identity who;
 	CHECK_EQ(keys_auth(f.k, a.key, time(NULL), &who, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, who.id, 10.0, NULL, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, who.id, 10.5, 7, 9, &e), DS_OK);
+	keys_hold h;
+	CHECK_EQ(admit1(&f, who.id, 10.0, &h, NULL, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, 10.5, 7, 9, &e), DS_OK);
 
 	/* hash = BLAKE2b-256(key = keys.secret, message = key text), recomputed here */
 	char sp[600];
@@ -610,7 +626,9 @@ TEST(keys_auth_bearer_variants_wrong_revoked_expired)
 	CHECK_EQ(keys_auth(f.k, a.key, now, &who, &e), DS_EAUTH);
 	CHECK_EQ(who.fail, KEYS_AUTH_REVOKED);
 	CHECK(strstr(e.msg, "revoked") != NULL && strstr(e.msg, a.key) == NULL);
-	CHECK_EQ(keys_admit(f.k, a.info.id, 1.0, NULL, &e), DS_EAUTH);
+	keys_hold held;
+	CHECK_EQ(admit1(&f, a.info.id, 1.0, &held, NULL, &e), DS_EAUTH);
+	CHECK_EQ(held.key_id, 0);
 	CHECK_EQ(keys_auth(f.k, b.key, now, &who, &e), DS_OK);
 	CHECK_EQ(keys_count(f.k), 2);
 	fx_free(&f);
@@ -657,37 +675,39 @@ TEST(keys_rpm_sliding_window)
 	ds_err e = {0};
 	keys_denial d;
 	keys_created a;
+	keys_hold h;
 	int64_t rpm = 3 + (int64_t)(ut_rand_u64() % 5);
 	CHECK_EQ(make_key(&f, "rpm", rpm, 0, 0, &a), DS_OK);
 	double t0 = rand_base();
 	double s0 = (double)(int64_t)t0; /* the second of the first bucket */
 	/* rpm - 1 requests in t0's second, one 10 s later */
 	for (int64_t i = 0; i < rpm - 1; i++) {
-		CHECK_EQ(keys_admit(f.k, a.info.id, t0 + 0.01 * (double)i, &d, &e), DS_OK);
-		CHECK_EQ(keys_finish(f.k, a.info.id, t0, 1, 1, &e), DS_OK);
+		CHECK_EQ(admit1(&f, a.info.id, t0 + 0.01 * (double)i, &h, &d, &e), DS_OK);
+		CHECK_EQ(keys_finish(f.k, &h, t0, 1, 1, &e), DS_OK);
 	}
-	CHECK_EQ(keys_admit(f.k, a.info.id, t0 + 10, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, t0 + 10, 1, 1, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 10, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, t0 + 10, 1, 1, &e), DS_OK);
 	/* full: the first bucket leaves the window at s0 + 60 */
 	double t = t0 + 20.3;
-	CHECK_EQ(keys_admit(f.k, a.info.id, t, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, t, &h, &d, &e), DS_EBUSY);
+	CHECK_EQ(h.key_id, 0);
 	CHECK_EQ(d.limit, KEYS_LIMIT_RPM);
 	CHECK_STR(d.name, "rpm");
 	CHECK_EQ(d.value, rpm);
 	CHECK_EQ(d.retry_after_s, (int)ceil(s0 + 60 - t));
 	CHECK(strstr(e.msg, "requests per minute") != NULL);
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 59.99, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 59.99, &h, &d, &e), DS_EBUSY);
 	CHECK_EQ(d.retry_after_s, 1);
 	/* Denied requests were not counted: at s0 + 60 there is room again. */
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 60, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, s0 + 60, 0, 0, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 60, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, s0 + 60, 0, 0, &e), DS_OK);
 	/* Now [t0+10, s0+60] holds 2 requests; with rpm - 2 more it is full until
 	 * the t0+10 bucket leaves at floor(t0+10) + 60. */
 	for (int64_t i = 0; i < rpm - 2; i++) {
-		CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 61, &d, &e), DS_OK);
-		CHECK_EQ(keys_finish(f.k, a.info.id, s0 + 61, 0, 0, &e), DS_OK);
+		CHECK_EQ(admit1(&f, a.info.id, s0 + 61, &h, &d, &e), DS_OK);
+		CHECK_EQ(keys_finish(f.k, &h, s0 + 61, 0, 0, &e), DS_OK);
 	}
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 62, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 62, &h, &d, &e), DS_EBUSY);
 	CHECK_EQ(d.retry_after_s, (int)ceil(s0 + 70 - (s0 + 62)));
 	/* usage in SQLite counted every finished request */
 	store_key r;
@@ -708,36 +728,102 @@ TEST(keys_tpm_window_counts_finished_tokens)
 	ds_err e = {0};
 	keys_denial d;
 	keys_created a;
+	keys_hold h;
 	int64_t tpm = 100 + (int64_t)(ut_rand_u64() % 900);
 	CHECK_EQ(make_key(&f, "tpm", 0, tpm, 0, &a), DS_OK);
 	double t0 = rand_base();
 	double s0 = (double)(int64_t)t0;
 	int64_t p1 = tpm / 3, c1 = tpm / 5; /* first request: under the limit */
-	CHECK_EQ(keys_admit(f.k, a.info.id, t0, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, t0, p1, c1, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, a.info.id, t0 + 30, &d, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t0, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, t0, p1, c1, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 30, &h, &d, &e), DS_OK);
 	/* second request pushes the window to tpm + 1 */
-	CHECK_EQ(keys_finish(f.k, a.info.id, t0 + 30, tpm - p1 - c1, 1, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, t0 + 30, tpm - p1 - c1, 1, &e), DS_OK);
 	double t = t0 + 40;
-	CHECK_EQ(keys_admit(f.k, a.info.id, t, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, t, &h, &d, &e), DS_EBUSY);
 	CHECK_EQ(d.limit, KEYS_LIMIT_TPM);
 	CHECK_EQ(d.value, tpm);
 	/* dropping the first bucket leaves tpm - p1 - c1 + 1 < tpm */
 	CHECK_EQ(d.retry_after_s, (int)ceil(s0 + 60 - t));
 	CHECK(strstr(e.msg, "tokens per minute") != NULL);
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 60, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, s0 + 60, 0, 0, &e), DS_OK);
-	/* One huge request fills the window by itself until its bucket leaves. */
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 200.5, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, s0 + 200.5, 5 * tpm, 0, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 201, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 60, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, s0 + 60, 0, 0, &e), DS_OK);
+	/* Tokens charged after the fact (a /tokenize of a huge text) fill the
+	 * window by themselves until their bucket leaves. */
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 200.5, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, s0 + 200.5, 5 * tpm, 0, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 201, &h, &d, &e), DS_EBUSY);
 	CHECK_EQ(d.retry_after_s, 59);
-	CHECK_EQ(keys_admit(f.k, a.info.id, s0 + 260, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, s0 + 260, 0, 0, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, s0 + 260, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, s0 + 260, 0, 0, &e), DS_OK);
 	fx_free(&f);
 }
 
-TEST(keys_concurrency_slots_and_unlimited)
+TEST(keys_tpm_reserves_at_admission_and_settles_at_finish)
+{
+	fixture f;
+	if (fx_init(&f)) {
+		fx_free(&f);
+		return;
+	}
+	ds_err e = {0};
+	keys_denial d;
+	keys_created a;
+	keys_hold h1, h2, h3, h4;
+	int64_t tpm = 1000;
+	CHECK_EQ(make_key(&f, "tpm-res", 0, tpm, 0, &a), DS_OK);
+	double t0 = rand_base(), s0 = (double)(int64_t)t0;
+	/* a request that could never fit: DS_ERANGE, nothing held */
+	CHECK_EQ(admit1(&f, a.info.id, t0, &h1, &d, &e), DS_OK);
+	CHECK_EQ(keys_reserve(f.k, &h1, tpm + 1, t0, &d, &e), DS_ERANGE);
+	CHECK_EQ(d.limit, KEYS_LIMIT_TPM);
+	CHECK_EQ(d.retry_after_s, 0);
+	CHECK(strstr(e.msg, "1001 tokens") != NULL && strstr(e.msg, "tpm 1000") != NULL);
+	CHECK_EQ(keys_reserve(f.k, &h1, 600, t0, &d, &e), DS_OK);
+	CHECK_EQ(h1.reserved, 600);
+	/* in parallel: 600 reserved, 500 more do not fit although the window is
+	 * empty; only an end frees a reservation, so retry in 1 s */
+	CHECK_EQ(admit1(&f, a.info.id, t0, &h2, &d, &e), DS_OK);
+	CHECK_EQ(keys_reserve(f.k, &h2, 500, t0, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.limit, KEYS_LIMIT_TPM);
+	CHECK_EQ(d.retry_after_s, 1);
+	CHECK(strstr(e.msg, "600 are reserved") != NULL);
+	keys_drop(f.k, &h2);
+	CHECK_EQ(h2.key_id, 0);
+	CHECK_EQ(admit1(&f, a.info.id, t0, &h2, &d, &e), DS_OK);
+	CHECK_EQ(keys_reserve(f.k, &h2, 400, t0, &d, &e), DS_OK); /* exactly tpm */
+	/* nothing left: refused at admission, before any tokenizing */
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 1, &h3, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.limit, KEYS_LIMIT_TPM);
+	CHECK_EQ(d.retry_after_s, 1);
+	CHECK(strstr(e.msg, "1000 reserved") != NULL);
+	/* settling: the first used 100 of its 600 */
+	CHECK_EQ(keys_finish(f.k, &h1, t0 + 2, 40, 60, &e), DS_OK);
+	CHECK_EQ(h1.key_id, 0);
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 2, &h3, &d, &e), DS_OK);
+	CHECK_EQ(keys_reserve(f.k, &h3, 500, t0 + 2, &d, &e), DS_OK); /* 100 + 400 + 500 */
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 2, &h4, &d, &e), DS_EBUSY);
+	CHECK_EQ(keys_finish(f.k, &h2, t0 + 3, 400, 0, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h3, t0 + 3, 450, 50, &e), DS_OK);
+	/* window 1000 (100 in t0 + 2's second, 900 in t0 + 3's): 1 token fits
+	 * once the first bucket leaves */
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 10, &h4, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.retry_after_s, (int)ceil((double)(int64_t)(t0 + 2) + 60 - (t0 + 10)));
+	/* and 150 only once both have */
+	CHECK_EQ(admit1(&f, a.info.id, (double)(int64_t)(t0 + 2) + 60, &h4, &d, &e), DS_OK);
+	CHECK_EQ(keys_reserve(f.k, &h4, 150, (double)(int64_t)(t0 + 2) + 60, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.retry_after_s, 1);
+	CHECK_EQ(keys_reserve(f.k, &h4, 100, (double)(int64_t)(t0 + 2) + 60, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h4, s0 + 100, 1, 1, &e), DS_OK);
+	/* usage holds what was used, not what was reserved; drops count nothing */
+	store_key r;
+	CHECK_EQ(store_key_get(f.st, a.info.id, &r, &e), DS_OK);
+	CHECK_EQ(r.requests, 4);
+	CHECK_EQ(r.prompt_tokens + r.completion_tokens, 100 + 400 + 500 + 2);
+	fx_free(&f);
+}
+
+TEST(keys_concurrency_counts_sequences)
 {
 	fixture f;
 	if (fx_init(&f)) {
@@ -751,22 +837,104 @@ TEST(keys_concurrency_slots_and_unlimited)
 	CHECK_EQ(make_key(&f, "conc", 0, 0, conc, &a), DS_OK);
 	CHECK_EQ(make_key(&f, "free", 0, 0, 0, &u), DS_OK);
 	double t = rand_base();
-	for (int64_t i = 0; i < conc; i++)
-		CHECK_EQ(keys_admit(f.k, a.info.id, t, &d, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, a.info.id, t + 1, &d, &e), DS_EBUSY);
+	keys_hold big, hs[8], one;
+	/* more sequences than the limit: never (DS_ERANGE, no Retry-After) */
+	CHECK_EQ(admit(&f, a.info.id, conc + 1, 0, t, &big, &d, &e), DS_ERANGE);
 	CHECK_EQ(d.limit, KEYS_LIMIT_CONCURRENCY);
 	CHECK_STR(d.name, "max_concurrency");
+	CHECK_EQ(d.retry_after_s, 0);
+	CHECK(strstr(e.msg, "sequences") != NULL);
+	/* conc - 1 sequences in one request, then one more fits, then none */
+	CHECK_EQ(admit(&f, a.info.id, conc - 1, 0, t, &big, &d, &e), DS_OK);
+	CHECK_EQ(big.seqs, conc - 1);
+	CHECK_EQ(admit(&f, a.info.id, 2, 0, t, &one, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.limit, KEYS_LIMIT_CONCURRENCY);
 	CHECK_EQ(d.retry_after_s, 1);
-	CHECK_EQ(keys_finish(f.k, a.info.id, t + 2, 3, 4, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, a.info.id, t + 2, &d, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, a.info.id, t + 2, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, t, &one, &d, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t + 1, &hs[0], &d, &e), DS_EBUSY);
+	CHECK_EQ(keys_finish(f.k, &big, t + 2, 3, 4, &e), DS_OK);
+	CHECK_EQ(admit(&f, a.info.id, conc - 1, 0, t + 2, &big, &d, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t + 2, &hs[0], &d, &e), DS_EBUSY);
+	keys_drop(f.k, &big);
+	keys_drop(f.k, &one);
 	for (int64_t i = 0; i < conc; i++)
-		CHECK_EQ(keys_finish(f.k, a.info.id, t + 3, 0, 0, &e), DS_OK);
+		CHECK_EQ(admit1(&f, a.info.id, t + 3, &hs[i], &d, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t + 3, &one, &d, &e), DS_EBUSY);
+	for (int64_t i = 0; i < conc; i++)
+		CHECK_EQ(keys_finish(f.k, &hs[i], t + 3, 0, 0, &e), DS_OK);
 	/* An unlimited key admits anything (in flight, per minute). */
-	for (int i = 0; i < 500; i++)
-		CHECK_EQ(keys_admit(f.k, u.info.id, t + 0.001 * i, &d, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, 777777, t, &d, &e), DS_ENOTFOUND);
-	CHECK_EQ(keys_finish(f.k, 777777, t, 1, 1, &e), DS_ENOTFOUND);
+	for (int i = 0; i < 500; i++) {
+		CHECK_EQ(admit(&f, u.info.id, 1000, 0, t + 0.001 * i, &one, &d, &e), DS_OK);
+		keys_drop(f.k, &one);
+	}
+	CHECK_EQ(admit1(&f, 777777, t, &one, &d, &e), DS_ENOTFOUND);
+	/* an empty hold: every call is a no-op */
+	keys_hold none;
+	memset(&none, 0, sizeof none);
+	CHECK_EQ(keys_reserve(f.k, &none, 5, t, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &none, t, 1, 1, &e), DS_OK);
+	keys_dequeue(f.k, &none, 3);
+	keys_drop(f.k, &none);
+	fx_free(&f);
+}
+
+TEST(keys_queue_share_keeps_room_for_other_keys)
+{
+	fixture f;
+	if (fx_init(&f)) {
+		fx_free(&f);
+		return;
+	}
+	CHECK_EQ(keys_queue_share(256, 0), 128);
+	CHECK_EQ(keys_queue_share(256, 1), 85);
+	CHECK_EQ(keys_queue_share(8, 6), 1);
+	CHECK_EQ(keys_queue_share(1, 0), 1);
+	ds_err e = {0};
+	keys_denial d;
+	keys_created a, b, c;
+	CHECK_EQ(make_key(&f, "qa", 0, 0, 0, &a), DS_OK);
+	CHECK_EQ(make_key(&f, "qb", 0, 0, 0, &b), DS_OK);
+	CHECK_EQ(make_key(&f, "qc", 0, 0, 0, &c), DS_OK);
+	double t = rand_base();
+	keys_hold a1, a2, a3, b1, b2, c1;
+	/* alone a key may queue half of 8 places; 5 sequences never fit */
+	CHECK_EQ(admit(&f, a.info.id, 5, 8, t, &a1, &d, &e), DS_ERANGE);
+	CHECK_EQ(d.limit, KEYS_LIMIT_QUEUE);
+	CHECK_EQ(d.value, 4);
+	CHECK(strstr(e.msg, "waiting queue") != NULL);
+	CHECK_EQ(admit(&f, a.info.id, 2, 8, t, &a1, &d, &e), DS_OK);
+	CHECK_EQ(admit(&f, a.info.id, 2, 8, t, &a2, &d, &e), DS_OK);
+	CHECK_EQ(admit(&f, a.info.id, 1, 8, t, &a3, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.limit, KEYS_LIMIT_QUEUE);
+	CHECK_EQ(d.retry_after_s, 1);
+	/* sequences that do not queue are not limited by the share */
+	CHECK_EQ(admit(&f, a.info.id, 3, 0, t, &a3, &d, &e), DS_OK);
+	keys_drop(f.k, &a3);
+	/* another key gets in: 8 / (1 + 2) = 2 while the first one waits */
+	CHECK_EQ(admit(&f, b.info.id, 2, 8, t, &b1, &d, &e), DS_OK);
+	CHECK_EQ(admit(&f, b.info.id, 1, 8, t, &b2, &d, &e), DS_EBUSY);
+	CHECK_EQ(d.value, 2);
+	/* a third still finds room: 8 / (2 + 2) = 2 */
+	CHECK_EQ(admit(&f, c.info.id, 2, 8, t, &c1, &d, &e), DS_OK);
+	/* the first key holds 4 of a share of 2 now; as the scheduler starts
+	 * its sequences they leave the share */
+	CHECK_EQ(admit(&f, a.info.id, 1, 8, t, &a3, &d, &e), DS_EBUSY);
+	keys_dequeue(f.k, &a1, 2);
+	CHECK_EQ(a1.queued, 0);
+	keys_dequeue(f.k, &a2, 1);
+	CHECK_EQ(admit(&f, a.info.id, 1, 8, t, &a3, &d, &e), DS_OK); /* 1 + 1 <= 2 */
+	keys_dequeue(f.k, &a2, 5);					/* clamped to what it holds */
+	CHECK_EQ(a2.queued, 0);
+	/* once the others' sequences leave, the share grows back */
+	keys_drop(f.k, &b1);
+	CHECK_EQ(keys_finish(f.k, &c1, t, 0, 0, &e), DS_OK);
+	CHECK_EQ(admit(&f, a.info.id, 3, 8, t, &b2, &d, &e), DS_OK); /* 1 + 3 <= 4 */
+	keys_drop(f.k, &b2);
+	keys_drop(f.k, &a3);
+	keys_drop(f.k, &a2);
+	keys_drop(f.k, &a1);
+	CHECK_EQ(admit(&f, a.info.id, 4, 8, t, &a1, &d, &e), DS_OK);
+	keys_drop(f.k, &a1);
 	fx_free(&f);
 }
 
@@ -780,16 +948,17 @@ TEST(keys_several_limits_report_the_latest_to_clear)
 	ds_err e = {0};
 	keys_denial d;
 	keys_created a;
+	keys_hold h, h2;
 	CHECK_EQ(make_key(&f, "all", 2, 0, 1, &a), DS_OK);
 	double t0 = rand_base(), s0 = (double)(int64_t)t0;
-	CHECK_EQ(keys_admit(f.k, a.info.id, t0, &d, &e), DS_OK);
-	CHECK_EQ(keys_finish(f.k, a.info.id, t0, 0, 0, &e), DS_OK);
-	CHECK_EQ(keys_admit(f.k, a.info.id, t0 + 5, &d, &e), DS_OK); /* in flight */
+	CHECK_EQ(admit1(&f, a.info.id, t0, &h, &d, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, t0, 0, 0, &e), DS_OK);
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 5, &h, &d, &e), DS_OK); /* in flight */
 	/* both concurrency (1 s) and rpm (until s0 + 60) are exceeded */
-	CHECK_EQ(keys_admit(f.k, a.info.id, t0 + 6, &d, &e), DS_EBUSY);
+	CHECK_EQ(admit1(&f, a.info.id, t0 + 6, &h2, &d, &e), DS_EBUSY);
 	CHECK_EQ(d.limit, KEYS_LIMIT_RPM);
 	CHECK_EQ(d.retry_after_s, (int)ceil(s0 + 60 - (t0 + 6)));
-	CHECK_EQ(keys_finish(f.k, a.info.id, t0 + 7, 0, 0, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &h, t0 + 7, 0, 0, &e), DS_OK);
 	fx_free(&f);
 }
 
@@ -1111,6 +1280,7 @@ typedef struct worker {
 	const char *key;
 	int64_t id;
 	int iters, ok, limited;
+	int64_t conc_id; /* the key with max_concurrency 1 */
 } worker;
 
 static void *work(void *arg)
@@ -1122,12 +1292,16 @@ static void *work(void *arg)
 		if (keys_auth(w->k, w->key, time(NULL), &who, &e) != DS_OK || who.id != w->id)
 			continue;
 		keys_denial d;
-		int rc = keys_admit(w->k, who.id, 5000.0 + i * 0.001, &d, &e);
-		if (rc == DS_EBUSY) {
+		keys_hold h;
+		/* workers with no concurrency limit alternate 1 and 2 sequences */
+		keys_cost c = {.seqs = w->id == w->conc_id ? 1 : 1 + i % 2, .queue_cap = 64};
+		int rc = keys_admit(w->k, who.id, &c, 5000.0 + i * 0.001, &h, &d, &e);
+		if (rc == DS_EBUSY || rc == DS_ERANGE) {
 			w->limited++;
 			continue;
 		}
-		if (rc == DS_OK && keys_finish(w->k, who.id, 5000.0 + i * 0.001, 2, 3, &e) == DS_OK)
+		keys_dequeue(w->k, &h, 1);
+		if (rc == DS_OK && keys_finish(w->k, &h, 5000.0 + i * 0.001, 2, 3, &e) == DS_OK)
 			w->ok++;
 	}
 	return NULL;
@@ -1148,7 +1322,7 @@ TEST(keys_threads_auth_admit_finish_while_creating)
 	for (int i = 0; i < NT; i++) {
 		snprintf(name, sizeof name, "t%d", i);
 		CHECK_EQ(make_key(&f, name, 0, 0, i == 0 ? 1 : 0, &ks[i]), DS_OK);
-		w[i] = (worker){f.k, ks[i].key, ks[i].info.id, ITERS, 0, 0};
+		w[i] = (worker){f.k, ks[i].key, ks[i].info.id, ITERS, 0, 0, ks[0].info.id};
 	}
 	for (int i = 0; i < NT; i++)
 		pthread_create(&th[i], NULL, work, &w[i]);
