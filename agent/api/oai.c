@@ -25,8 +25,9 @@
  * sequences against max_concurrency and the key's share of the waiting
  * queue), then serve_reserve: prompt tokens + max_tokens x n against tpm.
  * Between reads `meter` moves the sequences the scheduler started out of the
- * key's queue share; gen_free settles the reservation with what was used
- * (keys_finish).
+ * key's queue share and stops the request when its key was revoked (an error
+ * event ends a stream, a non-streamed request gets a 401); gen_free settles
+ * the reservation with what was used (keys_finish).
  *
  * Threading: a gen belongs to the connection thread that runs its handler
  * and then its stream reader; nothing here is shared between requests except
@@ -818,12 +819,13 @@ static int pull_round(gen *g)
 }
 
 /* Metering between reads: the sequences the scheduler started (or ended)
- * leave the key's queue share, looked up at most every 50 ms. */
-static void meter(gen *g)
+ * leave the key's queue share, looked up at most every 50 ms; 1 when the key
+ * was revoked (err names it), else 0. */
+static int meter(gen *g, ds_err *err)
 {
 	keys_svc *k = g->sv->p.keys;
 	if (g->hold.key_id <= 0)
-		return;
+		return 0;
 	double now = ds_now_s();
 	if (g->hold.queued > 0 && now - g->t_meter >= 0.05) {
 		int64_t left = 0;
@@ -839,6 +841,7 @@ static void meter(gen *g)
 		}
 		keys_dequeue(k, &g->hold, left);
 	}
+	return keys_hold_revoked(k, &g->hold, err);
 }
 
 static ssize_t stream_read(void *ctx, char *out, size_t max)
@@ -878,7 +881,17 @@ static ssize_t stream_read(void *ctx, char *out, size_t max)
 			cancel_all(g);
 			return HTTP_STREAM_ERROR;
 		}
-		meter(g);
+		ds_err revoked = {0};
+		if (meter(g, &revoked)) { /* the key was revoked: end here */
+			g->aborted = 1;
+			cancel_all(g);
+			sse(g, json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", revoked.msg,
+					 "type", "authentication_error", "param", "code",
+					 "api_key_revoked"));
+			buf_append(&g->out, "data: [DONE]\n\n", 14);
+			g->done_sent = 1;
+			continue;
+		}
 		if (changed) {
 			for (int i = 0; i < g->n_choices; i++) {
 				choice *c = &g->ch[i];
@@ -1164,7 +1177,14 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 	}
 	while (!all_flushed(g)) {
 		pull_round(g);
-		meter(g);
+		ds_err revoked = {0};
+		if (meter(g, &revoked)) {
+			g->aborted = 1;
+			cancel_all(g);
+			http_resp_error(resp, 401, "authentication_error", "api_key_revoked", "%s",
+					revoked.msg);
+			goto out;
+		}
 		if (http_conn_gone(req->conn) || atomic_load(&sv->stopping)) {
 			g->aborted = 1;
 			cancel_all(g);

@@ -27,6 +27,10 @@
  * left the window (1 s for what only a request's end frees: sequences,
  * queue places, reservations).
  *
+ * Revocation reaches running requests through `revs`, a count of
+ * revocations: keys_hold_revoked looks the key up only when the count moved
+ * since the hold last looked.
+ *
  * Invariants:
  *  1. The key text is never stored or logged: only its keyed hash.
  *  2. entries[] is sorted by id (ids grow; create and revoke are serialised by
@@ -52,6 +56,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <sodium.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +96,7 @@ struct keys_svc {
 	entry *e;
 	size_t n, cap;
 	size_t n_queuing;          /* entries with queued > 0 (mu) */
+	_Atomic uint64_t revs;     /* revocations so far */
 };
 
 /* ---- files that hold secrets ---- */
@@ -606,6 +612,7 @@ int keys_revoke(keys_svc *k, int64_t id, store_key *out, ds_err *err)
 	if (e)
 		e->revoked = 1;
 	pthread_mutex_unlock(&k->mu);
+	atomic_fetch_add(&k->revs, 1); /* after the flag: a hold that sees the count sees it */
 	rc = store_key_get(k->st, id, &row, err);
 	if (rc)
 		goto out;
@@ -829,6 +836,7 @@ int keys_admit(keys_svc *k, int64_t key_id, const keys_cost *c, double now_mono,
 		set_queued(k, e, e->queued + seqs);
 		h->queued = seqs;
 	}
+	h->revs = atomic_load(&k->revs);
 out:
 	pthread_mutex_unlock(&k->mu);
 	return rc;
@@ -890,6 +898,37 @@ void keys_dequeue(keys_svc *k, keys_hold *h, int64_t n)
 		set_queued(k, e, e->queued - n);
 	pthread_mutex_unlock(&k->mu);
 	h->queued -= n;
+}
+
+int keys_hold_revoked(keys_svc *k, keys_hold *h, ds_err *err)
+{
+	if (h->key_id <= 0)
+		return 0;
+	if (!h->revoked) {
+		uint64_t revs = atomic_load(&k->revs);
+		if (revs == h->revs)
+			return 0;
+		h->revs = revs;
+		pthread_mutex_lock(&k->mu);
+		const entry *e = find_entry(k, h->key_id);
+		h->revoked = e && e->revoked;
+		pthread_mutex_unlock(&k->mu);
+		if (!h->revoked)
+			return 0;
+	}
+	char name[STORE_NAME_MAX + 1] = "", prefix[STORE_PREFIX_LEN + 1] = "";
+	pthread_mutex_lock(&k->mu);
+	const entry *e = find_entry(k, h->key_id);
+	if (e) {
+		memcpy(name, e->name, sizeof name);
+		memcpy(prefix, e->prefix, sizeof prefix);
+	}
+	pthread_mutex_unlock(&k->mu);
+	ds_err_set(err, DS_EAUTH,
+		   "API key '%s' (" KEYS_PREFIX "%s...) was revoked while this request ran; it "
+		   "was stopped",
+		   name, prefix);
+	return 1;
 }
 
 /* Takes back what h holds from its entry (mu held); tokens >= 0 go into the

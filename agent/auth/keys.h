@@ -23,7 +23,8 @@
  *   ... tokenize the prompts (generation) ...
  *   keys_reserve(h, tokens) --DS_EBUSY / DS_ERANGE--> 429 / 400, keys_drop(h)
  *        | DS_OK: prompt + max_tokens x n reserved against tpm
- *   ... generate: keys_dequeue(h, n) as the scheduler starts sequences ...
+ *   ... generate: keys_dequeue(h, n) as the scheduler starts sequences,
+ *       keys_hold_revoked(h) between reads: stop when the key was revoked ...
  *   keys_finish(h, tokens used)  settles the reservation, records usage
  *
  * keys_admit checks only what is known before tokenizing (auth is done; the
@@ -150,6 +151,8 @@ typedef struct keys_hold {
 	int64_t seqs;     /* sequences counted against max_concurrency */
 	int64_t queued;   /* of them still counted in the key's share of the waiting queue */
 	int64_t reserved; /* tokens reserved against tpm */
+	uint64_t revs;    /* the service's revocation count when last looked at */
+	int revoked;      /* the key was seen revoked */
 } keys_hold;
 
 /* The most sequences of one key that may wait in a queue of queue_cap places
@@ -186,6 +189,12 @@ int keys_reserve(keys_svc *k, keys_hold *h, int64_t tokens, double now_mono, key
 /* n of the hold's sequences left the waiting queue (the scheduler started or
  * ended them): they stop counting in the key's queue share. */
 void keys_dequeue(keys_svc *k, keys_hold *h, int64_t n);
+
+/* 1 when the hold's key has been revoked (err: a message naming the key),
+ * else 0.  Cheap when nothing was revoked since the last call: one atomic
+ * load.  Requests call it between reads to stop within a fraction of a second
+ * of a revocation. */
+int keys_hold_revoked(keys_svc *k, keys_hold *h, ds_err *err);
 
 /* Ends an admitted request: frees its sequences and queue places, replaces
  * its tpm reservation with the tokens it used (added to the window at

@@ -12,6 +12,8 @@ real dsagent serving the default model with one thread, through the official
 - /tokenize and /detokenize are metered (rpm, concurrency, usage), and the
   cheap limits (auth, rpm, concurrency) are checked before a prompt is
   tokenized;
+- revoking a key stops its running requests within a second: a stream ends
+  with an error event naming the revocation, a non-streamed request gets 401;
 - a weak admin token written by the operator stops dsagent at start.
 
 Every generation is short or is cancelled by the test; timing bounds are
@@ -20,6 +22,7 @@ import json
 import os
 import secrets
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -229,6 +232,48 @@ def test_queue_share_keeps_one_key_from_filling_the_queue(tmp_path):
         for s in streams:
             s.close()
         assert a.stop() == 0
+
+
+def test_revocation_stops_running_requests(agent):
+    k = create_key(agent, "revoked-mid-stream")
+    c = client(agent, k, timeout=40)
+    s = open_stream(c, agent, max_tokens=3000)
+    it = iter(s)
+    got = sum(1 for _, _ in zip(range(5), it))
+    assert got == 5
+    dsctl(agent, "keys", "revoke", str(k["id"]))
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as e:
+        for _ in it:
+            got += 1
+    took = time.monotonic() - t0
+    assert not isinstance(e.value, openai.APIStatusError)   # an event in the 200 stream
+    assert "revoked" in e.value.message and e.value.body["code"] == "api_key_revoked"
+    assert took < 2.5, f"the stream ran {took:.1f} s after the revocation"
+    assert got < 300
+
+    k2 = create_key(agent, "revoked-mid-request")
+    c2 = client(agent, k2, timeout=40)
+    out = {}
+
+    def run():
+        try:
+            out["r"] = c2.completions.create(model=agent.model, prompt="Count:",
+                                              max_tokens=3000, extra_body=LONG)
+        except Exception as ex:  # noqa: BLE001 - handed to the test thread
+            out["e"] = ex
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(lambda: metric(agent, "vllm:num_requests_running") >= 1, 20, "the request runs")
+    time.sleep(0.5)
+    dsctl(agent, "keys", "revoke", str(k2["id"]))
+    t0 = time.monotonic()
+    t.join(45)
+    took = time.monotonic() - t0
+    assert isinstance(out.get("e"), openai.AuthenticationError), out
+    assert "revoked" in out["e"].body["message"] and out["e"].body["code"] == "api_key_revoked"
+    assert took < 2.5, f"the request ran {took:.1f} s after the revocation"
+    wait_for(lambda: metric(agent, "vllm:num_requests_running") == 0, 10, "nothing runs")
 
 
 @pytest.mark.parametrize("token", ["password", "a" * 40, "0123456789abcdef" * 3,

@@ -873,6 +873,7 @@ TEST(keys_concurrency_counts_sequences)
 	memset(&none, 0, sizeof none);
 	CHECK_EQ(keys_reserve(f.k, &none, 5, t, &d, &e), DS_OK);
 	CHECK_EQ(keys_finish(f.k, &none, t, 1, 1, &e), DS_OK);
+	CHECK_EQ(keys_hold_revoked(f.k, &none, &e), 0);
 	keys_dequeue(f.k, &none, 3);
 	keys_drop(f.k, &none);
 	fx_free(&f);
@@ -935,6 +936,39 @@ TEST(keys_queue_share_keeps_room_for_other_keys)
 	keys_drop(f.k, &a1);
 	CHECK_EQ(admit(&f, a.info.id, 4, 8, t, &a1, &d, &e), DS_OK);
 	keys_drop(f.k, &a1);
+	fx_free(&f);
+}
+
+TEST(keys_hold_sees_revocation)
+{
+	fixture f;
+	if (fx_init(&f)) {
+		fx_free(&f);
+		return;
+	}
+	ds_err e = {0};
+	keys_created a, b;
+	CHECK_EQ(make_key(&f, "stays", 0, 0, 0, &a), DS_OK);
+	CHECK_EQ(make_key(&f, "goes", 0, 0, 0, &b), DS_OK);
+	keys_hold ha, hb;
+	double t = rand_base();
+	CHECK_EQ(admit1(&f, a.info.id, t, &ha, NULL, &e), DS_OK);
+	CHECK_EQ(admit1(&f, b.info.id, t, &hb, NULL, &e), DS_OK);
+	CHECK_EQ(keys_hold_revoked(f.k, &ha, &e), 0);
+	CHECK_EQ(keys_hold_revoked(f.k, &hb, &e), 0);
+	CHECK_EQ(keys_revoke(f.k, b.info.id, NULL, &e), DS_OK);
+	CHECK_EQ(keys_hold_revoked(f.k, &ha, &e), 0);
+	e = (ds_err){0};
+	CHECK_EQ(keys_hold_revoked(f.k, &hb, &e), 1);
+	CHECK(strstr(e.msg, "'goes'") != NULL && strstr(e.msg, "revoked") != NULL);
+	CHECK(strstr(e.msg, b.key) == NULL);
+	CHECK_EQ(keys_hold_revoked(f.k, &hb, &e), 1); /* and stays so */
+	/* the revoked request still ends normally and its use is recorded */
+	CHECK_EQ(keys_finish(f.k, &hb, t + 1, 3, 2, &e), DS_OK);
+	CHECK_EQ(keys_finish(f.k, &ha, t + 1, 1, 1, &e), DS_OK);
+	store_key r;
+	CHECK_EQ(store_key_get(f.st, b.info.id, &r, &e), DS_OK);
+	CHECK_EQ(r.completion_tokens, 2);
 	fx_free(&f);
 }
 
