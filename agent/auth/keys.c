@@ -2,7 +2,8 @@
  * keys.c - the API key service (see keys.h).
  *
  * Callers: agent/api/control.c (create, list, revoke for `dsctl keys`), the
- * OpenAI handlers (auth, admit, finish, count) and agent/main.c (new/free,
+ * OpenAI handlers (agent/api/serve.c, oai.c: auth, admit, reserve, dequeue,
+ * hold_revoked, finish, drop, count) and agent/main.c (new/free,
  * admin token).  Calls: libsodium (random bytes, BLAKE2b, constant-time
  * compare, base64) and agent/store/store for persistence.
  *
