@@ -656,13 +656,23 @@ static int run(const struct run_cfg *c, ds_err *err)
 		msgs[nm++] = (chat_msg){.role = CHAT_ROLE_USER, .content = c->chat};
 		if ((rc = chat_params_for_tok(tk, NULL, &cp, err)))
 			goto out;
+		tok_ids ids;
 		buf_init(&text, 64 << 20);
-		rc = chat_render(&cp, msgs, nm, &text, err);
-		if (!rc) /* the rendered text carries BOS already: no TOK_ADD_BOS */
-			rc = tok_encode_alloc(tk, text.data, text.len, TOK_PARSE_SPECIAL, &prompt, &n_prompt, err);
+		tok_ids_init(&ids, 0);
+		/* the rendered prompt carries BOS already; the texts are plain
+		 * text: a marker typed in them is not a control token */
+		rc = chat_render_ids(&cp, tk, msgs, nm, &ids, &text, err);
 		buf_free(&text);
-		if (rc)
+		if (rc) {
+			tok_ids_free(&ids);
 			goto out;
+		}
+		if (!ids.v && (ids.v = malloc(sizeof *ids.v)) == NULL) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+			goto out;
+		}
+		prompt = ids.v; /* freed with free() like tok_encode_alloc's */
+		n_prompt = ids.n;
 	} else if (c->prompt) {
 		unsigned flags = TOK_PARSE_SPECIAL | (tok_bos_id(tk) >= 0 && tok_add_bos_default(tk) ? TOK_ADD_BOS : 0u);
 		if ((rc = tok_encode_alloc(tk, c->prompt, strlen(c->prompt), flags, &prompt, &n_prompt, err)))

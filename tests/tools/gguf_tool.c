@@ -235,8 +235,7 @@ static int do_chat(const tok *t, const json_t *req, ds_err *err)
 	tok_ids ids;
 	buf_init(&text, 0);
 	tok_ids_init(&ids, 0);
-	if ((rc = chat_render(&p, msgs, n, &text, err)) == 0 &&
-	    (rc = tok_encode(t, text.data ? text.data : "", text.len, TOK_PARSE_SPECIAL, &ids, err)) == 0)
+	if ((rc = chat_render_ids(&p, t, msgs, n, &ids, &text, err)) == 0)
 		print_json(json_pack("{s:s,s:s%,s:o}", "template", chat_template_name(p.tmpl), "text",
 				     text.data ? text.data : "", text.len, "ids", ids_json(ids.v, ids.n)));
 	tok_ids_free(&ids);

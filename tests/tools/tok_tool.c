@@ -95,8 +95,7 @@ static int do_chat(const tok *t, const json_t *req, ds_err *err)
 	buf_init(&text, 0);
 	tok_ids_init(&ids, 0);
 	json_t *o = NULL, *arr = NULL;
-	if ((rc = chat_render(&p, msgs, n, &text, err)) == 0 &&
-	    (rc = tok_encode(t, text.data ? text.data : "", text.len, TOK_PARSE_SPECIAL, &ids, err)) == 0) {
+	if ((rc = chat_render_ids(&p, t, msgs, n, &ids, &text, err)) == 0) {
 		arr = json_array();
 		for (size_t i = 0; i < ids.n; i++)
 			json_array_append_new(arr, json_integer(ids.v[i]));
