@@ -433,12 +433,20 @@ static int chat_prompt(serve *sv, const json_t *b, prompt *pr, http_resp *resp)
 		}
 	}
 	ds_err err = {0};
-	if (chat_render(&sv->chat, cm, n, &text, &err) ||
-	    tok_encode_alloc(sv->tk, text.data ? text.data : "", text.len, TOK_PARSE_SPECIAL,
-			     &pr->ids, &pr->n, &err)) {
+	tok_ids ids;
+	tok_ids_init(&ids, 0);
+	/* only the template's markers become control tokens: contents are text */
+	if (chat_render_ids(&sv->chat, sv->tk, cm, n, &ids, &text, &err)) {
+		tok_ids_free(&ids);
 		bad(resp, "messages", err.msg);
 		goto out;
 	}
+	if (!ids.v && !(ids.v = malloc(sizeof *ids.v))) {
+		bad(resp, "messages", "out of memory");
+		goto out;
+	}
+	pr->ids = ids.v;
+	pr->n = ids.n;
 	rc = DS_OK;
 out:
 	for (size_t k = 0; owned && k < n; k++)
