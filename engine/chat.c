@@ -1117,7 +1117,7 @@ static int deepseek_call(chat_calls *p, const char *b, size_t n)
 static int step_deepseek(chat_calls *p, buf *content, int final)
 {
 	for (;;) {
-		const char *h = p->hold.data;
+		const char *h = p->hold.data ? p->hold.data : "";
 		size_t n = p->hold.len;
 		if (p->state == CP_TEXT) {
 			const char *m = find(h, n, M_CALLS_BEGIN);
@@ -1184,7 +1184,7 @@ static int hermes_call(chat_calls *p, const char *b, size_t n)
 static int step_hermes(chat_calls *p, buf *content, int final)
 {
 	for (;;) {
-		const char *h = p->hold.data;
+		const char *h = p->hold.data ? p->hold.data : "";
 		size_t n = p->hold.len;
 		if (p->state == CP_TEXT) {
 			if (p->after_call) {
@@ -1256,7 +1256,7 @@ static int llama3_calls(chat_calls *p, const char *s, size_t n)
 
 static int step_llama3(chat_calls *p, buf *content, int final)
 {
-	const char *h = p->hold.data;
+	const char *h = p->hold.data ? p->hold.data : "";
 	size_t n = p->hold.len;
 	if (p->state == CP_START) {
 		size_t w = skip_ws(h, 0, n), rn = n - w;

@@ -184,9 +184,9 @@ int chat_params_for_tok(const struct tok *t, const char *override_name, chat_par
  * never reset: tool calls are always closed after the last call, and every
  * tool run opens its own block.
  *
- * Tools (docs/serving.md shows each block whole).  The DeepSeek templates
- * shipped with V3 and R1 render no tool list, so the list is one more system
- * content after the client's (joined with "\n\n" like them):
+ * Tools (docs/serving.md shows each block whole).  The official V3 template
+ * renders no tool list (R1 is rendered the same way), so the list is one
+ * more system content after the client's (joined with "\n\n" like them):
  *   "## Tools\n\nYou can call these functions:\n", per tool "\n### NAME\n"
  *   ["Description: DESC\n"] "Parameters: PARAMS\n" (PARAMS "{}" when none),
  *   then CHAT_DEEPSEEK_TOOLS_HOWTO (which names the call markers).

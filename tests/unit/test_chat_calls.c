@@ -169,6 +169,7 @@ TEST(chat_calls_hermes)
 		{ HC("{\"name\": \"get_time\", \"parameters\": {\"tz\": 1}}") "\n\nDone.", "Done.", 1,
 		  { { "get_time", "{\"tz\":1}" } } },
 		{ "no calls <tool", "no calls <tool", 0, { { 0 } } },
+		{ "", "", 0, { { 0 } } },
 		/* malformed */
 		{ HC("{\"name\": \"nope\", \"arguments\": {}}"), HC("{\"name\": \"nope\", \"arguments\": {}}"), 0,
 		  { { 0 } } },
@@ -196,6 +197,7 @@ TEST(chat_calls_llama3_json)
 		{ "  Hello", "  Hello", 0, { { 0 } } },
 		{ "<|python", "<|python", 0, { { 0 } } },
 		{ "   ", "   ", 0, { { 0 } } },
+		{ "", "", 0, { { 0 } } },
 		/* all or nothing */
 		{ "{\"name\": \"get_time\", \"parameters\": {}} trailing",
 		  "{\"name\": \"get_time\", \"parameters\": {}} trailing", 0, { { 0 } } },
