@@ -10,6 +10,13 @@
  *             sequence ─> released text
  *     released ─> R1 reasoning splitter (chat, deepseek-r1 template) ─>
  *                 content / reasoning_content
+ *     content ─> tool-call parser (chat with tools shown, engine/chat.h
+ *                chat_calls) ─> content / tool_calls (each call whole)
+ *
+ * Chat prompts are rendered and encoded by chat_render_ids: only the
+ * template's markers are control tokens, contents are plain text.  With
+ * tool_choice required / named the prompt ends with the opening of a call,
+ * which each choice's parser is fed first.
  *
  * Non-streaming requests wait in the handler (checking that the client is
  * still there) and answer one JSON document.  Streaming requests return an
@@ -40,6 +47,7 @@
 #include "common/strutil.h"
 
 #include <math.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +84,9 @@ typedef struct choice {
 	buf text;   /* released content not yet sent (stream) / all of it */
 	buf reason; /* released reasoning not yet sent / all of it */
 	chat_reasoning rs;
+	chat_calls calls;  /* tool calls parsed out of the content (gen.tools_on) */
+	size_t calls_sent; /* stream: calls already sent */
+	buf scratch;       /* content between the reasoning splitter and the parser */
 	json_t *lp;     /* chat: logprob entries; completions: {tokens, ...} arrays */
 	int32_t n_tok;
 	int finished, flushed, role_sent, final_sent;
@@ -87,6 +98,14 @@ typedef struct choice {
 	int64_t text_offset; /* completions logprobs: bytes of text before the token */
 } choice;
 
+typedef struct req_tools {
+	chat_tool *tools;
+	size_t n;
+	chat_tool_choice choice;
+	char *name; /* NAMED */
+	int parse;  /* tools shown to the model: its output is parsed for calls */
+} req_tools;
+
 typedef struct gen {
 	serve *sv;
 	struct MHD_Connection *conn;
@@ -97,6 +116,11 @@ typedef struct gen {
 	int reasoning; /* split R1 <think> output */
 	keys_hold hold; /* what it holds against its key's limits (zero: no key) */
 	double t_meter; /* when meter last asked the scheduler */
+	req_tools rt;
+	int tools_on;  /* parse the content for tool calls */
+	char *opening; /* the forced opening of a call the prompt ends with, or NULL */
+	int32_t marker_ids[8]; /* the tool format's markers: decoded even when special */
+	int n_marker_ids;
 	int n_prompts;
 	int32_t prompt_tokens; /* sum over prompts, each counted once */
 	int n_choices;
@@ -350,20 +374,178 @@ static int content_text(const json_t *c, size_t mi, const char **text, char **ow
 	return *owned ? DS_OK : bad(resp, param, "out of memory");
 }
 
-static int chat_prompt(serve *sv, const json_t *b, prompt *pr, http_resp *resp);
+/* ---- tools ---- */
+
+#define MAX_TOOLS 128
+#define MAX_TOOL_TEXT (1u << 20) /* a description or a parameters schema */
+
+/* A request's tools and tool_choice (struct req_tools) are owned by the gen:
+ * a stream outlives the body. */
+static void req_tools_free(req_tools *rt)
+{
+	for (size_t i = 0; rt && i < rt->n; i++) {
+		free((char *)rt->tools[i].name);
+		free((char *)rt->tools[i].description);
+		free((char *)rt->tools[i].parameters);
+	}
+	if (rt) {
+		free(rt->tools);
+		free(rt->name);
+		memset(rt, 0, sizeof *rt);
+	}
+}
+
+/* A name OpenAI accepts: 1 to 64 of [A-Za-z0-9_-]. */
+static int tool_name_ok(const char *s)
+{
+	size_t n = strlen(s);
+	if (n == 0 || n > 64)
+		return 0;
+	for (size_t i = 0; i < n; i++) {
+		char c = s[i];
+		if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+		      c == '_' || c == '-'))
+			return 0;
+	}
+	return 1;
+}
+
+/* A 400 naming tools[i] + field. */
+static int bad_at(http_resp *resp, size_t i, const char *member, const char *msg)
+{
+	char param[96];
+	snprintf(param, sizeof param, "tools[%zu]%s", i, member);
+	return bad(resp, param, msg);
+}
+
+/* One entry of "tools" into rt->tools[i]. */
+static int parse_tool(const json_t *t, size_t i, req_tools *rt, http_resp *resp)
+{
+	json_t *type = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+	if (!json_is_object(t))
+		return bad_at(resp, i, "", "each tool must be an object {\"type\": "
+						       "\"function\", \"function\": {...}}");
+	if (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0)
+		return bad_at(resp, i, ".type", "the type of a tool must be \"function\"");
+	if (!json_is_object(fn))
+		return bad_at(resp, i, ".function", "'function' must be an object with a "
+							     "'name'");
+	json_t *name = json_object_get(fn, "name"), *desc = json_object_get(fn, "description");
+	json_t *params = json_object_get(fn, "parameters");
+	if (!json_is_string(name) || !tool_name_ok(json_string_value(name)))
+		return bad_at(resp, i, ".function.name",
+			      "a function name must be 1 to 64 letters, digits, '_' or '-'");
+	for (size_t k = 0; k < i; k++)
+		if (strcmp(rt->tools[k].name, json_string_value(name)) == 0)
+			return bad_at(resp, i, ".function.name",
+				      "two tools have the same function name");
+	if (desc && !json_is_null(desc) &&
+	    (!json_is_string(desc) || json_string_length(desc) > MAX_TOOL_TEXT))
+		return bad_at(resp, i, ".function.description",
+			      "'description' must be a string of at most 1 MiB");
+	if (params && !json_is_null(params) && !json_is_object(params))
+		return bad_at(resp, i, ".function.parameters",
+			      "'parameters' must be a JSON Schema object");
+	chat_tool *ct = &rt->tools[i];
+	ct->name = strdup(json_string_value(name));
+	ct->description = json_is_string(desc) ? strdup(json_string_value(desc)) : NULL;
+	ct->parameters = json_is_object(params) ? jsonx_dumps(params) : NULL;
+	rt->n = i + 1; /* freed from here on */
+	if (!ct->name || (json_is_string(desc) && !ct->description) ||
+	    (json_is_object(params) && !ct->parameters))
+		return bad_at(resp, i, "", "out of memory");
+	if (ct->parameters && strlen(ct->parameters) > MAX_TOOL_TEXT)
+		return bad_at(resp, i, ".function.parameters",
+			      "'parameters' must be at most 1 MiB of JSON");
+	return DS_OK;
+}
+
+/* "tools", "tool_choice", "parallel_tool_calls" of a chat request. */
+static int parse_tools(serve *sv, const json_t *b, req_tools *rt, http_resp *resp)
+{
+	json_t *tools = json_object_get(b, "tools"), *tc = json_object_get(b, "tool_choice");
+	json_t *par = json_object_get(b, "parallel_tool_calls");
+	memset(rt, 0, sizeof *rt);
+	if (json_object_get(b, "functions") || json_object_get(b, "function_call"))
+		return bad(resp, json_object_get(b, "functions") ? "functions" : "function_call",
+			   "'functions' and 'function_call' are not supported: use 'tools' and "
+			   "'tool_choice'");
+	if (par && !json_is_null(par) && !json_is_boolean(par))
+		return bad(resp, "parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+	if (tools && !json_is_null(tools)) {
+		if (!json_is_array(tools) || json_array_size(tools) > MAX_TOOLS)
+			return bad(resp, "tools", "'tools' must be an array of at most 128 tools");
+		if (json_array_size(tools) &&
+		    !(rt->tools = calloc(json_array_size(tools), sizeof *rt->tools)))
+			return bad(resp, "tools", "out of memory");
+		for (size_t i = 0; i < json_array_size(tools); i++)
+			if (parse_tool(json_array_get(tools, i), i, rt, resp))
+				return DS_EINVAL;
+	}
+	rt->choice = rt->n ? CHAT_CHOICE_AUTO : CHAT_CHOICE_NONE;
+	if (json_is_string(tc)) {
+		const char *c = json_string_value(tc);
+		if (strcmp(c, "none") == 0)
+			rt->choice = CHAT_CHOICE_NONE;
+		else if (strcmp(c, "auto") == 0)
+			rt->choice = CHAT_CHOICE_AUTO;
+		else if (strcmp(c, "required") == 0)
+			rt->choice = CHAT_CHOICE_REQUIRED;
+		else
+			return bad(resp, "tool_choice", "'tool_choice' must be \"none\", \"auto\", "
+							"\"required\" or {\"type\": \"function\", "
+							"\"function\": {\"name\": ...}}");
+	} else if (json_is_object(tc)) {
+		json_t *type = json_object_get(tc, "type");
+		json_t *name = json_object_get(json_object_get(tc, "function"), "name");
+		if (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0 ||
+		    !json_is_string(name))
+			return bad(resp, "tool_choice", "a named 'tool_choice' is {\"type\": "
+							"\"function\", \"function\": {\"name\": ...}}");
+		size_t k = 0;
+		while (k < rt->n && strcmp(rt->tools[k].name, json_string_value(name)) != 0)
+			k++;
+		if (k == rt->n)
+			return bad(resp, "tool_choice", "'tool_choice' names a function that is not in "
+							"'tools'");
+		rt->choice = CHAT_CHOICE_NAMED;
+		if (!(rt->name = strdup(json_string_value(name))))
+			return bad(resp, "tool_choice", "out of memory");
+	} else if (tc && !json_is_null(tc)) {
+		return bad(resp, "tool_choice", "'tool_choice' must be a string or an object");
+	}
+	if (!rt->n && (rt->choice == CHAT_CHOICE_REQUIRED || rt->choice == CHAT_CHOICE_NAMED))
+		return bad(resp, "tool_choice", "'tool_choice' \"required\" needs 'tools'");
+	rt->parse = rt->n > 0 && rt->choice != CHAT_CHOICE_NONE;
+	if (rt->parse && sv->chat.tool_format == CHAT_TOOLS_NONE) {
+		char m[256];
+		snprintf(m, sizeof m, "the chat template of this model (%s) has no tool-call format, so "
+				      "'tools' cannot be used (only with tool_choice \"none\")",
+			 chat_template_name(sv->chat.tmpl));
+		return bad(resp, "tools", m);
+	}
+	return DS_OK;
+}
+
+static int chat_prompt(serve *sv, const json_t *b, prompt *pr, req_tools *rt, http_resp *resp);
 
 int oai_chat_prompt(serve *sv, const json_t *body, int32_t **ids, size_t *n, http_resp *resp)
 {
 	prompt pr = {0};
-	int rc = chat_prompt(sv, body, &pr, resp);
+	req_tools rt;
+	int rc = chat_prompt(sv, body, &pr, &rt, resp);
+	req_tools_free(&rt);
 	*ids = pr.ids;
 	*n = pr.n;
 	return rc;
 }
 
-static int chat_prompt(serve *sv, const json_t *b, prompt *pr, http_resp *resp)
+/* The prompt of a chat request, and its tools into rt (which the caller
+ * frees, also on error). */
+static int chat_prompt(serve *sv, const json_t *b, prompt *pr, req_tools *rt, http_resp *resp)
 {
 	json_t *msgs = json_object_get(b, "messages");
+	memset(rt, 0, sizeof *rt);
 	if (!json_is_array(msgs) || json_array_size(msgs) == 0)
 		return bad(resp, "messages", "'messages' must be a non-empty array");
 	if (!sv->has_chat)
@@ -372,6 +554,8 @@ static int chat_prompt(serve *sv, const json_t *b, prompt *pr, http_resp *resp)
 	size_t n = json_array_size(msgs);
 	if (n > 4096)
 		return bad(resp, "messages", "'messages' may hold at most 4096 entries");
+	if (parse_tools(sv, b, rt, resp))
+		return DS_EINVAL;
 	chat_msg *cm = calloc(n, sizeof *cm);
 	char **owned = calloc(n, sizeof *owned);
 	chat_tool_call *calls = NULL;
@@ -418,12 +602,17 @@ static int chat_prompt(serve *sv, const json_t *b, prompt *pr, http_resp *resp)
 			size_t k;
 			json_t *c;
 			json_array_foreach(tc, k, c) {
-				json_t *fn = json_object_get(c, "function");
+				json_t *fn = json_object_get(c, "function"), *type = json_object_get(c, "type");
 				json_t *name = json_object_get(fn, "name"), *args = json_object_get(fn, "arguments");
+				snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu]", i, k);
 				if (!json_is_string(name) || !json_is_string(args)) {
-					snprintf(param, sizeof param, "messages[%zu].tool_calls", i);
 					bad(resp, param, "each tool call needs function.name and "
 							 "function.arguments strings");
+					goto out;
+				}
+				if (type && (!json_is_string(type) ||
+					     strcmp(json_string_value(type), "function") != 0)) {
+					bad(resp, param, "the type of a tool call must be \"function\"");
 					goto out;
 				}
 				calls[n_calls++] = (chat_tool_call){"function", json_string_value(name),
@@ -435,10 +624,15 @@ static int chat_prompt(serve *sv, const json_t *b, prompt *pr, http_resp *resp)
 	ds_err err = {0};
 	tok_ids ids;
 	tok_ids_init(&ids, 0);
+	chat_params cp = sv->chat;
+	cp.tools = rt->tools;
+	cp.n_tools = rt->n;
+	cp.tool_choice = rt->choice;
+	cp.tool_name = rt->name;
 	/* only the template's markers become control tokens: contents are text */
-	if (chat_render_ids(&sv->chat, sv->tk, cm, n, &ids, &text, &err)) {
+	if (chat_render_ids(&cp, sv->tk, cm, n, &ids, &text, &err)) {
 		tok_ids_free(&ids);
-		bad(resp, "messages", err.msg);
+		bad(resp, err.code == DS_EUNSUPPORTED ? "tools" : "messages", err.msg);
 		goto out;
 	}
 	if (!ids.v && !(ids.v = malloc(sizeof *ids.v))) {
@@ -518,16 +712,32 @@ static int completion_prompts(serve *sv, const json_t *b, prompt *prs, int *n_pr
 
 /* ---- token processing ---- */
 
+/* Released text to reasoning / content, and content through the tool-call
+ * parser. */
 static void emit(gen *g, choice *c, const char *s, size_t n)
 {
+	ds_err err = {0};
 	if (!n)
 		return;
-	if (g->reasoning) {
-		ds_err err = {0};
+	if (g->reasoning && g->tools_on) {
+		buf_clear(&c->scratch);
+		chat_reasoning_feed(&c->rs, s, n, &c->reason, &c->scratch, &err);
+		chat_calls_feed(&c->calls, c->scratch.data, c->scratch.len, &c->text, &err);
+	} else if (g->reasoning) {
 		chat_reasoning_feed(&c->rs, s, n, &c->reason, &c->text, &err);
+	} else if (g->tools_on) {
+		chat_calls_feed(&c->calls, s, n, &c->text, &err);
 	} else {
 		buf_append(&c->text, s, n);
 	}
+}
+
+static int is_tool_marker(const gen *g, int32_t id)
+{
+	for (int i = 0; i < g->n_marker_ids; i++)
+		if (g->marker_ids[i] == id)
+			return 1;
+	return 0;
 }
 
 static void finish(choice *c, const char *reason)
@@ -684,7 +894,11 @@ static int pull(gen *g, choice *c, int timeout_ms)
 		if (fin == SCHED_FIN_STOP && i == n - 1)
 			break; /* the eos / stop id itself is not text */
 		ds_err err = {0};
+		unsigned flags = c->ts.flags;
+		if (is_tool_marker(g, toks[i].id)) /* the parser needs it, special or not */
+			c->ts.flags &= ~(unsigned)TOK_SKIP_SPECIAL;
 		tok_stream_feed(&c->ts, toks[i].id, &c->hold, &err);
+		c->ts.flags = flags;
 		release(g, c, 0);
 	}
 	if (!c->finished && fin != SCHED_RUNNING) {
@@ -700,6 +914,8 @@ static int pull(gen *g, choice *c, int timeout_ms)
 		}
 		if (g->reasoning)
 			chat_reasoning_finish(&c->rs, &c->reason, &c->text, &err);
+		if (g->tools_on)
+			chat_calls_finish(&c->calls, &c->text, &err);
 		c->flushed = 1;
 	}
 	return n > 0 || c->flushed;
@@ -746,10 +962,38 @@ static json_t *take_lp(gen *g, choice *c)
 	return lp;
 }
 
+/* "tool_calls" when the model called tools and stopped by itself. */
+static const char *api_finish(const choice *c)
+{
+	return c->calls.n_calls && strcmp(c->finish_reason, "stop") == 0 ? "tool_calls"
+									    : c->finish_reason;
+}
+
+/* Calls [from, to) of c as OpenAI tool_calls entries (with "index" in a stream). */
+static json_t *calls_json(const choice *c, size_t from, size_t to, int stream)
+{
+	json_t *arr = json_array();
+	for (size_t k = from; k < to; k++) {
+		unsigned char r[12];
+		char hex[sizeof r * 2 + 1], id[32];
+		randombytes_buf(r, sizeof r);
+		sodium_bin2hex(hex, sizeof hex, r, sizeof r);
+		snprintf(id, sizeof id, "call_%s", hex);
+		json_t *v = json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function", "function",
+				      "name", c->calls.calls[k].name, "arguments",
+				      c->calls.calls[k].arguments);
+		if (stream)
+			json_object_set_new(v, "index", json_integer((json_int_t)k));
+		json_array_append_new(arr, v);
+	}
+	return arr;
+}
+
 /* The chunks of choice c for what changed since the last call. */
 static void stream_choice(gen *g, choice *c)
 {
-	int has_text = c->text.len || c->reason.len;
+	int new_calls = c->calls.n_calls > c->calls_sent;
+	int has_text = c->text.len || c->reason.len || new_calls;
 	int has_lp = g->o.logprobs && (g->o.chat ? json_array_size(c->lp)
 						 : json_array_size(json_object_get(c->lp, "tokens")));
 	int last = c->flushed && !c->final_sent;
@@ -772,6 +1016,11 @@ static void stream_choice(gen *g, choice *c)
 					    json_stringn(c->reason.data, c->reason.len));
 		if (c->text.len)
 			json_object_set_new(delta, "content", json_stringn(c->text.data, c->text.len));
+		if (new_calls) {
+			json_object_set_new(delta, "tool_calls",
+					    calls_json(c, c->calls_sent, c->calls.n_calls, 1));
+			c->calls_sent = c->calls.n_calls;
+		}
 		ch = json_pack("{s:i,s:o}", "index", c->index, "delta", delta);
 	} else {
 		ch = json_pack("{s:i,s:s%}", "index", c->index, "text", c->text.data ? c->text.data : "",
@@ -781,7 +1030,7 @@ static void stream_choice(gen *g, choice *c)
 	buf_clear(&c->text);
 	buf_clear(&c->reason);
 	json_object_set_new(ch, "logprobs", take_lp(g, c));
-	json_object_set_new(ch, "finish_reason", last ? json_string(c->finish_reason) : json_null());
+	json_object_set_new(ch, "finish_reason", last ? json_string(api_finish(c)) : json_null());
 	json_object_set_new(v, "choices", json_pack("[o]", ch));
 	sse(g, v);
 	if (last)
@@ -923,6 +1172,11 @@ static json_t *whole_response(gen *g)
 		if (g->o.chat) {
 			json_t *msg = json_pack("{s:s,s:s%}", "role", "assistant", "content",
 						c->text.data ? c->text.data : "", c->text.len);
+			if (c->calls.n_calls && !c->text.len)
+				json_object_set_new(msg, "content", json_null());
+			if (c->calls.n_calls)
+				json_object_set_new(msg, "tool_calls",
+						    calls_json(c, 0, c->calls.n_calls, 0));
 			if (g->reasoning)
 				json_object_set_new(msg, "reasoning_content",
 						    json_stringn(c->reason.data ? c->reason.data : "",
@@ -933,7 +1187,8 @@ static json_t *whole_response(gen *g)
 				       c->text.data ? c->text.data : "", c->text.len);
 		}
 		json_object_set_new(ch, "logprobs", take_lp(g, c));
-		json_object_set_new(ch, "finish_reason", json_string(c->finish_reason));
+		json_object_set_new(ch, "finish_reason", json_string(g->o.chat ? api_finish(c)
+									      : c->finish_reason));
 		json_array_append_new(choices, ch);
 	}
 	json_t *v = json_pack("{s:s,s:s,s:I,s:s,s:o,s:o}", "id", g->id, "object",
@@ -990,9 +1245,13 @@ static void gen_free(gen *g)
 		buf_free(&g->ch[i].hold);
 		buf_free(&g->ch[i].text);
 		buf_free(&g->ch[i].reason);
+		buf_free(&g->ch[i].scratch);
+		chat_calls_free(&g->ch[i].calls);
 		json_decref(g->ch[i].lp);
 	}
 	free(g->ch);
+	req_tools_free(&g->rt);
+	free(g->opening);
 	buf_free(&g->out);
 	opts_free(&g->o);
 	free(g);
@@ -1004,6 +1263,41 @@ static void stream_done(void *ctx)
 	if (!all_flushed(g))
 		g->aborted = 1;
 	gen_free(g);
+}
+
+/* Parsing of tool calls for g: the format's marker ids and, when the prompt
+ * ends with the opening of a call, that opening (R1 then writes no
+ * reasoning: the splitter is off).  500 on failure. */
+static int tools_setup(gen *g, http_resp *resp)
+{
+	serve *sv = g->sv;
+	chat_params cp = sv->chat;
+	ds_err err = {0};
+	buf b;
+	size_t n = 0;
+	cp.tools = g->rt.tools;
+	cp.n_tools = g->rt.n;
+	cp.tool_choice = g->rt.choice;
+	cp.tool_name = g->rt.name;
+	g->tools_on = 1;
+	buf_init(&b, TEXT_CAP);
+	if (chat_call_opening(&cp, &b, &err)) {
+		buf_free(&b);
+		http_resp_error(resp, 500, "server_error", NULL, "%s", err.msg);
+		return DS_EINTERNAL;
+	}
+	if (b.len) {
+		g->opening = buf_take(&b);
+		g->reasoning = 0;
+	}
+	buf_free(&b);
+	const char *const *mk = chat_tool_markers(sv->chat.tool_format, &n);
+	for (size_t i = 0; i < n && g->n_marker_ids < (int)(sizeof g->marker_ids / sizeof *g->marker_ids); i++) {
+		int32_t id = tok_find_token(sv->tk, mk[i], strlen(mk[i]));
+		if (id >= 0)
+			g->marker_ids[g->n_marker_ids++] = id;
+	}
+	return DS_OK;
 }
 
 /* Context check (C14): both numbers in the message and in the error object. */
@@ -1097,10 +1391,12 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 			g->o.n > 1 ? "n" : (chat ? "messages" : "prompt"), &g->hold, resp))
 		goto out;
 	if (chat) {
-		if (chat_prompt(sv, body, &prs[0], resp))
+		if (chat_prompt(sv, body, &prs[0], &g->rt, resp))
 			goto bad_request;
 		n_prs = 1;
 		g->reasoning = sv->chat.tmpl == CHAT_TMPL_DEEPSEEK_R1;
+		if (g->rt.parse && tools_setup(g, resp))
+			goto out;
 	} else if (completion_prompts(sv, body, prs, &n_prs, resp)) {
 		goto bad_request;
 	}
@@ -1129,7 +1425,14 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 			buf_init(&c->hold, TEXT_CAP);
 			buf_init(&c->text, TEXT_CAP);
 			buf_init(&c->reason, TEXT_CAP);
+			buf_init(&c->scratch, TEXT_CAP);
 			chat_reasoning_init(&c->rs);
+			chat_calls_init(&c->calls, g->tools_on ? sv->chat.tool_format : CHAT_TOOLS_NONE,
+					g->rt.tools, g->rt.n, TEXT_CAP);
+			if (g->opening) { /* as if the model had written it */
+				ds_err err = {0};
+				chat_calls_feed(&c->calls, g->opening, strlen(g->opening), &c->text, &err);
+			}
 			c->lp = new_lp(chat);
 			sched_req r = {0};
 			r.prompt = prs[p].ids;

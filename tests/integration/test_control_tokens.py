@@ -41,9 +41,12 @@ def post(agent, path, body):
         return json.loads(r.read())
 
 
-def reference_ids(template, tokjson, msgs, bos_token):
+def reference_ids(template, tokjson, msgs, bos_token, extra_system=None, opening=None):
     """(ids, text) of msgs through template: markers the template wrote are
-    added tokens, everything else plain text (see the module docstring)."""
+    added tokens, everything else plain text (see the module docstring).
+    extra_system(sentinel) and opening(sentinel), when given, return template
+    text in which sentinel(content) marks contents: the first is one more
+    system message after msgs, the second is appended to the rendered prompt."""
     pytest.importorskip("jinja2")
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from tokenizers import Tokenizer
@@ -61,9 +64,13 @@ def reference_ids(template, tokjson, msgs, bos_token):
             m["content"] = sentinel(m["content"])
         for c in m.get("tool_calls", []):
             c["function"]["arguments"] = sentinel(c["function"]["arguments"])
+    if extra_system:
+        smsgs.append({"role": "system", "content": extra_system(sentinel)})
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     rendered = env.from_string(template).render(messages=smsgs, add_generation_prompt=True,
                                                 bos_token=bos_token)
+    if opening:
+        rendered += opening(sentinel)
     added = sorted({t["content"] for t in tokjson["added_tokens"]}, key=len, reverse=True)
     pieces = re.split("(" + "|".join(map(re.escape, added)) + ")", rendered)
     ids, text = [], []
