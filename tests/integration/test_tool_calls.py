@@ -19,6 +19,7 @@ The parser itself (every cut of complete, split and malformed outputs) is
 tested in tests/unit/test_chat_calls.c."""
 import json
 import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -376,3 +377,73 @@ def test_default_model_refuses_tools(smol):
         {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]
     e = post(smol, "/tokenize", {"messages": hist}, status=400)["error"]
     assert e["param"] == "messages" and "no format for tool calls" in e["message"]
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools: signatures in <tools></tools>, calls in "
+    "<tool_call></tool_call><|im_end|>\\n' }}{%- endif %}{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    """The default model with a ChatML template that mentions tools and
+    <tool_call>: the Hermes format."""
+    if not DEFAULT.exists():
+        pytest.skip("models/default.gguf missing: make model")
+    d = tmp_path_factory.mktemp("hermes")
+    (d / "t.jinja").write_text(HERMES_TEMPLATE)
+    r = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--chat-template-file",
+                        str(d / "t.jinja"), str(DEFAULT), str(d / "h.gguf")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    a = start_agent(d, "--model", str(d / "h.gguf"), "--threads", "2", "--insecure-no-auth")
+    a.wait_serving(timeout=120)
+    yield a
+    assert a.stop() == 0, a.log_tail()
+
+
+def hermes_prompt(msgs, tools, opening):
+    """The documented Hermes rendering (docs/serving.md) of a conversation
+    without system message."""
+    lines = "".join(json.dumps(t, ensure_ascii=False, separators=(",", ":")) + "\n" for t in tools)
+    s = ("<|im_start|>system\n# Tools\n\nYou can call the functions whose signatures are inside "
+         "<tools></tools>:\n<tools>\n" + lines + "</tools>\n\nFor each call, answer with a JSON object "
+         "holding the function's name and its arguments inside <tool_call></tool_call> tags:\n"
+         "<tool_call>\n{\"name\": NAME, \"arguments\": ARGUMENTS}\n</tool_call><|im_end|>\n")
+    for m in msgs:
+        s += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+    return s + "<|im_start|>assistant\n" + opening
+
+
+def test_hermes_format_on_a_chatml_model_whose_template_mentions_tools(hermes):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [WEATHER]
+    for choice, opening in (("auto", ""), ("required", "<tool_call>\n"),
+                            (NAMED, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ")):
+        ids = post(hermes, "/tokenize", {"messages": msgs, "tools": tools, "tool_choice": choice})["tokens"]
+        assert post(hermes, "/detokenize", {"tokens": ids})["prompt"] == hermes_prompt(msgs, tools, opening)
+    # the model (not trained for tools) answers something; streamed and not, the same
+    c = client(hermes)
+    for choice in ("auto", "required", NAMED):
+        kw = dict(model=hermes.model, messages=msgs, tools=tools, tool_choice=choice, temperature=0,
+                  max_tokens=48)
+        r = c.chat.completions.create(**kw).choices[0]
+        content, calls, finish = "", {}, None
+        for ch in c.chat.completions.create(stream=True, **kw):
+            d = ch.choices[0].delta
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                got = calls.setdefault(tc.index, ["", ""])
+                got[0] += tc.function.name or ""
+                got[1] += tc.function.arguments or ""
+            finish = ch.choices[0].finish_reason or finish
+        assert content == (r.message.content or "") and finish == r.finish_reason
+        assert [tuple(calls[k]) for k in sorted(calls)] == \
+               [(x.function.name, x.function.arguments) for x in r.message.tool_calls or []]
+        for call in r.message.tool_calls or []:
+            assert call.function.name == "get_weather"
+            assert isinstance(json.loads(call.function.arguments), dict)
+        if choice != "auto" and not r.message.tool_calls:  # malformed: the opening is content too
+            assert r.message.content.startswith("<tool_call>\n")

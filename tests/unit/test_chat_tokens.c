@@ -385,3 +385,97 @@ TEST(chat_tokens_errors_leave_outputs_as_they_were)
 	buf_free(&text);
 	tok_free(t);
 }
+
+TEST(chat_tokens_llama3_json_tool_blocks)
+{
+	tok *t = byte_tok(NULL);
+	if (!t)
+		return;
+	const chat_tool tools[] = { { "g", "d", "{\"type\":\"object\"}" }, { "h", NULL, NULL } };
+	const chat_tool_call calls[] = { { "function", "g", "{\"a\": 1}" }, { "function", "h", "{}" } };
+	const chat_msg m[] = {
+		{ CHAT_ROLE_SYSTEM, " Be brief. ", NULL, 0 },
+		{ CHAT_ROLE_USER, "q", NULL, 0 },
+		{ CHAT_ROLE_ASSISTANT, NULL, calls, 2 },
+		{ CHAT_ROLE_TOOL, " 18C" EOT " ", NULL, 0 },
+	};
+	chat_params p = params(CHAT_TMPL_LLAMA3, CHAT_TOOLS_LLAMA3);
+	p.tools = tools;
+	p.n_tools = 2;
+	p.tool_choice = CHAT_CHOICE_REQUIRED;
+	const char *const want[] = {
+		MK("<|begin_of_text|>"), MK(SH), "system", MK(EH),
+		"\n\nBe brief.\n\n" CHAT_LLAMA3_TOOLS_HEAD
+		"{\"type\":\"function\",\"function\":{\"name\":\"g\",\"description\":\"d\","
+		"\"parameters\":{\"type\":\"object\"}}}\n{\"type\":\"function\",\"function\":{\"name\":\"h\"}}",
+		MK(EOT), MK(SH), "user", MK(EH), "\n\nq", MK(EOT),
+		MK(SH), "assistant", MK(EH),
+		"\n\n{\"name\": \"g\", \"parameters\": {\"a\": 1}}; {\"name\": \"h\", \"parameters\": {}}", MK(EOT),
+		MK(SH), "ipython", MK(EH), "\n\n 18C" EOT " ", MK(EOT),
+		MK(SH), "assistant", MK(EH), "\n\n{\"name\": \"",
+	};
+	check_ids(&p, t, m, 4, want, sizeof want / sizeof *want, __LINE__);
+	/* without tools shown: no tool list, no opening; calls and outputs render alike */
+	p.tool_choice = CHAT_CHOICE_NONE;
+	const char *const none[] = {
+		MK("<|begin_of_text|>"), MK(SH), "system", MK(EH), "\n\nBe brief.", MK(EOT),
+		MK(SH), "user", MK(EH), "\n\nq", MK(EOT),
+		MK(SH), "assistant", MK(EH),
+		"\n\n{\"name\": \"g\", \"parameters\": {\"a\": 1}}; {\"name\": \"h\", \"parameters\": {}}", MK(EOT),
+		MK(SH), "ipython", MK(EH), "\n\n 18C" EOT " ", MK(EOT),
+		MK(SH), "assistant", MK(EH), "\n\n",
+	};
+	check_ids(&p, t, m, 4, none, sizeof none / sizeof *none, __LINE__);
+	tok_free(t);
+}
+
+TEST(chat_tool_format_of_templates)
+{
+	static const char qwen_like[] =
+		"{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for tool in tools %}"
+		"{{ tool | tojson }}{% endfor %}{{ '</tools> <tool_call>' }}{% endif %}"
+		"{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+		"message['content'] + '<|im_end|>\\n'}}{% endfor %}";
+	static const char llama31[] =
+		"{{- bos_token }}{%- if tools is not none %}{{- \"Environment: ipython\\n\" }}{%- endif %}"
+		"{{- \"<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date\" }}";
+	static const char llama3[] = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' "
+				     "+ '<|eot_id|>' }}";
+	CHECK_EQ(chat_tool_format_detect(chat_template_detect(qwen_like), qwen_like), CHAT_TOOLS_HERMES);
+	CHECK_EQ(chat_tool_format_detect(CHAT_TMPL_CHATML, "{{ '<|im_start|>' }} tools"), CHAT_TOOLS_NONE);
+	CHECK_EQ(chat_tool_format_detect(CHAT_TMPL_SMOLLM2, NULL), CHAT_TOOLS_NONE);
+	CHECK_EQ(chat_tool_format_detect(CHAT_TMPL_LLAMA3, llama31), CHAT_TOOLS_LLAMA3);
+	CHECK_EQ(chat_tool_format_detect(chat_template_detect(llama3), llama3), CHAT_TOOLS_NONE);
+	CHECK_EQ(chat_tool_format_detect(CHAT_TMPL_DEEPSEEK_R1, NULL), CHAT_TOOLS_DEEPSEEK);
+	CHECK_EQ(chat_tool_format_detect(CHAT_TMPL_UNKNOWN, qwen_like), CHAT_TOOLS_NONE);
+	CHECK_STR(chat_tool_format_name(CHAT_TOOLS_HERMES), "hermes");
+	CHECK_STR(chat_tool_format_name(CHAT_TOOLS_NONE), "none");
+	/* a format that does not go with the template is none */
+	tok *t = byte_tok(NULL);
+	if (!t)
+		return;
+	const chat_tool tool = { "f", NULL, NULL };
+	const chat_msg m[] = { { CHAT_ROLE_USER, "q", NULL, 0 } };
+	chat_params p = params(CHAT_TMPL_CHATML, CHAT_TOOLS_DEEPSEEK);
+	p.tools = &tool;
+	p.n_tools = 1;
+	tok_ids ids;
+	tok_ids_init(&ids, 0);
+	ds_err err = { 0 };
+	CHECK_EQ(chat_render_ids(&p, t, m, 1, &ids, NULL, &err), DS_EUNSUPPORTED);
+	p = params(CHAT_TMPL_DEEPSEEK_V3, CHAT_TOOLS_HERMES);
+	p.tools = &tool;
+	p.n_tools = 1;
+	CHECK_EQ(chat_render_ids(&p, t, m, 1, &ids, NULL, &err), DS_EUNSUPPORTED);
+	/* a named choice must name one of the tools */
+	p = params(CHAT_TMPL_DEEPSEEK_V3, CHAT_TOOLS_DEEPSEEK);
+	p.tools = &tool;
+	p.n_tools = 1;
+	p.tool_choice = CHAT_CHOICE_NAMED;
+	p.tool_name = "g";
+	CHECK_EQ(chat_render_ids(&p, t, m, 1, &ids, NULL, &err), DS_EINVAL);
+	CHECK(strstr(err.msg, "'g'") != NULL);
+	CHECK_EQ(ids.n, 0);
+	tok_ids_free(&ids);
+	tok_free(t);
+}
