@@ -1707,8 +1707,12 @@ int cluster_election_post(cluster *c, const char *sender, const char *body, size
 	char from[GOSSIP_ID_HEX];
 	*reply = NULL;
 	json_t *j = jsonx_parse(body, len, 6, err);
-	if (!j)
-		return ds_err_set(err, DS_EFORMAT, "the body is not JSON: %s", err ? err->msg : "");
+	if (!j) { /* the parser's message, prefixed in place (not printed into itself) */
+		if (err)
+			err->code = DS_EFORMAT;
+		ds_err_wrap(err, "the body is not JSON");
+		return DS_EFORMAT;
+	}
 	int rc = election_msg_parse(j, &m, err);
 	json_decref(j);
 	if (rc)
