@@ -11,9 +11,13 @@
  *   store) -> control API -> OpenAI API (503
  *   "loading") -> cluster threads (election, inventory) -> load model +
  *   scheduler -> ready -> sd_notify(READY=1) ->
- *   wait for SIGINT/SIGTERM -> stop: leave the cluster, refuse new requests,
- *   end open streams, stop HTTP, stop the scheduler, free the model -> exit 0.
- * (docs/architecture.md, docs/cluster.md).
+ *   wait for SIGINT/SIGTERM -> stop: refuse new requests (503), leave the
+ *   cluster, give running requests --shutdown-grace-ms to finish (a second
+ *   signal cuts it short), end what still runs (streams with an error event
+ *   and [DONE], unstreamed requests with 503), stop HTTP, stop the
+ *   scheduler, free the model -> exit 0.
+ * (docs/architecture.md, docs/cluster.md, docs/serving.md "Start-up and
+ * shutdown").
  */
 #include "agent/cluster/cluster.h"
 #include "agent/api/control.h"
@@ -149,6 +153,25 @@ static gossip *start_gossip(const agent_opts *o, cluster *cl, struct member_sink
 	}
 	clusterkey_wipe(&keys);
 	return g;
+}
+
+/* The shutdown grace: returns once no request is in progress, grace_ms
+ * passed, or a second stop signal came. */
+static void wait_grace(serve *sv, const sigset_t *stop, int grace_ms)
+{
+	double t0 = ds_now_s(), until = t0 + grace_ms / 1000.0;
+	while (serve_busy(sv) > 0 && ds_now_s() < until) {
+		struct timespec ts = {0, 50 * 1000 * 1000};
+		int sig = sigtimedwait(stop, NULL, &ts);
+		if (sig > 0) {
+			log_info("agent", "second stop signal: ending the requests now",
+				 "signal=%d requests=%d", sig, serve_busy(sv));
+			return;
+		}
+	}
+	if (serve_busy(sv) > 0)
+		log_info("agent", "grace period over: ending the requests still running",
+			 "requests=%d waited_s=%.1f", serve_busy(sv), ds_now_s() - t0);
 }
 
 int main(int argc, char **argv)
@@ -405,11 +428,17 @@ int main(int argc, char **argv)
 	int sig = 0;
 	sigwait(&stop, &sig);
 	sd_notify(0, "STOPPING=1");
-	log_info("agent", "stopping", "signal=%d", sig);
+	serve_drain(sv); /* new requests get 503 from now on */
+	log_info("agent", "stopping", "signal=%d requests=%d grace_ms=%d", sig, serve_busy(sv),
+		 opts.shutdown_grace_ms);
 	if (gos)
 		gossip_leave(gos, 250); /* the others mark us left, not failed */
+	wait_grace(sv, &stop, opts.shutdown_grace_ms);
 out:
-	serve_stop(sv); /* open streams end; new requests get 503 */
+	serve_stop(sv); /* what still runs ends: an error event + [DONE], or a 503 */
+	if (sv && !serve_wait_idle(sv, 3000))
+		log_warn("agent", "requests still open after the stop", "requests=%d",
+			 serve_busy(sv));
 	http_server_free(api);
 	http_server_free(control);
 	deploy_free(dep); /* the deployment's ranks on every node stop */

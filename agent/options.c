@@ -102,6 +102,11 @@ const cfg_opt agent_opts_table[] = {
 	 .help = "largest 'n' (choices per request)"},
 	{.name = "max-logprobs", .type = CFG_INT, .offset = O(max_logprobs), .def = "20", .min = 0,
 	 .max = 20, .help = "largest 'top_logprobs'"},
+	{.name = "shutdown-grace-ms", .type = CFG_INT, .offset = O(shutdown_grace_ms),
+	 .def = "5000", .min = 0, .max = 3600000,
+	 .help = "on SIGTERM/SIGINT: new requests get 503 at once, running ones get this long "
+		 "to finish, then each open stream ends with an error event and [DONE] (a second "
+		 "signal ends them at once)"},
 	{.name = "sysroot", .type = CFG_STR, .offset = O(sysroot), .def = "/", .min = 1, .max = 0,
 	 .help = "discovery reads /proc, /sys and /etc under this directory (tests: a fixture "
 		 "tree)"},

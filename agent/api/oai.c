@@ -25,7 +25,9 @@
  * with the first token; finish_reason rides on the last chunk of a choice;
  * the usage chunk (choices []) only with stream_options.include_usage; then
  * `data: [DONE]`.  A client that disconnects cancels every sequence of the
- * request (the scheduler frees the pages at its next step).
+ * request (the scheduler frees the pages at its next step).  serve_stop
+ * (shutdown after the grace period, or an unload) ends a stream with an error
+ * event and `data: [DONE]`, an unstreamed request with a 503.
  *
  * Metering (docs/keys.md): a request's key is charged in two steps, the
  * cheap one before any prompt is tokenized (serve_admit: rpm, its prompts x n
@@ -1133,11 +1135,6 @@ static ssize_t stream_read(void *ctx, char *out, size_t max)
 			continue;
 		}
 		int changed = pull_round(g);
-		if (atomic_load(&g->sv->stopping)) {
-			g->aborted = 1;
-			cancel_all(g);
-			return HTTP_STREAM_ERROR;
-		}
 		ds_err revoked = {0};
 		if (meter(g, &revoked)) { /* the key was revoked: end here */
 			g->aborted = 1;
@@ -1155,7 +1152,18 @@ static ssize_t stream_read(void *ctx, char *out, size_t max)
 				if (!(c->flushed && strcmp(c->finish_reason, "error") == 0))
 					stream_choice(g, c);
 			}
-		} else if (http_conn_gone(g->conn)) {
+		}
+		if (atomic_load(&g->sv->stopping) && !all_flushed(g)) {
+			/* what was decoded went out above; then the error and [DONE] */
+			const char *code, *msg;
+			g->aborted = 1;
+			cancel_all(g);
+			serve_stop_error(g->sv, &code, &msg);
+			sse(g, json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", msg, "type",
+					 "service_unavailable_error", "param", "code", code));
+			buf_append(&g->out, "data: [DONE]\n\n", 14);
+			g->done_sent = 1;
+		} else if (!changed && http_conn_gone(g->conn)) {
 			g->aborted = 1;
 			cancel_all(g);
 			return HTTP_STREAM_ERROR;
@@ -1496,10 +1504,18 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 					revoked.msg);
 			goto out;
 		}
-		if (http_conn_gone(req->conn) || atomic_load(&sv->stopping)) {
+		if (http_conn_gone(req->conn)) {
 			g->aborted = 1;
 			cancel_all(g);
 			resp->status = 499; /* nobody reads it; MHD drops the connection */
+			goto out;
+		}
+		if (atomic_load(&sv->stopping) && !all_flushed(g)) {
+			const char *code, *msg;
+			g->aborted = 1;
+			cancel_all(g);
+			serve_stop_error(sv, &code, &msg);
+			http_resp_error(resp, 503, "service_unavailable_error", code, "%s", msg);
 			goto out;
 		}
 	}

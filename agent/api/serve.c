@@ -4,10 +4,13 @@
  * what every handler shares: readiness, auth, body parsing, model names,
  * request ids.  The generation routes live in oai.c.
  *
- * Called from main (serve_new / serve_load / serve_free) and from HTTP
- * connection threads (handlers).  Invariant: s->ready is set only after
- * every member used by handlers is in place, and never cleared before
- * serve_free stops the HTTP server's use of it (main frees the server first).
+ * Called from main (serve_new / serve_load / serve_drain / serve_stop /
+ * serve_free) and from HTTP connection threads (handlers).  Invariants:
+ *  1. s->ready is set only after every member used by handlers is in place,
+ *     and never cleared before serve_free stops the HTTP server's use of it
+ *     (main frees the server first).
+ *  2. Once serve_drain ran, every route that checks readiness answers 503
+ *     "shutting_down", whatever a deployment does meanwhile.
  */
 #include "agent/api/serve.h"
 #include "agent/auth/keys.h"
@@ -274,12 +277,49 @@ int serve_load(serve *s, ds_err *err)
 	return load_spec(s, &sp, 0, err);
 }
 
+void serve_drain(serve *s)
+{
+	if (!s)
+		return;
+	atomic_store(&s->draining, 1);
+}
+
+int serve_busy(serve *s)
+{
+	return s ? atomic_load(&s->users) : 0;
+}
+
 void serve_stop(serve *s)
 {
 	if (!s)
 		return;
 	atomic_store(&s->stopping, 1);
 	atomic_store(&s->ready, 0);
+}
+
+int serve_wait_idle(serve *s, int timeout_ms)
+{
+	double until = ds_now_s() + timeout_ms / 1000.0;
+	while (serve_busy(s) > 0) {
+		if (ds_now_s() >= until)
+			return 0;
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+	return 1;
+}
+
+void serve_stop_error(serve *s, const char **code, const char **message)
+{
+	if (atomic_load(&s->draining)) {
+		*code = "shutting_down";
+		*message = "the server is shutting down: this request was stopped before it "
+			   "finished; retry it on another server or once this one is back";
+	} else {
+		*code = "model_unloaded";
+		*message = "the served model is being unloaded: this request was stopped before "
+			   "it finished";
+	}
 }
 
 /* Ends what is served: no new request is admitted (ready 0), open
@@ -431,6 +471,13 @@ void serve_free(serve *s)
 
 int serve_check_ready(serve *s, http_resp *resp)
 {
+	if (atomic_load(&s->draining)) { /* invariant 2 */
+		http_resp_error(resp, 503, "service_unavailable_error", "shutting_down",
+				"the server is shutting down; retry on another server or once this "
+				"one is back");
+		http_resp_header(resp, "Retry-After", "5");
+		return 1;
+	}
 	if (atomic_load(&s->ready))
 		return 0;
 	char code[sizeof s->why_code], why[sizeof s->why];

@@ -4,7 +4,13 @@
  *
  *   main ──serve_new──> routes answer 503 "loading" (health too)
  *        ──serve_load─> model + tokenizer + scheduler; ready: 200
- *        ──serve_free─> scheduler stopped (open streams end), model freed
+ *        ──serve_drain> (SIGTERM) new requests get 503 "shutting_down";
+ *                       running ones go on while main waits up to
+ *                       --shutdown-grace-ms for serve_busy to reach 0
+ *        ──serve_stop─> what still runs ends: a stream with an error event
+ *                       and `data: [DONE]`, an unstreamed request with 503;
+ *                       serve_wait_idle lets them reach the client
+ *        ──serve_free─> scheduler stopped, model freed
  *
  * A deployment (agent/api/deploy.h, `dsctl cluster up`) swaps the model at
  * run time: serve_deploy unloads what is served and loads another model,
@@ -77,6 +83,7 @@ typedef struct serve {
 	int n_names;
 	atomic_int ready;    /* 1 after serve_load succeeded */
 	atomic_int stopping; /* 1 once serve_stop ran: generation loops end */
+	atomic_int draining; /* 1 once serve_drain ran: new requests get 503 */
 	atomic_int users;    /* handlers and open streams using the model */
 	pthread_mutex_t mu;  /* why (below) and the loader's job */
 	pthread_cond_t cv;
@@ -107,9 +114,19 @@ extern const http_route serve_routes[];
 serve *serve_new(const serve_params *p, ds_err *err);
 /* Loads model, tokenizer and scheduler; on success the routes serve. */
 int serve_load(serve *s, ds_err *err);
+/* Refuses new requests (503 "shutting_down", /health too) from now on;
+ * running ones go on.  NULL is a no-op. */
+void serve_drain(serve *s);
+/* Handlers and streams in progress (generation and the small routes). */
+int serve_busy(serve *s);
 /* Refuses new requests and makes every open generation end (within a
- * fraction of a second), so the HTTP server can stop; NULL is a no-op. */
+ * fraction of a second: a stream with an error event and `data: [DONE]`,
+ * an unstreamed request with a 503), so the HTTP server can stop; NULL is a
+ * no-op. */
 void serve_stop(serve *s);
+/* Waits up to timeout_ms for serve_busy to reach 0 (after serve_stop: the
+ * last events reached the clients); 1 when it did. */
+int serve_wait_idle(serve *s, int timeout_ms);
 void serve_free(serve *s);
 
 /* Unloads what is served (open requests end as with serve_stop, then the
@@ -143,6 +160,9 @@ int serve_admit(serve *s, int64_t key_id, int64_t seqs, int queues, const char *
 /* Reserves tokens against the tpm of h's key: 0, or nonzero after filling
  * resp as serve_admit does (400 names param) and dropping h. */
 int serve_reserve(serve *s, keys_hold *h, int64_t tokens, const char *param, http_resp *resp);
+/* Code and message of the error that ends a generation cut by serve_stop
+ * ("shutting_down") or by an unload of the model ("model_unloaded"). */
+void serve_stop_error(serve *s, const char **code, const char **message);
 /* 503 while loading; 0 when ready. */
 int serve_check_ready(serve *s, http_resp *resp);
 /* Parses the JSON object body (content type, depth, UTF-8), or fills resp. */
