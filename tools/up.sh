@@ -6,7 +6,9 @@
 # the project (run/data), serving $DS_MODEL or the embedded default model,
 # makes sure there is an API key (kept in run/api.key, mode 0600, reused while
 # the agent still accepts it), prints it with ready-to-paste curl and OpenAI
-# SDK examples, and waits.  Ctrl-C stops dsagent cleanly.
+# SDK examples, and waits.  Ctrl-C stops dsagent cleanly.  A second `make up`
+# while one runs is refused by dsagent (it names the running one's pid) and
+# leaves the running one's files alone, its log (run/dsagent.out) included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -18,11 +20,16 @@ MODEL_ARGS=()
 mkdir -p "$DATA"
 chmod 700 run "$DATA"
 
+# dsagent's stdout goes to a new file that becomes run/dsagent.out only once
+# dsagent holds the data directory (it prints its listening line after
+# taking the lock): a refused second start never empties the running
+# agent's log.
 LOG=run/dsagent.out
-: >"$LOG"
+NEW=$(mktemp run/dsagent.out.XXXXXX)
+OUT=$NEW
 "$BUILD/dsagent" --config examples/dsagent.conf --bind 127.0.0.1 \
 	--control-port "$CONTROL_PORT" --api-bind 127.0.0.1 --api-port "$API_PORT" \
-	--data-dir "$DATA" "${MODEL_ARGS[@]}" >"$LOG" &
+	--data-dir "$DATA" "${MODEL_ARGS[@]}" >"$NEW" &
 PID=$!
 stop() {
 	trap - INT TERM
@@ -30,19 +37,25 @@ stop() {
 	echo "stopping dsagent (pid $PID) ..."
 	kill -TERM "$PID" 2>/dev/null || true
 	wait "$PID" || true
+	[ "$OUT" = "$NEW" ] && rm -f "$NEW"
 	exit 0
 }
 trap stop INT TERM
 
 for _ in $(seq 600); do # up to 60 s for the model to load
-	grep -q '^dsagent serving model=' "$LOG" && break
+	if [ "$OUT" = "$NEW" ] && grep -q '^dsagent listening ' "$NEW"; then
+		mv -f "$NEW" "$LOG" # past the lock: the log is ours
+		OUT=$LOG
+	fi
+	grep -q '^dsagent serving model=' "$OUT" && break
 	if ! kill -0 "$PID" 2>/dev/null; then
+		[ "$OUT" = "$NEW" ] && rm -f "$NEW"
 		echo "dsagent exited before it was ready (see the messages above)" >&2
 		exit 1
 	fi
 	sleep 0.1
 done
-MODEL=$(sed -n 's/^dsagent serving model=//p' "$LOG")
+MODEL=$(sed -n 's/^dsagent serving model=//p' "$OUT")
 [ -n "$MODEL" ] || { echo "dsagent did not become ready in 60 s" >&2; stop; }
 
 CTL=("$BUILD/dsctl" --agent "http://127.0.0.1:$CONTROL_PORT" --data-dir "$DATA")

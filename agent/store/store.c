@@ -8,7 +8,9 @@
  *
  * Open sequence:
  *
- *   mkdir -p DATA_DIR (0700) -> sqlite3_open_v2(dsagent.db, CREATE)
+ *   mkdir -p DATA_DIR (0700) -> DATA_DIR/dsagent.lock: open (create 0600),
+ *     flock(LOCK_EX | LOCK_NB); held: refuse (DS_EBUSY) naming the pid the
+ *     holder wrote there; got it: write our pid -> sqlite3_open_v2(dsagent.db, CREATE)
  *     -> busy_timeout, journal_mode=WAL, synchronous=NORMAL, foreign_keys=ON
  *     -> user_version v:  v > latest  -> refuse (DS_EUNSUPPORTED)
  *                         v < latest  -> for each migration m > v:
@@ -30,6 +32,10 @@
  *     head).  Everything else keeps the connection's NORMAL (synced at
  *     checkpoints: a power cut may lose the last commits, never corrupt).
  *     An epoch never gets a second vote or a second head.
+ *  6. One process at a time has a data directory: nothing in it but
+ *     dsagent.lock is opened before the lock is held, and the lock (an open
+ *     file description, close-on-exec so rank processes do not inherit it)
+ *     lives until store_close or the process's end.
  *
  * Threading: any thread; one connection serialised by s->mu.
  */
@@ -38,20 +44,24 @@
 #include "common/strutil.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define BUSY_TIMEOUT_MS 5000
 
 struct store {
 	sqlite3 *db;
 	pthread_mutex_t mu;
+	int lock_fd; /* DATA_DIR/dsagent.lock, flock'ed (invariant 6); -1 = none */
 	char path[PATH_MAX];
 };
 
@@ -107,6 +117,47 @@ static int make_dirs(const char *dir, ds_err *err)
 	struct stat st;
 	if (stat(p, &st) != 0 || !S_ISDIR(st.st_mode))
 		return ds_err_set(err, DS_EIO, "data directory %s is not a directory", p);
+	return DS_OK;
+}
+
+/* Invariant 6: takes DATA_DIR/dsagent.lock or says who holds it. */
+static int lock_data_dir(store *s, const char *data_dir, ds_err *err)
+{
+	char path[PATH_MAX];
+	if ((size_t)snprintf(path, sizeof path, "%s/dsagent.lock", data_dir) >= sizeof path)
+		return ds_err_set(err, DS_EINVAL, "data directory path is too long: %s", data_dir);
+	s->lock_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (s->lock_fd < 0)
+		return ds_err_set(err, DS_EIO, "cannot open the lock file %s: %s", path,
+				  strerror(errno));
+	if (flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+		int e = errno;
+		char pid[32] = "";
+		ssize_t n = e == EWOULDBLOCK ? pread(s->lock_fd, pid, sizeof pid - 1, 0) : -1;
+		int64_t v = 0;
+		if (n > 0) {
+			pid[n] = 0;
+			pid[strcspn(pid, "\n")] = 0;
+		}
+		close(s->lock_fd);
+		s->lock_fd = -1;
+		if (e != EWOULDBLOCK)
+			return ds_err_set(err, DS_EIO, "cannot lock %s: %s", path, strerror(e));
+		if (n > 0 && ds_parse_i64(pid, 1, INT32_MAX, &v) == DS_OK)
+			return ds_err_set(err, DS_EBUSY,
+					  "in use by another dsagent (pid %lld, which holds %s): stop "
+					  "it first, or give this one another --data-dir",
+					  (long long)v, path);
+		return ds_err_set(err, DS_EBUSY,
+				  "in use by another process (it holds %s; its pid is not written "
+				  "yet): stop it first, or give this one another --data-dir",
+				  path);
+	}
+	char pid[32];
+	int n = snprintf(pid, sizeof pid, "%lld\n", (long long)getpid());
+	if (ftruncate(s->lock_fd, 0) != 0 || pwrite(s->lock_fd, pid, (size_t)n, 0) != n)
+		return ds_err_set(err, DS_EIO, "cannot write the pid to %s: %s", path,
+				  strerror(errno));
 	return DS_OK;
 }
 
@@ -197,7 +248,10 @@ store *store_open(const char *data_dir, ds_err *err)
 		return NULL;
 	}
 	pthread_mutex_init(&s->mu, NULL);
+	s->lock_fd = -1;
 	int rc = make_dirs(data_dir, err);
+	if (!rc)
+		rc = lock_data_dir(s, data_dir, err);
 	if (rc)
 		goto out;
 	if ((size_t)snprintf(s->path, sizeof s->path, "%s/dsagent.db", data_dir) >= sizeof s->path) {
@@ -235,6 +289,8 @@ void store_close(store *s)
 		return;
 	if (s->db)
 		sqlite3_close_v2(s->db);
+	if (s->lock_fd >= 0)
+		close(s->lock_fd); /* releases the lock; the file stays */
 	pthread_mutex_destroy(&s->mu);
 	free(s);
 }

@@ -2,7 +2,8 @@
  * store.h - the agent's SQLite database (DATA_DIR/dsagent.db).
  *
  * The only module that runs SQL.  store_open creates the data directory
- * (0700) and the database when missing, turns on WAL, a busy timeout and
+ * (0700), takes its lock (one agent per data directory), creates the
+ * database when missing, turns on WAL, a busy timeout and
  * foreign keys, and applies the numbered migrations of schema/ (compiled into
  * the binary) that the file lacks, each in its own transaction that also sets
  * PRAGMA user_version.  A database written by a newer dsagent (user_version
@@ -40,9 +41,13 @@ typedef struct store_key {
 	int64_t requests, prompt_tokens, completion_tokens;
 } store_key;
 
-/* Opens or creates DATA_DIR/dsagent.db; NULL with err filled on failure
- * (DS_EIO: directory or file; DS_EUNSUPPORTED: the database is newer than this
- * binary; DS_EFORMAT: not a database or a migration failed). */
+/* Takes the data directory's lock (DATA_DIR/dsagent.lock, flock, our pid
+ * written in it; held until store_close), then opens or creates
+ * DATA_DIR/dsagent.db; NULL with err filled on failure (DS_EBUSY: another
+ * process holds the lock, the message names its pid, and nothing of the
+ * directory was touched; DS_EIO: directory or file; DS_EUNSUPPORTED: the
+ * database is newer than this binary; DS_EFORMAT: not a database or a
+ * migration failed). */
 store *store_open(const char *data_dir, ds_err *err);
 /* NULL is a no-op. */
 void store_close(store *s);

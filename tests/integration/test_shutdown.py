@@ -6,17 +6,28 @@ model (models/default.gguf) on loopback with --threads 1.
   event and `data: [DONE]` (the OpenAI SDK raises APIError on it), an
   unstreamed request gets a 503 JSON error, and the agent exits 0; a second
   signal ends the requests at once.
+- One agent per data directory: a second one on the same --data-dir is
+  refused with a message naming the first one's pid, and nothing in the
+  directory changes; `make up` (tools/up.sh) twice leaves the running
+  agent's log alone.
 """
+import hashlib
 import http.client
 import json
+import os
+import pathlib
+import shutil
 import signal
+import socket
+import subprocess
 import threading
 import time
 
 import openai
 import pytest
 
-from conftest import ROOT, binary, start_agent
+from conftest import BUILD, ROOT, binary, start_agent
+from tests.fixtures.agent import AgentProcess
 
 MODEL = ROOT / "models" / "default.gguf"
 pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="models/default.gguf missing: make model")
@@ -207,3 +218,125 @@ def test_second_signal_ends_the_grace_period(tmp_path):
         assert "second stop signal" in a.log()
     finally:
         a.stop(signal.SIGKILL)
+
+
+def snapshot(d):
+    """Every file under d: inode, size, mtime and content hash."""
+    out = {}
+    for p in sorted(pathlib.Path(d).rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p.relative_to(d))] = (st.st_ino, st.st_size, st.st_mtime_ns,
+                                          hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def test_second_agent_on_the_same_data_dir_is_refused_untouched(tmp_path):
+    a = serving_agent(tmp_path, "--health-ms", "3600000")
+    data = a.data_dir
+    try:
+        # the first agent's own start-up writes settle first
+        before, still_since = snapshot(data), time.monotonic()
+        deadline = time.monotonic() + 30
+        while time.monotonic() - still_since < 1.0:
+            assert time.monotonic() < deadline, "the first agent kept writing"
+            time.sleep(0.1)
+            now = snapshot(data)
+            if now != before:
+                before, still_since = now, time.monotonic()
+        b = AgentProcess(binary("dsagent"),
+                         ["--bind", "127.0.0.1", "--control-port", "0", "--api-port", "0",
+                          "--data-dir", str(data), "--backend", "cpu", "--threads", "1",
+                          "--insecure-no-auth"], log_dir=tmp_path / "second")
+        deadline = time.monotonic() + 30
+        while b.alive() and time.monotonic() < deadline:
+            assert "dsagent listening" not in b.stdout(), "the second agent started"
+            time.sleep(0.05)
+        rc = b.stop(signal.SIGKILL)
+        assert rc == 1, (rc, b.log())
+        assert f"pid {a.pid}" in b.log() and str(data) in b.log(), b.log()
+        assert "in use" in b.log()
+        assert snapshot(data) == before
+        # the first one still serves
+        st, body = get(a, "/health")
+        assert st == 200, body
+        st, body = post_json(a, "/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                                    "temperature": 0})
+        assert st == 200 and body["usage"]["completion_tokens"] == 2, body
+    finally:
+        assert a.stop() == 0
+    # once it is gone, the directory is free again
+    c = start_agent(tmp_path, "--threads", "1", "--insecure-no-auth")
+    try:
+        c.wait_serving()
+    finally:
+        assert c.stop() == 0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid, name):
+    out = []
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == pid and comm == name:
+            out.append(int(d.name))
+    return out
+
+
+def test_make_up_twice_leaves_the_running_agent_and_its_log_alone(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "tools").mkdir(parents=True)
+    (proj / "examples").mkdir()
+    shutil.copy(ROOT / "tools" / "up.sh", proj / "tools" / "up.sh")
+    shutil.copy(ROOT / "examples" / "dsagent.conf", proj / "examples" / "dsagent.conf")
+    (proj / "models").symlink_to(ROOT / "models")
+    env = {**os.environ, "DS_API_PORT": str(free_port()), "DS_CONTROL_PORT": str(free_port()),
+           "DSAGENT_THREADS": "1", "DSAGENT_BACKEND": "cpu"}
+    up = [shutil.which("bash"), str(proj / "tools" / "up.sh"), str(BUILD)]
+    with open(tmp_path / "first.out", "w") as fo, open(tmp_path / "first.err", "w") as fe:
+        first = subprocess.Popen(up, stdout=fo, stderr=fe, env=env, cwd=proj)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops it." not in (tmp_path / "first.out").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "first.err").read_text()
+            time.sleep(0.1)
+        agents = children(first.pid, "dsagent")
+        assert len(agents) == 1, agents
+        log = proj / "run" / "dsagent.out"
+        assert "dsagent serving model=" in log.read_text()
+        log_before = (log.stat().st_ino, log.stat().st_mtime_ns, log.read_bytes())
+        data_before = snapshot(proj / "run" / "data")
+
+        second = subprocess.run(up, capture_output=True, text=True, env=env, cwd=proj,
+                                timeout=120)
+        assert second.returncode != 0, second.stdout
+        assert f"pid {agents[0]}" in second.stderr, second.stderr
+        assert (log.stat().st_ino, log.stat().st_mtime_ns, log.read_bytes()) == log_before
+        assert snapshot(proj / "run" / "data") == data_before
+        assert sorted(p.name for p in (proj / "run").iterdir()) == \
+            ["api.key", "data", "dsagent.out"]
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        try:
+            first.wait(60)
+        except subprocess.TimeoutExpired:
+            for pid in children(first.pid, "dsagent"):
+                os.kill(pid, signal.SIGKILL)
+            first.kill()
+            first.wait()
+    assert first.returncode == 0
+    assert "stopping dsagent" in (tmp_path / "first.out").read_text()
