@@ -1,8 +1,9 @@
 /*
  * serve.c - the serving context and the small routes of the OpenAI API:
- * /health, /v1/models, /metrics, /tokenize, /detokenize (see serve.h), plus
- * what every handler shares: readiness, auth, body parsing, model names,
- * request ids.  The generation routes live in oai.c.
+ * /, /version, /health, /v1/models, /v1/models/{id}, /metrics, /tokenize,
+ * /detokenize (see serve.h), plus what every handler shares: readiness,
+ * auth, body parsing, model names, request ids.  The generation routes live
+ * in oai.c.
  *
  * Called from main (serve_new / serve_load / serve_drain / serve_stop /
  * serve_free) and from HTTP connection threads (handlers).  Invariants:
@@ -643,6 +644,13 @@ static void get_health(void *ud, const http_req *req, http_resp *resp)
 	reply(resp, 200, json_pack("{s:s}", "status", "ok"));
 }
 
+static json_t *model_obj(serve *s, int i)
+{
+	return json_pack("{s:s,s:s,s:I,s:s,s:s,s:i}", "id", s->names[i], "object", "model",
+			 "created", (json_int_t)s->started_unix, "owned_by", "dsagent", "root",
+			 s->names[0], "max_model_len", s->max_ctx);
+}
+
 static void get_models(void *ud, const http_req *req, http_resp *resp)
 {
 	serve *s = ud;
@@ -651,12 +659,63 @@ static void get_models(void *ud, const http_req *req, http_resp *resp)
 		return;
 	json_t *data = json_array();
 	for (int i = 0; i < s->n_names; i++)
-		json_array_append_new(data, json_pack("{s:s,s:s,s:I,s:s,s:s,s:i}", "id", s->names[i],
-						      "object", "model", "created",
-						      (json_int_t)s->started_unix, "owned_by", "dsagent",
-						      "root", s->names[0], "max_model_len",
-						      s->max_ctx));
+		json_array_append_new(data, model_obj(s, i));
 	reply(resp, 200, json_pack("{s:s,s:o}", "object", "list", "data", data));
+}
+
+/* GET /v1/models/{id} (the SDKs' models.retrieve): one served name or
+ * alias; no key needed, as for the list. */
+static void get_model(void *ud, const http_req *req, http_resp *resp)
+{
+	serve *s = ud;
+	if (serve_check_ready(s, resp))
+		return;
+	const char *id = req->path + strlen("/v1/models/");
+	if (!*id) { /* "/v1/models/" names no model: no route, as elsewhere */
+		http_resp_error(resp, 404, "invalid_request_error", "not_found",
+				"no route for %s %s", req->method, req->path);
+		return;
+	}
+	for (int i = 0; i < s->n_names; i++) {
+		if (strcmp(id, s->names[i]) == 0) {
+			reply(resp, 200, model_obj(s, i));
+			return;
+		}
+	}
+	http_resp_error_param(resp, 404, "not_found_error", "model_not_found", "model",
+			      "The model `%.200s` does not exist.", id);
+}
+
+/* GET /version: the build, as vLLM's /version; no key, answers while
+ * loading. */
+static void get_version(void *ud, const http_req *req, http_resp *resp)
+{
+	(void)ud;
+	(void)req;
+	reply(resp, 200, json_pack("{s:s}", "version", eng_version()));
+}
+
+/* GET /: what this server is and where to read on; no key (it tells no
+ * more than /version and /v1/models do), answers while loading. */
+static void get_root(void *ud, const http_req *req, http_resp *resp)
+{
+	serve *s = ud;
+	(void)req;
+	int ready = atomic_load(&s->ready) && !atomic_load(&s->draining);
+	json_t *models = json_array();
+	for (int i = 0; ready && i < s->n_names; i++) /* names change only while not ready */
+		json_array_append_new(models, json_string(s->names[i]));
+	reply(resp, 200,
+	      json_pack("{s:s,s:s,s:s,s:b,s:o,s:s,s:[s,s,s,s,s,s,s,s,s,s]}", "name", "dsagent",
+			"description",
+			"an OpenAI-compatible API: POST /v1/chat/completions and "
+			"/v1/completions with 'Authorization: Bearer KEY' (a key from `dsctl "
+			"keys create NAME`); any OpenAI client works with base URL /v1",
+			"version", eng_version(), "ready", ready, "models", models, "docs",
+			"docs/serving.md in the dsagent source tree (README.md to start)", "routes",
+			"GET /health", "GET /version", "GET /v1/models", "GET /v1/models/{id}",
+			"GET /metrics", "POST /v1/chat/completions", "POST /v1/completions",
+			"POST /tokenize", "POST /detokenize", "GET /"));
 }
 
 static void get_metrics(void *ud, const http_req *req, http_resp *resp)
@@ -868,8 +927,10 @@ static void guarded(void *ud, const http_req *req, http_resp *resp, http_handler
 	{                                                                        \
 		guarded(ud, req, resp, fn);                                      \
 	}
+GUARD(g_root, get_root)
 GUARD(g_health, get_health)
 GUARD(g_models, get_models)
+GUARD(g_model, get_model)
 GUARD(g_metrics, get_metrics)
 GUARD(g_chat, oai_chat)
 GUARD(g_completions, oai_completions)
@@ -893,8 +954,11 @@ static int auth_metrics(void *ud, const http_req *req, http_resp *resp)
 }
 
 const http_route serve_routes[] = {
+	{.method = "GET", .path = "/", .fn = g_root},
+	{.method = "GET", .path = "/version", .fn = get_version}, /* uses nothing of the model */
 	{.method = "GET", .path = "/health", .fn = g_health},
 	{.method = "GET", .path = "/v1/models", .fn = g_models},
+	{.method = "GET", .path = "/v1/models/*", .fn = g_model},
 	{.method = "GET", .path = "/metrics", .fn = g_metrics, .auth = auth_metrics},
 	{.method = "POST", .path = "/v1/chat/completions", .fn = g_chat, .auth = auth_key},
 	{.method = "POST", .path = "/v1/completions", .fn = g_completions, .auth = auth_key},

@@ -19,11 +19,13 @@
  * serve's own loader thread, which lives as long as the serve: the rank
  * processes a driver forks die with the thread that forked them.
  *
- * Routes (docs/serving.md): GET /health, GET /v1/models, GET /metrics,
+ * Routes (docs/serving.md): GET /, GET /version, GET /health,
+ * GET /v1/models, GET /v1/models/{id}, GET /metrics,
  * POST /v1/chat/completions, POST /v1/completions, POST /tokenize,
- * POST /detokenize.  Every route but /health, /v1/models and (unless
- * metrics_auth) /metrics needs `Authorization: Bearer <key>` checked by the
- * key service; OPTIONS preflight is answered by http.c without auth.
+ * POST /detokenize.  Every route but /, /version, /health, /v1/models,
+ * /v1/models/{id} and (unless metrics_auth) /metrics needs
+ * `Authorization: Bearer <key>` checked by the key service; OPTIONS
+ * preflight is answered by http.c without auth.
  *
  * Threading: handlers run on HTTP connection threads; after serve_load the
  * struct is read-only except through its thread-safe members (sched,

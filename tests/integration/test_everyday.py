@@ -1,5 +1,8 @@
 """Everyday use of a real dsagent (default model, --threads 1) and dsctl:
 
+- the small routes: GET / (what this is, where the docs are), GET /version,
+  GET /v1/models/{id} (the SDK's models.retrieve); no key needed, as for
+  /v1/models;
 - the election route's "not JSON" message is not printed into itself
   (agent/cluster/cluster.c formatted it into the buffer it read from).
 """
@@ -26,6 +29,80 @@ NAMES = "everyday-model,everyday-alias"
 def run(*args, **kw):
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=60,
                           **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    a = start_agent(tmp_path_factory.mktemp("everyday"), "--threads", "1",
+                    "--served-model-name", NAMES)
+    a.wait_serving()
+    r = run(binary("dsctl"), "--agent", a.url, "--data-dir", a.data_dir, "--json", "keys",
+            "create", "everyday-key")
+    assert r.returncode == 0, r.stderr
+    a.key = json.loads(r.stdout)["key"]
+    yield a
+    assert a.stop() == 0
+
+
+def api(server, method, path, body=None, headers=None):
+    c = http.client.HTTPConnection(server.api_host, server.api_port, timeout=120)
+    c.request(method, path, json.dumps(body) if body is not None else None,
+              {"Content-Type": "application/json", **(headers or {})})
+    r = c.getresponse()
+    status, text = r.status, r.read().decode()
+    c.close()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def sdk(server, key=None):
+    return openai.OpenAI(base_url=server.api_url + "/v1", api_key=key or server.key,
+                         max_retries=0, timeout=120)
+
+
+def wait_log(server, pattern, timeout=30):
+    rx = re.compile(pattern, re.M)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = rx.search(server.log())
+        if m:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"no log line {pattern!r}: {server.log_tail()}")
+
+
+# ------------------------------------------------------------------ routes --
+
+@needs_model
+def test_models_retrieve_version_and_root(server):
+    c = sdk(server)
+    for name in NAMES.split(","):
+        m = c.models.retrieve(name)
+        assert m.id == name and m.object == "model" and m.owned_by == "dsagent"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert "no-such-model" in e.value.body["message"]
+
+    version = run(binary("dsagent"), "--version").stdout.split()[1]
+    # no key needed: the same rule as GET /v1/models
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        st, body = api(server, "GET", "/version", headers=headers)
+        assert st == 200 and body == {"version": version}, body
+        st, body = api(server, "GET", "/v1/models/everyday-alias", headers=headers)
+        assert st == 200 and body["id"] == "everyday-alias", body
+        st, body = api(server, "GET", "/", headers=headers)
+        assert st == 200, body
+        assert body["name"] == "dsagent" and body["version"] == version
+        assert body["ready"] is True and body["models"] == NAMES.split(",")
+        assert "docs/serving.md" in body["docs"]
+        assert "POST /v1/chat/completions" in body["routes"]
+        assert "Authorization: Bearer" in body["description"]
+    # while the generation routes do need one
+    st, body = api(server, "POST", "/tokenize", {"prompt": "hi"})
+    assert st == 401, body
 
 
 # --------------------------------------------- the election route's message --

@@ -520,7 +520,7 @@ def test_http10_stream_is_close_delimited(srv):
 
 def test_unknown_route_404_wrong_method_405(srv):
     for method, path in (("GET", "/v1/nope"), ("POST", "/v2/chat/completions"),
-                         ("GET", "/v1/models/"), ("GET", "/"), ("GET", "/v1/chat/completions/x")):
+                         ("GET", "/v1/models/"), ("GET", "/v1"), ("GET", "/v1/chat/completions/x")):
         status, _, _, doc = call(srv, method, path)
         e = assert_error(status, doc, 404, code="not_found")
         assert path in e["message"]
