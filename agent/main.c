@@ -344,6 +344,7 @@ int main(int argc, char **argv)
 	sp.metrics_auth = opts.metrics_auth;
 	sp.max_n = opts.max_n;
 	sp.max_logprobs = opts.max_logprobs;
+	sp.stats_log_ms = opts.stats_log_ms;
 	sp.keys = keys;
 	if (!(sv = serve_new(&sp, &err))) {
 		fprintf(stderr, "dsagent: %s\n", err.msg);

@@ -107,6 +107,10 @@ const cfg_opt agent_opts_table[] = {
 	 .help = "on SIGTERM/SIGINT: new requests get 503 at once, running ones get this long "
 		 "to finish, then each open stream ends with an error event and [DONE] (a second "
 		 "signal ends them at once)"},
+	{.name = "stats-log-ms", .type = CFG_INT, .offset = O(stats_log_ms), .def = "10000",
+	 .min = 0, .max = 3600000,
+	 .help = "while requests run, log a throughput line (tokens/s in and out, running, "
+		 "waiting) this often (0 = never)"},
 	{.name = "sysroot", .type = CFG_STR, .offset = O(sysroot), .def = "/", .min = 1, .max = 0,
 	 .help = "discovery reads /proc, /sys and /etc under this directory (tests: a fixture "
 		 "tree)"},

@@ -35,6 +35,7 @@ typedef struct agent_opts {
 	int http_max_body_total_mb;
 	int max_n, max_logprobs;
 	int shutdown_grace_ms;   /* SIGTERM: time running requests get to finish */
+	int stats_log_ms;        /* throughput log line period; 0 = none */
 	/* discovery (agent/node/discover.h) */
 	char *sysroot;           /* read /proc, /sys, /etc under it; "/" = this machine */
 	char *fake_gpus;         /* NxMODEL-MEMGB[:topology] or 0 instead of NVML */

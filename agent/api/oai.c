@@ -38,6 +38,9 @@
  * event ends a stream, a non-streamed request gets a 401); gen_free settles
  * the reservation with what was used (keys_finish).
  *
+ * Each request ends with one log line, "request done" (log_done): id, key
+ * name, HTTP status, tokens, TTFT and duration; never the prompt or the key.
+ *
  * Threading: a gen belongs to the connection thread that runs its handler
  * and then its stream reader; nothing here is shared between requests except
  * the serve context's thread-safe members.
@@ -123,6 +126,7 @@ typedef struct gen {
 	char *opening; /* the forced opening of a call the prompt ends with, or NULL */
 	int32_t marker_ids[8]; /* the tool format's markers: decoded even when special */
 	int n_marker_ids;
+	char key_name[STORE_NAME_MAX + 1]; /* for the log line */
 	int n_prompts;
 	int32_t prompt_tokens; /* sum over prompts, each counted once */
 	int n_choices;
@@ -1207,6 +1211,32 @@ static json_t *whole_response(gen *g)
 
 /* ---- lifecycle ---- */
 
+/* The one log line of a finished request (g NULL: refused before it had
+ * one): never the prompt, never the key. */
+static void log_done(const char *id, const char *key_name, int status, int stream,
+		     const gen *g, double t0)
+{
+	int64_t comp = 0;
+	double first = 0;
+	const char *fin = "-";
+	for (int i = 0; g && i < g->n_choices; i++) {
+		const choice *c = &g->ch[i];
+		comp += c->n_tok;
+		if (c->t_first && (!first || c->t_first < first))
+			first = c->t_first;
+		if (i == 0)
+			fin = g->aborted ? "abort" : c->finished ? c->finish_reason : "abort";
+	}
+	char ttft[32] = "-";
+	if (first)
+		snprintf(ttft, sizeof ttft, "%.3f", first - t0);
+	log_info("serve", "request done",
+		 "id=%s key=%s status=%d stream=%d prompt_tokens=%d completion_tokens=%lld "
+		 "ttft_s=%s duration_s=%.3f finish=%s",
+		 id, key_name, status, stream, g ? g->prompt_tokens : 0, (long long)comp, ttft,
+		 ds_now_s() - t0, fin);
+}
+
 static void gen_free(gen *g)
 {
 	if (!g)
@@ -1270,6 +1300,7 @@ static void stream_done(void *ctx)
 	gen *g = ctx;
 	if (!all_flushed(g))
 		g->aborted = 1;
+	log_done(g->id, g->key_name, 200, 1, g, g->t_arrival);
 	gen_free(g);
 }
 
@@ -1368,10 +1399,15 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 	gen *g = NULL;
 	prompt prs[MAX_PROMPTS] = {{0}};
 	int n_prs = 0;
-	char rid[160];
+	char rid[160], id[160], key_name[STORE_NAME_MAX + 1] = "-";
 
 	serve_request_id(req, resp, chat ? "chatcmpl-" : "cmpl-", rid, sizeof rid);
-	if (serve_check_ready(sv, resp) || serve_auth(sv, req, resp, &key_id))
+	snprintf(id, sizeof id, "%s%s",
+		 strncmp(rid, chat ? "chatcmpl-" : "cmpl-", chat ? 9 : 5) == 0 ? ""
+										: (chat ? "chatcmpl-" : "cmpl-"),
+		 rid);
+	if (serve_check_ready(sv, resp) ||
+	    serve_auth_named(sv, req, resp, &key_id, key_name, sizeof key_name))
 		goto out;
 	if (!(body = serve_parse_body(sv, req, resp)))
 		goto out;
@@ -1387,11 +1423,9 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 	g->t_arrival = t0;
 	g->model = model_name;
 	g->created = (json_int_t)time(NULL);
+	snprintf(g->key_name, sizeof g->key_name, "%s", key_name);
 	buf_init(&g->out, 0);
-	snprintf(g->id, sizeof g->id, "%s%s",
-		 strncmp(rid, chat ? "chatcmpl-" : "cmpl-", chat ? 9 : 5) == 0 ? ""
-										: (chat ? "chatcmpl-" : "cmpl-"),
-		 rid);
+	snprintf(g->id, sizeof g->id, "%s", id);
 	if (parse_opts(sv, body, chat, &g->o, resp))
 		goto bad_request;
 	/* the cheap limits, before any prompt is tokenized */
@@ -1531,6 +1565,8 @@ static void handle(serve *sv, const http_req *req, http_resp *resp, int chat)
 bad_request:
 	metrics_rejected(sv->met, MET_REJ_BAD_REQUEST);
 out:
+	if (!resp->stream) /* a stream logs when it ends (stream_done) */
+		log_done(id, key_name, resp->status, g ? g->o.stream : 0, g, t0);
 	gen_free(g);
 	for (int i = 0; i < n_prs; i++)
 		free(prs[i].ids);

@@ -12,6 +12,8 @@
  *     (main frees the server first).
  *  2. Once serve_drain ran, every route that checks readiness answers 503
  *     "shutting_down", whatever a deployment does meanwhile.
+ *  3. s->sc changes only under s->mu: the stats thread (stats_main), which
+ *     is no user of the guard, reads it under s->mu.
  */
 #include "agent/api/serve.h"
 #include "agent/auth/keys.h"
@@ -23,6 +25,7 @@
 #include "engine/engine.h"
 #include "engine/source.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -79,6 +82,8 @@ static int names_set(serve *s, const char *names, const char *path, ds_err *err)
 	return DS_OK;
 }
 
+static void *stats_main(void *arg);
+
 serve *serve_new(const serve_params *p, ds_err *err)
 {
 	serve *s = calloc(1, sizeof *s);
@@ -89,6 +94,11 @@ serve *serve_new(const serve_params *p, ds_err *err)
 	s->p = *p;
 	pthread_mutex_init(&s->mu, NULL);
 	pthread_cond_init(&s->cv, NULL);
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&s->stats_cv, &ca);
+	pthread_condattr_destroy(&ca);
 	if (!p->model_path)
 		serve_refuse(s, "no_model", "no model is deployed: run `dsctl cluster up --model PATH`");
 	s->started_s = ds_now_s();
@@ -102,6 +112,14 @@ serve *serve_new(const serve_params *p, ds_err *err)
 	if (!(s->met = metrics_new(s->names[0]))) {
 		ds_err_set(err, DS_ENOMEM, "out of memory");
 		goto fail;
+	}
+	if (p->stats_log_ms > 0) {
+		int e = pthread_create(&s->stats, NULL, stats_main, s);
+		if (e) {
+			ds_err_set(err, DS_EINTERNAL, "cannot start the stats thread: %s", strerror(e));
+			goto fail;
+		}
+		s->has_stats = 1;
 	}
 	return s;
 fail:
@@ -249,10 +267,14 @@ static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
 		.token_budget = s->p.max_batch_tokens,
 		.prefill_chunk = s->p.prefill_chunk,
 	};
-	if (!(s->sc = sched_new(s->m, &scp, err))) {
+	sched *sc = sched_new(s->m, &scp, err);
+	if (!sc) {
 		rc = err->code ? err->code : DS_EIO;
 		goto fail;
 	}
+	pthread_mutex_lock(&s->mu); /* invariant 3 */
+	s->sc = sc;
+	pthread_mutex_unlock(&s->mu);
 	s->started_unix = (int64_t)time(NULL);
 	atomic_store(&s->ready, 1);
 	const kv_params *kp = kv_cache_params(model_kv(s->m));
@@ -343,14 +365,15 @@ static void unload(serve *s)
 		struct timespec ts = {0, 10 * 1000 * 1000};
 		nanosleep(&ts, NULL);
 	}
-	pthread_mutex_lock(&s->mu); /* serve_rank_pid reads m under mu */
+	pthread_mutex_lock(&s->mu); /* serve_rank_pid reads m, the stats thread sc */
 	model *m = s->m;
+	sched *sc = s->sc;
 	s->m = NULL;
+	s->sc = NULL;
 	pthread_mutex_unlock(&s->mu);
-	sched_free(s->sc);
+	sched_free(sc);
 	model_free(m);
 	tok_free(s->tk);
-	s->sc = NULL;
 	s->tk = NULL;
 	atomic_store(&s->stopping, 0);
 }
@@ -453,6 +476,13 @@ void serve_free(serve *s)
 	if (!s)
 		return;
 	atomic_store(&s->ready, 0);
+	if (s->has_stats) {
+		pthread_mutex_lock(&s->mu);
+		s->stats_stop = 1;
+		pthread_cond_broadcast(&s->stats_cv);
+		pthread_mutex_unlock(&s->mu);
+		pthread_join(s->stats, NULL);
+	}
 	if (s->has_loader) {
 		pthread_mutex_lock(&s->mu);
 		s->loader_stop = 1;
@@ -463,9 +493,67 @@ void serve_free(serve *s)
 	unload(s);
 	metrics_free(s->met);
 	free(s->names_buf);
+	pthread_cond_destroy(&s->stats_cv);
 	pthread_cond_destroy(&s->cv);
 	pthread_mutex_destroy(&s->mu);
 	free(s);
+}
+
+/* ---- the throughput log line ---- */
+
+/* Every stats_log_ms: while requests run (or tokens moved since the last
+ * line), the prompt and generated tokens per second over the interval and
+ * the running / waiting counts.  A new scheduler (a deployment) starts a new
+ * baseline. */
+static void *stats_main(void *arg)
+{
+	serve *s = arg;
+	const sched *last_sc = NULL;
+	uint64_t last_in = 0, last_out = 0;
+	double last_t = 0;
+	pthread_mutex_lock(&s->mu);
+	while (!s->stats_stop) {
+		struct timespec until;
+		clock_gettime(CLOCK_MONOTONIC, &until);
+		until.tv_sec += s->p.stats_log_ms / 1000;
+		until.tv_nsec += (long)(s->p.stats_log_ms % 1000) * 1000000L;
+		if (until.tv_nsec >= 1000000000L) {
+			until.tv_sec++;
+			until.tv_nsec -= 1000000000L;
+		}
+		while (!s->stats_stop &&
+		       pthread_cond_timedwait(&s->stats_cv, &s->mu, &until) != ETIMEDOUT)
+			;
+		if (s->stats_stop)
+			break;
+		if (!s->sc) {
+			last_sc = NULL;
+			continue;
+		}
+		sched_stats st;
+		sched_get_stats(s->sc, &st); /* invariant 3: sc lives while mu is held */
+		double now = ds_now_s(), dt = now - last_t;
+		int same = s->sc == last_sc && st.prompt_tokens >= last_in &&
+			   st.generation_tokens >= last_out && dt > 0;
+		int busy = st.running + st.waiting > 0 || st.prompt_tokens != last_in ||
+			   st.generation_tokens != last_out;
+		uint64_t d_in = st.prompt_tokens - last_in, d_out = st.generation_tokens - last_out;
+		last_sc = s->sc;
+		last_in = st.prompt_tokens;
+		last_out = st.generation_tokens;
+		last_t = now;
+		if (!same || !busy)
+			continue;
+		pthread_mutex_unlock(&s->mu);
+		log_info("serve", "throughput",
+			 "prompt_tokens_per_s=%.1f generation_tokens_per_s=%.1f running=%d "
+			 "waiting=%d kv_used_pct=%.0f interval_s=%.1f",
+			 (double)d_in / dt, (double)d_out / dt, st.running, st.waiting,
+			 st.kv_pages_total ? 100.0 * st.kv_pages_used / st.kv_pages_total : 0.0, dt);
+		pthread_mutex_lock(&s->mu);
+	}
+	pthread_mutex_unlock(&s->mu);
+	return NULL;
 }
 
 /* ---- shared helpers ---- */
@@ -497,7 +585,15 @@ int serve_check_ready(serve *s, http_resp *resp)
 
 int serve_auth(serve *s, const http_req *req, http_resp *resp, int64_t *key_id)
 {
+	return serve_auth_named(s, req, resp, key_id, NULL, 0);
+}
+
+int serve_auth_named(serve *s, const http_req *req, http_resp *resp, int64_t *key_id,
+		     char *name, size_t n)
+{
 	*key_id = -1;
+	if (name && n)
+		snprintf(name, n, "-");
 	if (!s->p.auth)
 		return 0;
 	ds_err err = {0};
@@ -505,6 +601,8 @@ int serve_auth(serve *s, const http_req *req, http_resp *resp, int64_t *key_id)
 	if (keys_auth(s->p.keys, http_req_header(req, "Authorization"), (int64_t)time(NULL), &who,
 		      &err) == DS_OK) {
 		*key_id = who.id;
+		if (name && n)
+			snprintf(name, n, "%s", who.name);
 		return 0;
 	}
 	metrics_rejected(s->met, MET_REJ_AUTH);

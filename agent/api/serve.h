@@ -27,6 +27,10 @@
  * `Authorization: Bearer <key>` checked by the key service; OPTIONS
  * preflight is answered by http.c without auth.
  *
+ * Logging: one line per finished generation request ("request done": id,
+ * key name, status, tokens, TTFT, duration; never a prompt or a key), and
+ * while requests run a "throughput" line every stats_log_ms.
+ *
  * Threading: handlers run on HTTP connection threads; after serve_load the
  * struct is read-only except through its thread-safe members (sched,
  * metrics, keys).
@@ -61,6 +65,7 @@ typedef struct serve_params {
 	int auth;                  /* 0 = --insecure-no-auth */
 	int metrics_auth;
 	int max_n, max_logprobs;
+	int stats_log_ms;          /* period of the throughput log line; 0 = none */
 	struct keys_svc *keys;     /* the key service (NULL only with auth 0) */
 } serve_params;
 
@@ -87,8 +92,11 @@ typedef struct serve {
 	atomic_int stopping; /* 1 once serve_stop ran: generation loops end */
 	atomic_int draining; /* 1 once serve_drain ran: new requests get 503 */
 	atomic_int users;    /* handlers and open streams using the model */
-	pthread_mutex_t mu;  /* why (below) and the loader's job */
+	pthread_mutex_t mu;  /* why (below), the loader's job, sc's swaps, stats_stop */
 	pthread_cond_t cv;
+	pthread_cond_t stats_cv; /* wakes the stats thread to stop (mu) */
+	int has_stats, stats_stop;
+	pthread_t stats;     /* the throughput log line (stats_main) */
 	char why[512];       /* why requests get 503 while not ready ("" = loading) */
 	char why_code[32];
 	int has_loader;      /* the loader thread runs */
@@ -162,6 +170,10 @@ int serve_admit(serve *s, int64_t key_id, int64_t seqs, int queues, const char *
 /* Reserves tokens against the tpm of h's key: 0, or nonzero after filling
  * resp as serve_admit does (400 names param) and dropping h. */
 int serve_reserve(serve *s, keys_hold *h, int64_t tokens, const char *param, http_resp *resp);
+/* serve_auth that also copies the key's name to name[n] ("-" when auth is
+ * off or failed), for the request log line. */
+int serve_auth_named(serve *s, const http_req *req, http_resp *resp, int64_t *key_id,
+		     char *name, size_t n);
 /* Code and message of the error that ends a generation cut by serve_stop
  * ("shutting_down") or by an unload of the model ("model_unloaded"). */
 void serve_stop_error(serve *s, const char **code, const char **message);

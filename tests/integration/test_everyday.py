@@ -3,6 +3,9 @@
 - the small routes: GET / (what this is, where the docs are), GET /version,
   GET /v1/models/{id} (the SDK's models.retrieve); no key needed, as for
   /v1/models;
+- the request log: one "request done" line per finished request (id, key
+  name, status, tokens, TTFT, duration; never the prompt or the key), and a
+  "throughput" line while requests run;
 - the election route's "not JSON" message is not printed into itself
   (agent/cluster/cluster.c formatted it into the buffer it read from).
 """
@@ -34,7 +37,7 @@ def run(*args, **kw):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     a = start_agent(tmp_path_factory.mktemp("everyday"), "--threads", "1",
-                    "--served-model-name", NAMES)
+                    "--served-model-name", NAMES, "--stats-log-ms", "300")
     a.wait_serving()
     r = run(binary("dsctl"), "--agent", a.url, "--data-dir", a.data_dir, "--json", "keys",
             "create", "everyday-key")
@@ -103,6 +106,78 @@ def test_models_retrieve_version_and_root(server):
     # while the generation routes do need one
     st, body = api(server, "POST", "/tokenize", {"prompt": "hi"})
     assert st == 401, body
+
+
+# ----------------------------------------------------------------- the log --
+
+def done_line(server, rid):
+    return wait_log(server, r'msg="request done" id=' + re.escape(rid) +
+                    r' key=(\S+) status=(\d+) stream=(\d) prompt_tokens=(\d+) '
+                    r'completion_tokens=(\d+) ttft_s=(\S+) duration_s=([\d.]+) finish=(\S+)$')
+
+
+@needs_model
+def test_one_log_line_per_finished_request_without_prompt_or_key(server):
+    marker = "zebracorn" + secrets.token_hex(4)
+    msgs = [{"role": "user", "content": f"Say hello to {marker}."}]
+    c = sdk(server)
+    r = c.chat.completions.with_raw_response.create(
+        model="everyday-model", messages=msgs, max_tokens=6, temperature=0,
+        extra_headers={"X-Request-Id": "everyday-plain"})
+    resp = r.parse()
+    m = done_line(server, "chatcmpl-everyday-plain")
+    key, status, stream, pt, ct, ttft, dur, fin = m.groups()
+    assert (key, status, stream) == ("everyday-key", "200", "0")
+    assert int(pt) == resp.usage.prompt_tokens and int(ct) == resp.usage.completion_tokens
+    assert 0 < float(ttft) <= float(dur) and fin == resp.choices[0].finish_reason
+
+    s = c.chat.completions.create(model="everyday-model", messages=msgs, max_tokens=5,
+                                  temperature=0, stream=True,
+                                  extra_headers={"X-Request-Id": "everyday-stream"})
+    n = sum(1 for ch in s if ch.choices and ch.choices[0].delta.content)
+    m = done_line(server, "chatcmpl-everyday-stream")
+    key, status, stream, pt, ct, ttft, dur, fin = m.groups()
+    assert (key, status, stream, ct, fin) == ("everyday-key", "200", "1", "5", "length")
+    assert n >= 1 and 0 < float(ttft) <= float(dur)
+
+    # refused requests get their line too
+    st, _ = api(server, "POST", "/v1/chat/completions",
+                {"messages": msgs, "temperature": 9},
+                {"Authorization": f"Bearer {server.key}", "X-Request-Id": "everyday-bad"})
+    assert st == 400
+    assert done_line(server, "chatcmpl-everyday-bad").group(2) == "400"
+    st, _ = api(server, "POST", "/v1/completions", {"prompt": marker},
+                {"Authorization": "Bearer dsk-not-a-key", "X-Request-Id": "everyday-401"})
+    assert st == 401
+    m = done_line(server, "cmpl-everyday-401")
+    assert m.group(1) == "-" and m.group(2) == "401"
+
+    log = server.log()
+    assert marker not in log and server.key not in log and "dsk-not-a-key" not in log
+
+
+@needs_model
+def test_throughput_line_while_busy_only(server):
+    before = len(re.findall(r'msg="throughput"', server.log()))
+    r = sdk(server).completions.create(model="everyday-model", prompt="Once upon a time",
+                                       max_tokens=48, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 48
+    lines = wait_log(server, r'msg="throughput" prompt_tokens_per_s=([\d.]+) '
+                             r'generation_tokens_per_s=([\d.]+) running=(\d+) waiting=(\d+) '
+                             r'kv_used_pct=\d+ interval_s=[\d.]+$')
+    found = re.findall(r'msg="throughput" prompt_tokens_per_s=([\d.]+) '
+                       r'generation_tokens_per_s=([\d.]+) running=(\d+)', server.log())
+    assert len(found) > before and any(float(g) > 0 for _, g, _ in found), lines
+    # the line of the last busy interval goes out, then none while idle
+    count = lambda: len(re.findall(r'msg="throughput"', server.log()))  # noqa: E731
+    idle, since, deadline = count(), time.monotonic(), time.monotonic() + 30
+    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        if count() != idle:
+            idle, since = count(), time.monotonic()
+    time.sleep(1.5)  # five idle intervals
+    assert count() == idle
 
 
 # --------------------------------------------- the election route's message --

@@ -196,6 +196,7 @@ def test_sigterm_gives_a_grace_period_then_ends_every_stream_cleanly(tmp_path):
         # the unstreamed request got a 503 JSON error
         st, body = unstreamed["r"]
         assert st == 503 and body["error"]["code"] == "shutting_down", (st, body)
+        assert "request done" in a.log() and "status=503" in a.log()
     finally:
         a.stop(signal.SIGKILL)
 
