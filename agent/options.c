@@ -175,7 +175,7 @@ const cfg_opt agent_opts_table[] = {
 	{.name = "version", .type = CFG_BOOL, .offset = O(version), .def = "false", .min = 1,
 	 .max = 0, .help = "print the version and exit"},
 	{.name = "help", .type = CFG_BOOL, .offset = O(help), .def = "false", .min = 1, .max = 0,
-	 .help = "this help"},
+	 .help = "this help", .short_flag = 'h'},
 	{.name = NULL},
 };
 

@@ -2,8 +2,12 @@
  * main.c - dsctl: the operator's command line.
  *
  * dsctl [global flags] COMMAND [SUBCOMMAND] [args and flags]; commands are
- * rows of one table (words, handler, flags, arguments, help).  Global flags
- * may come before or after the command:
+ * rows of one table (words, handler, flags, arguments, help).  Help at every
+ * level: `dsctl -h|--help|help`, `dsctl help keys`, `dsctl keys --help`,
+ * `dsctl keys create -h` (a positional "help" right after a command asks
+ * for its help; `--` before it makes it an argument).  A word that is no
+ * command or subcommand is named, with the nearest one as "did you mean".
+ * Global flags may come before or after the command:
  *   --agent URL       else $DSCTL_AGENT, else http://127.0.0.1:7481
  *   --token-file F    admin token file, else $DSCTL_TOKEN (the token itself),
  *                     else DATA_DIR/admin.token with --data-dir DATA_DIR
@@ -63,7 +67,7 @@ static const cfg_opt opts_table[] = {
 	{.name = "timeout", .type = CFG_INT, .offset = offsetof(struct ctl_opts, timeout_ms),
 	 .def = "10000", .min = 1, .max = 600000, .help = "request timeout in milliseconds"},
 	{.name = "help", .type = CFG_BOOL, .offset = offsetof(struct ctl_opts, help),
-	 .def = "false", .min = 1, .max = 0, .help = "this help"},
+	 .def = "false", .min = 1, .max = 0, .help = "this help", .short_flag = 'h'},
 	{.name = NULL},
 };
 
@@ -163,7 +167,8 @@ static int read_token_file(const char *path, struct token *t)
 	if (ds_file_read_small(path, 0, t->text, sizeof t->text - 1, &n, &err) != DS_OK) {
 		fprintf(stderr,
 			"dsctl: cannot read the admin token from %s: %s (pass --token-file FILE, "
-			"set $DSCTL_TOKEN, or --data-dir DIR of the agent)\n",
+			"set $DSCTL_TOKEN, or --data-dir DIR of the agent; the agent of `make up` "
+			"keeps its data in run/data: dsctl --data-dir run/data ...)\n",
 			path, err.msg);
 		return 1;
 	}
@@ -1483,21 +1488,99 @@ static const struct command {
 	{.word = NULL},
 };
 
-static void usage(FILE *f)
+/* One command: its words, arguments, help and flags. */
+static void command_usage(FILE *f, const struct command *c)
 {
-	fprintf(f, "usage: dsctl [flags] COMMAND [args]\n\nCommands:\n");
-	for (int i = 0; commands[i].word; i++) {
-		char cmd[512];
-		snprintf(cmd, sizeof cmd, "%s%s%s%s%s", commands[i].word,
-			 commands[i].sub ? " " : "", commands[i].sub ? commands[i].sub : "",
-			 commands[i].args[0] ? " " : "", commands[i].args);
-		fprintf(f, "  %s\n      %s\n", cmd, commands[i].help);
-		for (const cfg_opt *t = commands[i].flags; t->name; t++)
-			fprintf(f, "      --%-18s %s\n", t->name, t->help);
+	fprintf(f, "  %s%s%s%s%s\n      %s\n", c->word, c->sub ? " " : "", c->sub ? c->sub : "",
+		c->args[0] ? " " : "", c->args, c->help);
+	for (const cfg_opt *t = c->flags; t->name; t++)
+		fprintf(f, "      --%-18s %s\n", t->name, t->help);
+}
+
+/* 1 when word has subcommands ("keys"), 0 for a one-word command. */
+static int commands_of(const char *word)
+{
+	for (int i = 0; commands[i].word; i++)
+		if (strcmp(commands[i].word, word) == 0 && commands[i].sub)
+			return 1;
+	return 0;
+}
+
+/* word NULL: every command and the global flags; else the commands of
+ * that word (one command when sub is given too). */
+static void usage(FILE *f, const char *word, const char *sub)
+{
+	if (!word)
+		fprintf(f, "usage: dsctl [flags] COMMAND [args]   (dsctl help COMMAND: one "
+			   "command)\n\nCommands:\n");
+	else if (sub || !commands_of(word))
+		fprintf(f, "usage: dsctl [flags] %s%s%s [args and flags below]\n\n", word,
+			sub ? " " : "", sub ? sub : "");
+	else
+		fprintf(f, "usage: dsctl [flags] %s SUBCOMMAND [args]\n\nSubcommands:\n", word);
+	for (int i = 0; commands[i].word; i++)
+		if ((!word || strcmp(commands[i].word, word) == 0) &&
+		    (!sub || (commands[i].sub && strcmp(commands[i].sub, sub) == 0)))
+			command_usage(f, &commands[i]);
+	if (word) {
+		fprintf(f, "\nGlobal flags: dsctl --help\n");
+		return;
 	}
 	fprintf(f, "\nGlobal flags (also DSCTL_<NAME> in the environment; the admin token "
 		   "itself may be given as $DSCTL_TOKEN):\n");
 	cfg_print_help(opts_table, "DSCTL", f);
+}
+
+static int is_help(const char *a)
+{
+	return strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0 || strcmp(a, "help") == 0;
+}
+
+/* Edits from a to b (insert, delete, replace, swap of neighbours), capped
+ * at 9 (words longer than 31 characters count as far). */
+static int edit_distance(const char *a, const char *b)
+{
+	size_t n = strlen(a), m = strlen(b);
+	int d[32][32];
+	if (n > 31 || m > 31)
+		return 9;
+	for (size_t i = 0; i <= n; i++)
+		d[i][0] = (int)i;
+	for (size_t j = 0; j <= m; j++)
+		d[0][j] = (int)j;
+	for (size_t i = 1; i <= n; i++) {
+		for (size_t j = 1; j <= m; j++) {
+			int c = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+			if (d[i - 1][j] + 1 < c)
+				c = d[i - 1][j] + 1;
+			if (d[i][j - 1] + 1 < c)
+				c = d[i][j - 1] + 1;
+			if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] &&
+			    d[i - 2][j - 2] + 1 < c)
+				c = d[i - 2][j - 2] + 1;
+			d[i][j] = c;
+		}
+	}
+	return d[n][m] > 9 ? 9 : d[n][m];
+}
+
+/* The command word (word NULL) or subcommand of word nearest to s, when it
+ * is near enough to be a typo or s begins it; NULL otherwise. */
+static const char *nearest(const char *word, const char *s)
+{
+	const char *best = NULL;
+	int best_d = 3; /* at most 2 edits */
+	for (int i = 0; commands[i].word; i++) {
+		const char *cand = word ? commands[i].sub : commands[i].word;
+		if (!cand || (word && strcmp(commands[i].word, word) != 0))
+			continue;
+		int d = strncmp(cand, s, strlen(s)) == 0 && strlen(s) >= 2 ? 1 : edit_distance(s, cand);
+		if (d < best_d && (d < (int)strlen(cand) || d == 1)) {
+			best_d = d;
+			best = cand;
+		}
+	}
+	return best;
 }
 
 static const cfg_opt *find_flag(const cfg_opt *tab, const char *name, size_t len)
@@ -1539,6 +1622,10 @@ static int parse_rest(int argc, char **argv, int start, const struct command *cm
 			opt = find_flag(tab, name, len);
 			cfg = o;
 		}
+		if (strcmp(a, "-h") == 0) {
+			o->help = 1;
+			continue;
+		}
 		if (!opt || a[1] != '-') {
 			fprintf(stderr, "dsctl: unknown flag %s for '%s%s%s' (see dsctl --help)\n", a,
 				cmd->word, cmd->sub ? " " : "", cmd->sub ? cmd->sub : "");
@@ -1577,8 +1664,13 @@ int main(int argc, char **argv)
 		fprintf(stderr, "dsctl: %s\n", err.msg);
 		goto out;
 	}
-	if (o.help || next >= argc) {
-		usage(o.help ? stdout : stderr);
+	/* `dsctl help [COMMAND [SUB]]` is `dsctl [COMMAND [SUB]] --help` */
+	if (next < argc && strcmp(argv[next], "help") == 0) {
+		o.help = 1;
+		next++;
+	}
+	if (next >= argc) {
+		usage(o.help ? stdout : stderr, NULL, NULL);
 		rc = o.help ? 0 : 2;
 		goto out;
 	}
@@ -1594,16 +1686,34 @@ int main(int argc, char **argv)
 			break;
 		}
 	}
-	if (!cmd) {
-		if (has_group)
+	if (!cmd && !has_group) {
+		const char *near = nearest(NULL, word);
+		fprintf(stderr, "dsctl: unknown command '%s'%s%s%s (see dsctl --help)\n", word,
+			near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+		goto out;
+	}
+	if (!cmd) { /* a word of subcommands without a known one */
+		const char *sub = next + 1 < argc ? argv[next + 1] : NULL;
+		if (o.help || (sub && is_help(sub))) {
+			usage(stdout, word, NULL);
+			rc = 0;
+		} else if (!sub || sub[0] == '-') {
 			fprintf(stderr, "dsctl: '%s' needs a subcommand:\n", word);
-		else
-			fprintf(stderr, "dsctl: unknown command '%s' (see dsctl --help)\n", word);
-		if (has_group)
-			for (int i = 0; commands[i].word; i++)
-				if (strcmp(commands[i].word, word) == 0)
-					fprintf(stderr, "  dsctl %s %s%s%s\n", word, commands[i].sub,
-						commands[i].args[0] ? " " : "", commands[i].args);
+			usage(stderr, word, NULL);
+		} else {
+			const char *near = nearest(word, sub);
+			fprintf(stderr, "dsctl: unknown subcommand '%s' of '%s'%s%s%s; these are:\n",
+				sub, word, near ? " (did you mean '" : "", near ? near : "",
+				near ? "'?)" : "");
+			usage(stderr, word, NULL);
+		}
+		goto out;
+	}
+	int first = next + (cmd->sub ? 2 : 1);
+	if (o.help || (first < argc && strcmp(argv[first], "help") == 0)) {
+		usage(stdout, cmd->word, cmd->sub);
+		rc = 0;
+		cmd = NULL; /* no flags were set */
 		goto out;
 	}
 	if (cfg_defaults(cmd->flags, &fl, &err) != DS_OK) {
@@ -1614,11 +1724,11 @@ int main(int argc, char **argv)
 	int npos = 0;
 	if (!pos)
 		goto out;
-	rc = parse_rest(argc, argv, next + (cmd->sub ? 2 : 1), cmd, &fl, &o, pos, &npos);
+	rc = parse_rest(argc, argv, first, cmd, &fl, &o, pos, &npos);
 	if (rc)
 		goto out;
 	if (o.help) {
-		usage(stdout);
+		usage(stdout, cmd->word, cmd->sub);
 		goto out;
 	}
 	if (npos < cmd->nargs || npos > cmd->nargs + cmd->opt_args) {

@@ -6,6 +6,8 @@
 - the request log: one "request done" line per finished request (id, key
   name, status, tokens, TTFT, duration; never the prompt or the key), and a
   "throughput" line while requests run;
+- help at every level of dsctl (-h, --help, help), unknown words named with a
+  "did you mean", the no-token message naming `make up`'s run/data; dsagent -h;
 - the election route's "not JSON" message is not printed into itself
   (agent/cluster/cluster.c formatted it into the buffer it read from).
 """
@@ -178,6 +180,62 @@ def test_throughput_line_while_busy_only(server):
             idle, since = count(), time.monotonic()
     time.sleep(1.5)  # five idle intervals
     assert count() == idle
+
+
+# -------------------------------------------------------------------- help --
+
+def test_dsagent_takes_h():
+    long = run(binary("dsagent"), "--help")
+    r = run(binary("dsagent"), "-h")
+    assert r.returncode == 0 and r.stdout == long.stdout, r.stderr
+    assert r.stdout.startswith("usage: dsagent") and "-h, --help" in r.stdout
+
+
+def test_dsctl_help_at_every_level():
+    top = run(binary("dsctl"), "--help")
+    assert top.returncode == 0 and top.stdout.startswith("usage: dsctl")
+    for args in (["-h"], ["help"]):
+        r = run(binary("dsctl"), *args)
+        assert r.returncode == 0 and r.stdout == top.stdout, args
+    for args in (["keys", "--help"], ["keys", "-h"], ["keys", "help"], ["help", "keys"],
+                 ["--help", "keys"]):
+        r = run(binary("dsctl"), *args)
+        assert r.returncode == 0, (args, r.stderr)
+        subs = re.findall(r"^  (keys \w+)", r.stdout, re.M)
+        assert subs == ["keys create", "keys list", "keys revoke"], (args, r.stdout)
+        assert "cluster" not in r.stdout
+    for args in (["keys", "create", "--help"], ["keys", "create", "-h"],
+                 ["keys", "create", "help"], ["help", "keys", "create"]):
+        r = run(binary("dsctl"), *args)
+        assert r.returncode == 0, (args, r.stderr)
+        assert "keys create NAME" in r.stdout and "--max-concurrency" in r.stdout
+        assert "keys list" not in r.stdout
+    r = run(binary("dsctl"), "health", "-h")
+    assert r.returncode == 0 and "is the agent up" in r.stdout and "keys" not in r.stdout
+
+
+def test_dsctl_names_unknown_words_with_a_suggestion():
+    r = run(binary("dsctl"), "kyes", "list")
+    assert r.returncode == 2 and "unknown command 'kyes'" in r.stderr
+    assert "did you mean 'keys'" in r.stderr
+    r = run(binary("dsctl"), "keys", "crate", "x")
+    assert r.returncode == 2 and "unknown subcommand 'crate'" in r.stderr, r.stderr
+    assert "did you mean 'create'" in r.stderr and "keys revoke ID" in r.stderr
+    r = run(binary("dsctl"), "cluster", "stat")
+    assert r.returncode == 2 and "did you mean 'status'" in r.stderr, r.stderr
+    r = run(binary("dsctl"), "zzzzzz")
+    assert r.returncode == 2 and "unknown command 'zzzzzz'" in r.stderr
+    assert "did you mean" not in r.stderr
+    r = run(binary("dsctl"), "keys")
+    assert r.returncode == 2 and "needs a subcommand" in r.stderr and "keys list" in r.stderr
+
+
+def test_dsctl_without_a_token_names_run_data(tmp_path):
+    r = run(binary("dsctl"), "--data-dir", tmp_path / "nothing", "keys", "list",
+            env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1, r.stderr
+    assert str(tmp_path / "nothing" / "admin.token") in r.stderr
+    assert "run/data" in r.stderr and "make up" in r.stderr
 
 
 # --------------------------------------------- the election route's message --
