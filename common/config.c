@@ -313,8 +313,8 @@ void cfg_print_help(const cfg_opt *tab, const char *env_prefix, FILE *f)
 			 : o->type == CFG_STR ? " S"
 					      : " N");
 		fprintf(f, "  %-28s %s", flag, o->help ? o->help : "");
-		if (o->def)
-			fprintf(f, " (default %s)", o->def);
+		if (o->def && !(o->type == CFG_BOOL && strcmp(o->def, "false") == 0))
+			fprintf(f, " (default %s)", o->def); /* a flag is off unless given */
 		fprintf(f, "\n");
 	}
 }

@@ -59,7 +59,7 @@ struct run_cfg {
 
 #define O(f) offsetof(struct run_cfg, f)
 static const cfg_opt opts[] = {
-	{"model", CFG_STR, O(model), NULL, 1, 0, "checkpoint directory (config.json + safetensors)", 'm'},
+	{"model", CFG_STR, O(model), NULL, 1, 0, "the model: a checkpoint directory (config.json + safetensors) or a .gguf file", 'm'},
 	{"prompt", CFG_STR, O(prompt), NULL, 1, 0, "generate from this raw text", 'p'},
 	{"chat", CFG_STR, O(chat), NULL, 1, 0, "generate from this user message through the chat template"},
 	{"system", CFG_STR, O(system), NULL, 1, 0, "system message for --chat"},
@@ -803,7 +803,8 @@ int main(int argc, char **argv)
 	} else if (cfg.backends) {
 		rc = list_backends();
 	} else if (!cfg.model) {
-		fprintf(stderr, "dsrun: -m DIR is required (see --help)\n");
+		fprintf(stderr, "dsrun: -m MODEL is required: a checkpoint directory or a .gguf file "
+			"(see --help)\n");
 		rc = 2;
 	} else if (run(&cfg, &err) != DS_OK) {
 		fprintf(stderr, "dsrun: %s\n", err.msg);

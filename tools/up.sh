@@ -85,11 +85,12 @@ Try, in another shell:
 
   curl http://127.0.0.1:$API_PORT/v1/chat/completions \\
     -H "Authorization: Bearer $KEY" -H "Content-Type: application/json" \\
-    -d '{"model":"$MODEL","messages":[{"role":"user","content":"What is the capital of France?"}]}'
+    -d '{"model":"$MODEL","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":64,"temperature":0}'
 
   .venv/bin/python -c 'from openai import OpenAI
 c = OpenAI(base_url="http://127.0.0.1:$API_PORT/v1", api_key="$KEY")
-r = c.chat.completions.create(model="$MODEL", messages=[{"role": "user", "content": "Hello!"}])
+r = c.chat.completions.create(model="$MODEL", messages=[{"role": "user", "content": "Hello!"}],
+                              max_tokens=64, temperature=0)
 print(r.choices[0].message.content)'
 
   $BUILD/dsctl --agent http://127.0.0.1:$CONTROL_PORT --data-dir $DATA keys list

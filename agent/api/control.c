@@ -45,9 +45,9 @@ static void reply(http_resp *resp, json_t *v)
 static void get_health(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
-	reply(resp, json_pack("{s:s,s:s,s:s,s:s,s:f}", "status", "ok", "name", c->node_name,
+	reply(resp, json_pack("{s:s,s:s,s:s,s:s,s:I}", "status", "ok", "name", c->node_name,
 			      "version", eng_version(), "backend", c->backend, "uptime_s",
-			      ds_now_s() - c->started_s));
+			      (json_int_t)(ds_now_s() - c->started_s + 0.5))); /* whole seconds */
 }
 
 static void get_version(void *ud, const http_req *req, http_resp *resp)

@@ -301,6 +301,9 @@ static int parse_opts(serve *sv, const json_t *b, int chat, gen_opts *o, http_re
 	if ((so = json_object_get(b, "stream_options")) && !json_is_null(so)) {
 		if (!json_is_object(so))
 			return bad(resp, "stream_options", "'stream_options' must be an object");
+		if (!o->stream)
+			return bad(resp, "stream_options",
+				   "'stream_options' is only allowed with 'stream': true");
 		if (jsonx_get_bool(so, "include_usage", 0, &o->include_usage, &err)) {
 			param = "stream_options";
 			goto bad_field;

@@ -8,6 +8,9 @@
   "throughput" line while requests run;
 - help at every level of dsctl (-h, --help, help), unknown words named with a
   "did you mean", the no-token message naming `make up`'s run/data; dsagent -h;
+- minor: stream_options without stream is a 400, boolean flags show no
+  "(default false)", dsrun -m names both model forms, uptime_s is whole
+  seconds, the README's example request has max_tokens and temperature 0;
 - the election route's "not JSON" message is not printed into itself
   (agent/cluster/cluster.c formatted it into the buffer it read from).
 """
@@ -180,6 +183,62 @@ def test_throughput_line_while_busy_only(server):
             idle, since = count(), time.monotonic()
     time.sleep(1.5)  # five idle intervals
     assert count() == idle
+
+
+# ------------------------------------------------------------------- minor --
+
+@needs_model
+def test_stream_options_need_stream(server):
+    h = {"Authorization": f"Bearer {server.key}"}
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra in ({}, {"stream": False}):
+        st, body = api(server, "POST", "/v1/chat/completions",
+                       {"messages": msgs, "max_tokens": 2, "temperature": 0,
+                        "stream_options": {"include_usage": True}, **extra}, h)
+        assert st == 400 and body["error"]["param"] == "stream_options", body
+        assert "'stream': true" in body["error"]["message"]
+    st, body = api(server, "POST", "/v1/completions",
+                   {"prompt": "Hi", "max_tokens": 2, "stream_options": {}}, h)
+    assert st == 400 and body["error"]["param"] == "stream_options", body
+    s = sdk(server).chat.completions.create(model="everyday-model", messages=msgs,
+                                            max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    assert [ch.usage.completion_tokens for ch in s if ch.usage] == [2]
+
+
+@needs_model
+def test_readme_example_is_bounded_greedy_and_works(server):
+    text = (ROOT / "README.md").read_text()
+    curl = re.search(r"^(curl http://127\.0\.0\.1:8000/v1/chat/completions.*?}')$", text,
+                     re.M | re.S).group(1)
+    body = json.loads(re.search(r"-d '(.*)'$", curl, re.S).group(1))
+    assert body["max_tokens"] > 0 and body["temperature"] == 0, body
+    cmd = curl.replace("http://127.0.0.1:8000", server.api_url).replace("$(cat run/api.key)",
+                                                                        server.key)
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    doc = json.loads(r.stdout)
+    assert doc["usage"]["completion_tokens"] <= body["max_tokens"], doc
+    assert "Paris" in doc["choices"][0]["message"]["content"], doc
+
+
+def test_uptime_is_whole_seconds(agent):
+    st, body = agent.get("/health")
+    assert st == 200 and isinstance(body["uptime_s"], int) and body["uptime_s"] >= 0, body
+
+
+def test_help_texts():
+    r = run(binary("dsagent"), "--help")
+    assert r.returncode == 0 and "(default false)" not in r.stdout
+    assert re.search(r"--insecure-no-auth +serve without API keys.*\)\n", r.stdout)
+    assert "--eligible" in r.stdout and "(default true)" in r.stdout
+    r = run(binary("dsctl"), "--help")
+    assert "(default false)" not in r.stdout and "--json " in r.stdout
+    r = run(binary("dsrun"), "--help")
+    line = next(ln for ln in r.stdout.splitlines() if "--model" in ln)
+    assert "directory" in line and ".gguf" in line, line
+    assert "(default false)" not in r.stdout
+    r = run(binary("dsrun"), "-p", "hi")
+    assert r.returncode == 2 and "directory" in r.stderr and ".gguf" in r.stderr, r.stderr
 
 
 # -------------------------------------------------------------------- help --

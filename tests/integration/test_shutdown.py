@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -296,6 +297,26 @@ def children(pid, name):
     return out
 
 
+def check_examples(out, proj):
+    """The curl and SDK examples `make up` printed are bounded (max_tokens)
+    and greedy (temperature 0), and work as pasted."""
+    curl = re.search(r"^  (curl http.*?}')$", out, re.M | re.S).group(1)
+    body = json.loads(re.search(r"-d '(.*)'$", curl, re.S).group(1))
+    assert body["max_tokens"] > 0 and body["temperature"] == 0, body
+    answers = []
+    for _ in range(2):
+        r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120,
+                           cwd=proj)
+        doc = json.loads(r.stdout)
+        assert doc["usage"]["completion_tokens"] <= body["max_tokens"], doc
+        answers.append(doc["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] and "Paris" in answers[0], answers
+    py = re.search(r"^  (\.venv/bin/python -c '.*?\)')$", out, re.M | re.S).group(1)
+    assert "max_tokens=" in py and "temperature=0" in py, py
+    r = subprocess.run(["bash", "-c", py], capture_output=True, text=True, timeout=120, cwd=proj)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
 def test_make_up_twice_leaves_the_running_agent_and_its_log_alone(tmp_path):
     proj = tmp_path / "proj"
     (proj / "tools").mkdir(parents=True)
@@ -303,6 +324,7 @@ def test_make_up_twice_leaves_the_running_agent_and_its_log_alone(tmp_path):
     shutil.copy(ROOT / "tools" / "up.sh", proj / "tools" / "up.sh")
     shutil.copy(ROOT / "examples" / "dsagent.conf", proj / "examples" / "dsagent.conf")
     (proj / "models").symlink_to(ROOT / "models")
+    (proj / ".venv").symlink_to(ROOT / ".venv")
     env = {**os.environ, "DS_API_PORT": str(free_port()), "DS_CONTROL_PORT": str(free_port()),
            "DSAGENT_THREADS": "1", "DSAGENT_BACKEND": "cpu"}
     up = [shutil.which("bash"), str(proj / "tools" / "up.sh"), str(BUILD)]
@@ -330,6 +352,7 @@ def test_make_up_twice_leaves_the_running_agent_and_its_log_alone(tmp_path):
         assert sorted(p.name for p in (proj / "run").iterdir()) == \
             ["api.key", "data", "dsagent.out"]
         assert first.poll() is None
+        check_examples((tmp_path / "first.out").read_text(), proj)
     finally:
         first.send_signal(signal.SIGTERM)
         try:
