@@ -250,11 +250,13 @@ def test_second_agent_on_the_same_data_dir_is_refused_untouched(tmp_path):
                          ["--bind", "127.0.0.1", "--control-port", "0", "--api-port", "0",
                           "--data-dir", str(data), "--backend", "cpu", "--threads", "1",
                           "--insecure-no-auth"], log_dir=tmp_path / "second")
-        deadline = time.monotonic() + 30
-        while b.alive() and time.monotonic() < deadline:
-            assert "dsagent listening" not in b.stdout(), "the second agent started"
-            time.sleep(0.05)
-        rc = b.stop(signal.SIGKILL)
+        try:
+            deadline = time.monotonic() + 30
+            while b.alive() and time.monotonic() < deadline:
+                assert "dsagent listening" not in b.stdout(), "the second agent started"
+                time.sleep(0.05)
+        finally:
+            rc = b.stop(signal.SIGKILL)
         assert rc == 1, (rc, b.log())
         assert f"pid {a.pid}" in b.log() and str(data) in b.log(), b.log()
         assert "in use" in b.log()
