@@ -1045,6 +1045,32 @@ static int auth_key(void *ud, const http_req *req, http_resp *resp)
 	return serve_auth(ud, req, resp, &key_id) == 0;
 }
 
+/* auth_key for a generation route: a refused request still ends with its
+ * "request done" line (oai.c's form), with the id the handler would give. */
+static int auth_gen(void *ud, const http_req *req, http_resp *resp, const char *prefix)
+{
+	int64_t key_id;
+	if (serve_auth(ud, req, resp, &key_id) == 0)
+		return 1;
+	char rid[160], id[200];
+	serve_request_id(req, resp, prefix, rid, sizeof rid);
+	snprintf(id, sizeof id, "%s%s", strncmp(rid, prefix, strlen(prefix)) == 0 ? "" : prefix, rid);
+	log_info("serve", "request done",
+		 "id=%s key=- status=%d stream=0 prompt_tokens=0 completion_tokens=0 ttft_s=- "
+		 "duration_s=0.000 finish=-", id, resp->status);
+	return 0;
+}
+
+static int auth_chat(void *ud, const http_req *req, http_resp *resp)
+{
+	return auth_gen(ud, req, resp, "chatcmpl-");
+}
+
+static int auth_completions(void *ud, const http_req *req, http_resp *resp)
+{
+	return auth_gen(ud, req, resp, "cmpl-");
+}
+
 static int auth_metrics(void *ud, const http_req *req, http_resp *resp)
 {
 	const serve *s = ud;
@@ -1058,8 +1084,8 @@ const http_route serve_routes[] = {
 	{.method = "GET", .path = "/v1/models", .fn = g_models},
 	{.method = "GET", .path = "/v1/models/*", .fn = g_model},
 	{.method = "GET", .path = "/metrics", .fn = g_metrics, .auth = auth_metrics},
-	{.method = "POST", .path = "/v1/chat/completions", .fn = g_chat, .auth = auth_key},
-	{.method = "POST", .path = "/v1/completions", .fn = g_completions, .auth = auth_key},
+	{.method = "POST", .path = "/v1/chat/completions", .fn = g_chat, .auth = auth_chat},
+	{.method = "POST", .path = "/v1/completions", .fn = g_completions, .auth = auth_completions},
 	{.method = "POST", .path = "/tokenize", .fn = g_tokenize, .auth = auth_key},
 	{.method = "POST", .path = "/detokenize", .fn = g_detokenize, .auth = auth_key},
 	{0},
