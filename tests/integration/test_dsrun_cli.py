@@ -108,7 +108,7 @@ def test_bad_usage_is_named(tmp_path):
     r = dsrun("-m", tmp_path, "--tokens", "1,x")
     assert r.returncode != 0 and "token ids" in r.stderr
     r = dsrun("--tokens", "1")
-    assert r.returncode == 2 and "-m DIR is required" in r.stderr
+    assert r.returncode == 2 and "-m MODEL is required: a checkpoint directory or a .gguf file" in r.stderr
     r = dsrun("-m", tmp_path, "--tokens", "1", "--attn", "fancy")
     assert r.returncode != 0 and "fancy" in r.stderr
 
