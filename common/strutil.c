@@ -112,6 +112,13 @@ size_t ds_strlcpy(char *dst, const char *src, size_t size)
 	return n;
 }
 
+void ds_sleep_ms(long ms)
+{
+	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+	while (nanosleep(&ts, &ts) != 0)
+		;
+}
+
 double ds_now_s(void)
 {
 	struct timespec ts;

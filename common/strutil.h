@@ -26,6 +26,8 @@ size_t ds_strlcpy(char *dst, const char *src, size_t size);
 
 /* Monotonic and wall clocks in seconds / nanoseconds. */
 double ds_now_s(void);
+/* Sleeps ms milliseconds (resumed after a signal). */
+void ds_sleep_ms(long ms);
 uint64_t ds_now_ns(void);
 
 #endif

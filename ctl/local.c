@@ -52,13 +52,6 @@ void local_cluster_free(local_cluster *lc)
 	lc->n = 0;
 }
 
-static void sleep_ms(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-	while (nanosleep(&ts, &ts) != 0)
-		;
-}
-
 /* 1 when pid is a dsagent running with --data-dir data_dir. */
 static int is_ours(int pid, const char *data_dir)
 {
@@ -349,7 +342,7 @@ static int wait_ports(const local_params *p, local_agent *a, off_t off, ds_err *
 			return ds_err_set(err, DS_EIO, "%s did not print its ports within %ld ms (its "
 					  "log: %s)", a->name, p->start_ms, a->log);
 		}
-		sleep_ms(STEP_MS);
+		ds_sleep_ms(STEP_MS);
 	}
 }
 
@@ -368,7 +361,7 @@ static void stop_children(local_cluster *lc, int n)
 				waitpid(a->pid, NULL, 0);
 				break;
 			}
-			sleep_ms(STEP_MS);
+			ds_sleep_ms(STEP_MS);
 		}
 		a->pid = 0;
 	}
@@ -533,7 +526,7 @@ int local_down(const char *dir, long grace_ms, local_cluster *out, ds_err *err)
 	for (int pass = 0; pass < 2 && left; pass++) {
 		double end = ds_now_s() + (pass == 0 ? grace_ms : 5000) / 1000.0;
 		while (left && ds_now_s() < end) {
-			sleep_ms(50);
+			ds_sleep_ms(50);
 			left = 0;
 			for (int i = 0; i < lc.n; i++)
 				if (lc.agents[i].outcome != LOCAL_GONE)

@@ -73,13 +73,6 @@ static int jint(const json_t *o, const char *k, long long *out)
 	return 1;
 }
 
-static void sleep_ms(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-	while (nanosleep(&ts, &ts) != 0)
-		;
-}
-
 static int fail(up_result *res, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static int fail(up_result *res, int code, const char *fmt, ...)
@@ -214,7 +207,7 @@ static int wait_head(const up_params *p, double deadline, up_result *res)
 		if (ds_now_s() >= deadline)
 			return fail(res, DS_ETIMEOUT, "no head within --wait %ld ms: %s", p->wait_ms,
 				    last);
-		sleep_ms(p->poll_ms);
+		ds_sleep_ms(p->poll_ms);
 	}
 }
 
@@ -303,7 +296,7 @@ static int post_up(const up_params *p, double deadline, json_t **doc, up_result 
 					  "after --wait %ld ms: %s", p->wait_ms, last);
 				break;
 			}
-			sleep_ms(RETRY_MS);
+			ds_sleep_ms(RETRY_MS);
 			continue;
 		} else {
 			rc = refused(p, "POST", "/v1/cluster/up", &a, res);
@@ -624,7 +617,7 @@ static int follow(const up_params *p, double deadline, double t0, up_result *res
 			return fail(res, DS_ETIMEOUT, "not serving within --wait %ld ms (%s)",
 				    p->wait_ms, last);
 		}
-		sleep_ms(p->poll_ms);
+		ds_sleep_ms(p->poll_ms);
 	}
 }
 

@@ -425,6 +425,37 @@ static void get_cluster_plan(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, out);
 }
 
+/* The answer to a refused plan or deployment request (takes out): 422 with
+ * the plan that does not fit under an error, 400 (bad_code; unsupported_code
+ * for a model the planner cannot use), 404, 503 without a head (Retry-After
+ * when retry), else 500. */
+static void plan_refused(http_resp *resp, int rc, json_t *out, const ds_err *e,
+			 const char *bad_code, const char *unsupported_code, int retry)
+{
+	if (rc == DS_ERANGE && json_is_object(out) && !json_object_get(out, "error")) {
+		/* the plan that does not fit, with its shortfall, under an error */
+		json_t *body = json_pack("{s:{s:s,s:s,s:s},s:o}", "error", "message", e->msg, "type",
+					 "invalid_request_error", "code", "does_not_fit", "plan", out);
+		reply_status(resp, 422, body);
+		return;
+	}
+	json_decref(out);
+	if (rc == DS_EINVAL)
+		http_resp_error(resp, 400, "invalid_request_error", bad_code, "%s", e->msg);
+	else if (rc == DS_ENOTFOUND)
+		http_resp_error(resp, 404, "not_found_error", "not_found", "%s", e->msg);
+	else if (rc == DS_ERANGE)
+		http_resp_error(resp, 422, "invalid_request_error", "does_not_fit", "%s", e->msg);
+	else if (rc == DS_EBUSY || rc == DS_EPERM) {
+		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e->msg);
+		if (retry)
+			http_resp_header(resp, "Retry-After", "2");
+	} else if (rc == DS_EUNSUPPORTED || rc == DS_EFORMAT)
+		http_resp_error(resp, 400, "invalid_request_error", unsupported_code, "%s", e->msg);
+	else
+		http_resp_error(resp, 500, "server_error", NULL, "%s", e->msg);
+}
+
 static void post_cluster_plan(void *ud, const http_req *req, http_resp *resp)
 {
 	const control_ctx *c = ud;
@@ -440,26 +471,7 @@ static void post_cluster_plan(void *ud, const http_req *req, http_resp *resp)
 		reply(resp, out);
 		return;
 	}
-	if (rc == DS_ERANGE && json_is_object(out) && !json_object_get(out, "error")) {
-		/* the plan that does not fit, with its shortfall, under an error */
-		json_t *body = json_pack("{s:{s:s,s:s,s:s},s:o}", "error", "message", e.msg, "type",
-					 "invalid_request_error", "code", "does_not_fit", "plan", out);
-		reply_status(resp, 422, body);
-		return;
-	}
-	json_decref(out);
-	if (rc == DS_EINVAL)
-		http_resp_error(resp, 400, "invalid_request_error", "invalid_plan_request", "%s", e.msg);
-	else if (rc == DS_ENOTFOUND)
-		http_resp_error(resp, 404, "not_found_error", "not_found", "%s", e.msg);
-	else if (rc == DS_ERANGE)
-		http_resp_error(resp, 422, "invalid_request_error", "does_not_fit", "%s", e.msg);
-	else if (rc == DS_EBUSY || rc == DS_EPERM)
-		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
-	else if (rc == DS_EUNSUPPORTED || rc == DS_EFORMAT)
-		http_resp_error(resp, 400, "invalid_request_error", "unsupported_model", "%s", e.msg);
-	else
-		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	plan_refused(resp, rc, out, &e, "invalid_plan_request", "unsupported_model", 0);
 }
 
 /* ---- deployments: POST / GET / DELETE /v1/cluster/up (agent/api/deploy.h) ---- */
@@ -521,26 +533,12 @@ static void cluster_up(void *ud, const http_req *req, http_resp *resp)
 		reply_status(resp, strcmp(req->method, "POST") == 0 ? 202 : 200, out);
 		return;
 	}
-	if (rc == DS_ERANGE && json_is_object(out) && !json_object_get(out, "error")) {
-		json_t *body = json_pack("{s:{s:s,s:s,s:s},s:o}", "error", "message", e.msg, "type",
-					 "invalid_request_error", "code", "does_not_fit", "plan", out);
-		reply_status(resp, 422, body);
-		return;
-	}
-	json_decref(out);
-	if (rc == DS_EINVAL || rc == DS_EUNSUPPORTED || rc == DS_EFORMAT)
-		http_resp_error(resp, 400, "invalid_request_error", "invalid_deployment", "%s", e.msg);
-	else if (rc == DS_ENOTFOUND)
-		http_resp_error(resp, 404, "not_found_error", "not_found", "%s", e.msg);
-	else if (rc == DS_ERANGE)
-		http_resp_error(resp, 422, "invalid_request_error", "does_not_fit", "%s", e.msg);
-	else if (rc == DS_ECONFLICT)
+	if (rc == DS_ECONFLICT) {
+		json_decref(out);
 		http_resp_error(resp, 409, "conflict_error", "deployment_starting", "%s", e.msg);
-	else if (rc == DS_EBUSY || rc == DS_EPERM) {
-		http_resp_error(resp, 503, "service_unavailable_error", "no_head", "%s", e.msg);
-		http_resp_header(resp, "Retry-After", "2");
-	} else
-		http_resp_error(resp, 500, "server_error", NULL, "%s", e.msg);
+	} else {
+		plan_refused(resp, rc, out, &e, "invalid_deployment", "invalid_deployment", 1);
+	}
 }
 
 /* ---- rank processes of a plan on this node (agent/launch) ---- */

@@ -92,11 +92,6 @@ struct deploy {
 	char *request_text;        /* the current deployment's request body */
 };
 
-static double now_s(void)
-{
-	return ds_now_s();
-}
-
 /* The plan row's status (planned -> launching -> serving | failed | stopped). */
 static void plan_status(deploy *d, int64_t id, uint64_t epoch, const char *status,
 			const char *reason)
@@ -487,18 +482,17 @@ static int dispatch(deploy *d, ds_err *err)
 		json_t *ans = NULL;
 		/* a follower that has not heard of this head yet answers 503 (its
 		 * fence): it learns with the next heartbeat, so ask again */
-		double until = now_s() + FENCE_WAIT_S;
+		double until = ds_now_s() + FENCE_WAIT_S;
 		if (!text)
 			rc = ds_err_set(err, DS_ENOMEM, "out of memory");
 		else
 			while ((rc = cluster_node_call(d->p.cl, nodes[i].id, "POST", "/v1/ranks", text,
 						       strlen(text), CALL_MS, &status, &ans,
 						       err)) == DS_OK &&
-			       status == 503 && now_s() < until) {
+			       status == 503 && ds_now_s() < until) {
 				json_decref(ans);
 				ans = NULL;
-				struct timespec ts = {0, 100 * 1000 * 1000};
-				nanosleep(&ts, NULL);
+				ds_sleep_ms(100);
 			}
 		if (rc == DS_OK && status != 200) {
 			const char *m = json_string_value(
@@ -625,7 +619,7 @@ static void run_up(deploy *d)
 	int failed = d->state == ST_FAILED;
 	if (rc == DS_OK && !failed) {
 		d->state = ST_SERVING;
-		d->t_ready = now_s();
+		d->t_ready = ds_now_s();
 		pthread_mutex_unlock(&d->mu);
 		log_info("deploy", "serving", "id=%lld load_s=%.2f", (long long)id,
 			 d->t_ready - d->t_post);
@@ -654,11 +648,7 @@ static void run_up(deploy *d)
  * engine's error (the driver's step fails), then the model goes. */
 static void run_cleanup(deploy *d)
 {
-	double t0 = now_s();
-	while (atomic_load(&d->p.sv->users) > 0 && now_s() - t0 < DRAIN_MS / 1000.0) {
-		struct timespec ts = {0, 20 * 1000 * 1000};
-		nanosleep(&ts, NULL);
-	}
+	serve_wait_idle(d->p.sv, DRAIN_MS);
 	pthread_mutex_lock(&d->mu);
 	char why[sizeof d->error];
 	ds_strlcpy(why, d->error, sizeof why);
@@ -922,7 +912,7 @@ int deploy_up(deploy *d, const char *body, size_t len, json_t **out, ds_err *err
 	d->error[0] = 0;
 	d->failed_node[0] = 0;
 	d->failed_rank = -1;
-	d->t_post = now_s();
+	d->t_post = ds_now_s();
 	d->t_ready = 0;
 	free(d->request_text);
 	d->request_text = strndup(body, len);
@@ -1045,7 +1035,7 @@ json_t *deploy_status(deploy *d)
 	json_object_set_new(v, "api_url", json_string(api));
 	json_object_set_new(v, "control_url", json_string(control));
 	json_object_set_new(v, "admin_token_file", json_string(d->token_file));
-	json_object_set_new(v, "elapsed_s", json_real(now_s() - d->t_post));
+	json_object_set_new(v, "elapsed_s", json_real(ds_now_s() - d->t_post));
 	json_object_set_new(v, "ready_s",
 			    d->t_ready > 0 ? json_real(d->t_ready - d->t_post) : json_null());
 	json_t *nodes = json_array();

@@ -326,8 +326,7 @@ int serve_wait_idle(serve *s, int timeout_ms)
 	while (serve_busy(s) > 0) {
 		if (ds_now_s() >= until)
 			return 0;
-		struct timespec ts = {0, 10 * 1000 * 1000};
-		nanosleep(&ts, NULL);
+		ds_sleep_ms(10);
 	}
 	return 1;
 }
@@ -362,8 +361,7 @@ static void unload(serve *s)
 				 "users=%d waited_s=%.0f", atomic_load(&s->users), ds_now_s() - t0);
 			said = ds_now_s();
 		}
-		struct timespec ts = {0, 10 * 1000 * 1000};
-		nanosleep(&ts, NULL);
+		ds_sleep_ms(10);
 	}
 	pthread_mutex_lock(&s->mu); /* serve_rank_pid reads m, the stats thread sc */
 	model *m = s->m;
