@@ -129,3 +129,18 @@ char *jsonx_dumps(const json_t *v)
 {
 	return json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
 }
+
+const char *jsonx_str_or(const json_t *o, const char *key, const char *dflt)
+{
+	const json_t *v = json_object_get(o, key);
+	return json_is_string(v) ? json_string_value(v) : dflt;
+}
+
+int jsonx_int_at(const json_t *o, const char *key, long long *out)
+{
+	const json_t *v = json_object_get(o, key);
+	if (!json_is_integer(v))
+		return 0;
+	*out = (long long)json_integer_value(v);
+	return 1;
+}

@@ -32,4 +32,9 @@ int jsonx_get_bool(const json_t *obj, const char *key, int required, int *out, d
 /* Compact one-line text ("{"a":1}"), caller frees with free(); NULL on ENOMEM. */
 char *jsonx_dumps(const json_t *v);
 
+/* Lenient reads for printing what an agent answered: the string at key
+ * (else dflt), and 1 with *out for an integer at key (else 0). */
+const char *jsonx_str_or(const json_t *o, const char *key, const char *dflt);
+int jsonx_int_at(const json_t *o, const char *key, long long *out);
+
 #endif

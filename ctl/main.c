@@ -568,20 +568,6 @@ static int cmd_cluster_members(const struct ctl_opts *o, const struct cmd_flags 
 
 /* ---- nodes and cluster status ---- */
 
-static const char *jstr(const json_t *o, const char *k, const char *dflt)
-{
-	return str_or(json_object_get(o, k), dflt);
-}
-
-static int jint(const json_t *o, const char *k, long long *out)
-{
-	const json_t *v = json_object_get(o, k);
-	if (!json_is_integer(v))
-		return 0;
-	*out = (long long)json_integer_value(v);
-	return 1;
-}
-
 /* "now", "12s ago", "5m ago", or the UTC time for older. */
 static void fmt_ago(const json_t *v, char *out, size_t n)
 {
@@ -633,22 +619,22 @@ static void node_row(const json_t *n, char (*row)[CELL])
 	const json_t *s = json_object_get(n, "summary");
 	long long v = 0, w = 0;
 	char a[40], b[40];
-	snprintf(row[0], CELL, "%s%s", jstr(n, "name", "?"),
+	snprintf(row[0], CELL, "%s%s", jsonx_str_or(n, "name", "?"),
 		 json_is_true(json_object_get(n, "self")) ? "*" : "");
-	snprintf(row[1], CELL, "%s", jstr(n, "addr", "-"));
-	snprintf(row[2], CELL, "%s", jstr(n, "status", "?"));
-	snprintf(row[3], CELL, "%s", jstr(n, "role", "-"));
+	snprintf(row[1], CELL, "%s", jsonx_str_or(n, "addr", "-"));
+	snprintf(row[2], CELL, "%s", jsonx_str_or(n, "status", "?"));
+	snprintf(row[3], CELL, "%s", jsonx_str_or(n, "role", "-"));
 	if (!json_is_object(s)) {
 		for (int c = 4; c < 9; c++)
 			snprintf(row[c], CELL, "?");
 	} else {
-		if (jint(s, "gpus", &v) && v > 0)
+		if (jsonx_int_at(s, "gpus", &v) && v > 0)
 			snprintf(row[4], CELL, "%lld", v);
 		else
-			snprintf(row[4], CELL, "0 (%s)", jstr(s, "compute", "cpu"));
-		if (jint(s, "gpu_memory_total_bytes", &w)) {
+			snprintf(row[4], CELL, "0 (%s)", jsonx_str_or(s, "compute", "cpu"));
+		if (jsonx_int_at(s, "gpu_memory_total_bytes", &w)) {
 			fmt_gib(w, b, sizeof b);
-			if (jint(s, "gpu_memory_used_bytes", &v))
+			if (jsonx_int_at(s, "gpu_memory_used_bytes", &v))
 				fmt_gib(v, a, sizeof a);
 			else
 				snprintf(a, sizeof a, "?");
@@ -656,19 +642,19 @@ static void node_row(const json_t *n, char (*row)[CELL])
 		} else {
 			snprintf(row[5], CELL, "-");
 		}
-		if (jint(s, "max_temperature_c", &v))
+		if (jsonx_int_at(s, "max_temperature_c", &v))
 			snprintf(row[6], CELL, "%lldC", v);
 		else
 			snprintf(row[6], CELL, "-");
-		int hv = jint(s, "ecc_uncorrected_volatile", &v), ha = jint(s, "ecc_uncorrected_aggregate", &w);
+		int hv = jsonx_int_at(s, "ecc_uncorrected_volatile", &v), ha = jsonx_int_at(s, "ecc_uncorrected_aggregate", &w);
 		if (hv || ha)
 			snprintf(row[7], CELL, "%s/%s", hv ? (snprintf(a, sizeof a, "%lld", v), a) : "?",
 				 ha ? (snprintf(b, sizeof b, "%lld", w), b) : "?");
 		else
 			snprintf(row[7], CELL, "-");
 		v = w = 0;
-		jint(s, "ib_ports_up", &v);
-		jint(s, "ib_ports_total", &w);
+		jsonx_int_at(s, "ib_ports_up", &v);
+		jsonx_int_at(s, "ib_ports_total", &w);
 		const json_t *lo = json_object_get(s, "ib_rate_gbps_min");
 		const json_t *hi = json_object_get(s, "ib_rate_gbps_max");
 		if (json_is_number(lo) && json_is_number(hi)) {
@@ -690,9 +676,9 @@ static void node_row(const json_t *n, char (*row)[CELL])
 	snprintf(row[10], CELL, "-");
 	json_array_foreach(ranks, i, k) {
 		long long r = -1;
-		jint(k, "rank", &r);
+		jsonx_int_at(k, "rank", &r);
 		int wr = snprintf(row[10] + used, CELL - used, "%s%lld:%s", i ? " " : "", r,
-				 jstr(k, "state", "?"));
+				 jsonx_str_or(k, "state", "?"));
 		if (wr < 0 || (size_t)wr >= CELL - used) {
 			snprintf(row[10] + (CELL > 4 ? CELL - 4 : 0), 4, "...");
 			break;
@@ -706,14 +692,14 @@ static void print_source(const json_t *v)
 {
 	const json_t *head = json_object_get(v, "head");
 	long long ep = 0;
-	jint(v, "epoch", &ep);
+	jsonx_int_at(v, "epoch", &ep);
 	if (json_is_true(json_object_get(v, "stale")))
 		fprintf(stderr,
 			"dsctl: warning: %s answered from its own view (%s); other nodes' "
 			"inventories are not shown\n",
-			jstr(v, "answered_by", "the agent"), jstr(v, "reason", "no head"));
+			jsonx_str_or(v, "answered_by", "the agent"), jsonx_str_or(v, "reason", "no head"));
 	else if (json_is_object(head))
-		printf("head: %s (epoch %lld)\n", jstr(head, "name", jstr(head, "id", "?")), ep);
+		printf("head: %s (epoch %lld)\n", jsonx_str_or(head, "name", jsonx_str_or(head, "id", "?")), ep);
 }
 
 static const json_t *find_node(const json_t *nodes, const char *name)
@@ -721,9 +707,9 @@ static const json_t *find_node(const json_t *nodes, const char *name)
 	const json_t *hit = NULL;
 	for (size_t i = 0; i < json_array_size(nodes); i++) {
 		const json_t *n = json_array_get(nodes, i);
-		if (strcmp(jstr(n, "name", ""), name) == 0 || strcmp(jstr(n, "id", ""), name) == 0)
+		if (strcmp(jsonx_str_or(n, "name", ""), name) == 0 || strcmp(jsonx_str_or(n, "id", ""), name) == 0)
 			return n;
-		if (strlen(name) >= 4 && strncmp(jstr(n, "id", ""), name, strlen(name)) == 0)
+		if (strlen(name) >= 4 && strncmp(jsonx_str_or(n, "id", ""), name, strlen(name)) == 0)
 			hit = n; /* an id prefix */
 	}
 	return hit;
@@ -737,36 +723,36 @@ static void print_node_detail(const json_t *n)
 	const json_t *src = json_object_get(inv, "gpu_source");
 	char t1[64], t2[64];
 	long long v = 0;
-	printf("node %s  (id %s%s)\n", jstr(n, "name", "?"), jstr(n, "id", "?"),
+	printf("node %s  (id %s%s)\n", jsonx_str_or(n, "name", "?"), jsonx_str_or(n, "id", "?"),
 	       json_is_true(json_object_get(n, "self")) ? ", the agent asked" : "");
-	printf("  address     %s  control port %s  api port %s\n", jstr(n, "addr", "-"),
-	       jint(n, "control_port", &v) ? (snprintf(t1, sizeof t1, "%lld", v), t1) : "-",
-	       jint(n, "api_port", &v) ? (snprintf(t2, sizeof t2, "%lld", v), t2) : "-");
-	jint(n, "epoch", &v);
+	printf("  address     %s  control port %s  api port %s\n", jsonx_str_or(n, "addr", "-"),
+	       jsonx_int_at(n, "control_port", &v) ? (snprintf(t1, sizeof t1, "%lld", v), t1) : "-",
+	       jsonx_int_at(n, "api_port", &v) ? (snprintf(t2, sizeof t2, "%lld", v), t2) : "-");
+	jsonx_int_at(n, "epoch", &v);
 	fmt_ago(json_object_get(n, "last_seen"), t1, sizeof t1);
-	printf("  status      %s  role %s  epoch %lld  last seen %s\n", jstr(n, "status", "?"),
-	       jstr(n, "role", "-"), v, t1);
+	printf("  status      %s  role %s  epoch %lld  last seen %s\n", jsonx_str_or(n, "status", "?"),
+	       jsonx_str_or(n, "role", "-"), v, t1);
 	fmt_time(json_object_get(n, "inventory_at"), "-", t1, sizeof t1);
 	fmt_time(json_object_get(n, "health_at"), "-", t2, sizeof t2);
 	printf("  inventory   %s UTC (health %s UTC), digest %.16s...\n", t1, t2,
-	       jstr(n, "digest", "-"));
+	       jsonx_str_or(n, "digest", "-"));
 	if (!json_is_object(inv)) {
 		printf("  (no inventory: the head has not fetched it yet, or this answer is stale)\n");
 		return;
 	}
 	long long cpus = 0, sockets = 0, mem = 0, ranks = 0;
-	jint(host, "cpus", &cpus);
-	jint(host, "sockets", &sockets);
-	jint(host, "memory_bytes", &mem);
-	jint(comp, "ranks", &ranks);
+	jsonx_int_at(host, "cpus", &cpus);
+	jsonx_int_at(host, "sockets", &sockets);
+	jsonx_int_at(host, "memory_bytes", &mem);
+	jsonx_int_at(comp, "ranks", &ranks);
 	fmt_gib(mem, t1, sizeof t1);
 	printf("  host        %s: %s, %lld CPUs, %lld sockets, %s GiB, %zu NUMA nodes\n",
-	       jstr(host, "hostname", "?"), jstr(host, "cpu_model", "?"), cpus, sockets, t1,
+	       jsonx_str_or(host, "hostname", "?"), jsonx_str_or(host, "cpu_model", "?"), cpus, sockets, t1,
 	       json_array_size(json_object_get(host, "numa_nodes")));
-	printf("  compute     %s, %lld ranks; GPUs from %s%s%s%s%s\n", jstr(comp, "kind", "?"), ranks,
-	       jstr(src, "kind", "?"), json_is_string(json_object_get(src, "spec")) ? " " : "",
-	       jstr(src, "spec", ""), json_is_string(json_object_get(src, "driver_version")) ?
-	       ", driver " : "", jstr(src, "driver_version", ""));
+	printf("  compute     %s, %lld ranks; GPUs from %s%s%s%s%s\n", jsonx_str_or(comp, "kind", "?"), ranks,
+	       jsonx_str_or(src, "kind", "?"), json_is_string(json_object_get(src, "spec")) ? " " : "",
+	       jsonx_str_or(src, "spec", ""), json_is_string(json_object_get(src, "driver_version")) ?
+	       ", driver " : "", jsonx_str_or(src, "driver_version", ""));
 	const json_t *gpus = json_object_get(inv, "gpus");
 	if (json_array_size(gpus)) {
 		printf("\n  %-4s %-24s %-13s %-4s %-15s %-5s %-8s %-7s %s\n", "GPU", "NAME", "BUS ID",
@@ -777,26 +763,26 @@ static void print_node_detail(const json_t *n)
 			long long idx = 0, numa = -1, tot = 0, used = 0, temp = 0, pw = 0, ev = 0, ea = 0,
 				  nl = 0;
 			char mm[48], tt[16], pp[16], ee[48], nn[16];
-			jint(g, "index", &idx);
-			int hn = jint(g, "numa_node", &numa);
-			int ht = jint(g, "memory_total_bytes", &tot), hu = jint(h, "memory_used_bytes", &used);
+			jsonx_int_at(g, "index", &idx);
+			int hn = jsonx_int_at(g, "numa_node", &numa);
+			int ht = jsonx_int_at(g, "memory_total_bytes", &tot), hu = jsonx_int_at(h, "memory_used_bytes", &used);
 			fmt_gib(used, t1, sizeof t1);
 			fmt_gib(tot, t2, sizeof t2);
 			snprintf(mm, sizeof mm, "%s/%s", hu ? t1 : "?", ht ? t2 : "?");
-			int has_t = jint(h, "temperature_c", &temp), has_p = jint(h, "power_mw", &pw);
+			int has_t = jsonx_int_at(h, "temperature_c", &temp), has_p = jsonx_int_at(h, "power_mw", &pw);
 			snprintf(tt, sizeof tt, has_t ? "%lldC" : "-", temp);
 			snprintf(pp, sizeof pp, has_p ? "%lld" : "-", pw / 1000);
-			int a1 = jint(h, "ecc_uncorrected_volatile", &ev);
-			int a2 = jint(h, "ecc_uncorrected_aggregate", &ea);
+			int a1 = jsonx_int_at(h, "ecc_uncorrected_volatile", &ev);
+			int a2 = jsonx_int_at(h, "ecc_uncorrected_aggregate", &ea);
 			snprintf(ee, sizeof ee, "%s/%s", a1 ? (snprintf(t1, sizeof t1, "%lld", ev), t1) : "-",
 				 a2 ? (snprintf(t2, sizeof t2, "%lld", ea), t2) : "-");
-			jint(g, "nvlinks", &nl);
+			jsonx_int_at(g, "nvlinks", &nl);
 			snprintf(nn, sizeof nn, "%lld%s", nl,
 				 json_is_true(json_object_get(g, "nvswitch")) ? " (NVSwitch)" : "");
 			char numa_s[16];
 			snprintf(numa_s, sizeof numa_s, hn ? "%lld" : "-", numa);
 			printf("  %-4lld %-24.24s %-13s %-4s %-15s %-5s %-8s %-7s %s\n", idx,
-			       jstr(g, "name", "?"), jstr(g, "bus_id", "?"), numa_s, mm, tt, pp, ee, nn);
+			       jsonx_str_or(g, "name", "?"), jsonx_str_or(g, "bus_id", "?"), numa_s, mm, tt, pp, ee, nn);
 		}
 	}
 	/* nvidia-smi topo -m style: GPU rows, GPU and RDMA device columns */
@@ -807,7 +793,7 @@ static void print_node_detail(const json_t *n)
 		const char *nics[64];
 		size_t nn = 0;
 		for (size_t i = 0; i < json_array_size(gn) && nn < 64; i++) {
-			const char *nic = jstr(json_array_get(gn, i), "nic", "?");
+			const char *nic = jsonx_str_or(json_array_get(gn, i), "nic", "?");
 			size_t k = 0;
 			while (k < nn && strcmp(nics[k], nic) != 0)
 				k++;
@@ -827,11 +813,11 @@ static void print_node_detail(const json_t *n)
 				for (size_t i = 0; i < json_array_size(links); i++) {
 					const json_t *l = json_array_get(links, i);
 					long long la = -1, lb = -1;
-					jint(l, "a", &la);
-					jint(l, "b", &lb);
+					jsonx_int_at(l, "a", &la);
+					jsonx_int_at(l, "b", &lb);
 					if ((la == (long long)a && lb == (long long)b) ||
 					    (la == (long long)b && lb == (long long)a))
-						lv = jstr(l, "level", "?");
+						lv = jsonx_str_or(l, "level", "?");
 				}
 				printf("%-7s", lv);
 			}
@@ -840,9 +826,9 @@ static void print_node_detail(const json_t *n)
 				for (size_t i = 0; i < json_array_size(gn); i++) {
 					const json_t *e = json_array_get(gn, i);
 					long long g = -1;
-					jint(e, "gpu", &g);
-					if (g == (long long)a && strcmp(jstr(e, "nic", ""), nics[k]) == 0)
-						lv = jstr(e, "level", "?");
+					jsonx_int_at(e, "gpu", &g);
+					if (g == (long long)a && strcmp(jsonx_str_or(e, "nic", ""), nics[k]) == 0)
+						lv = jsonx_str_or(e, "level", "?");
 				}
 				printf("%-8s", lv);
 			}
@@ -858,17 +844,17 @@ static void print_node_detail(const json_t *n)
 			long long port = 0, gid = 0;
 			const json_t *r = json_object_get(p, "rate_gbps");
 			char rate[32] = "-", gs[16] = "-";
-			jint(p, "port", &port);
+			jsonx_int_at(p, "port", &port);
 			if (json_is_number(r)) {
 				fmt_rate(json_number_value(r), t1, sizeof t1);
-				snprintf(rate, sizeof rate, "%s %s", t1, jstr(p, "speed", ""));
+				snprintf(rate, sizeof rate, "%s %s", t1, jsonx_str_or(p, "speed", ""));
 			}
-			if (jint(p, "gid_index", &gid))
+			if (jsonx_int_at(p, "gid_index", &gid))
 				snprintf(gs, sizeof gs, "%lld", gid);
 			printf("  %-10s %-4lld %-10s %-8s %-8s %-11s %-8s %-4s %s\n",
-			       jstr(p, "device", "?"), port, jstr(p, "link_layer", "?"),
-			       jstr(p, "state", "?"), jstr(p, "phys_state", "?"), rate,
-			       jstr(p, "netdev", "-"), gs,
+			       jsonx_str_or(p, "device", "?"), port, jsonx_str_or(p, "link_layer", "?"),
+			       jsonx_str_or(p, "state", "?"), jsonx_str_or(p, "phys_state", "?"), rate,
+			       jsonx_str_or(p, "netdev", "-"), gs,
 			       json_is_true(json_object_get(p, "usable")) ? "yes" : "no");
 		}
 	}
@@ -877,7 +863,7 @@ static void print_node_detail(const json_t *n)
 		printf("\n  NICs\n");
 		for (size_t i = 0; i < json_array_size(nicl); i++) {
 			const json_t *x = json_array_get(nicl, i);
-			printf("  %-10s", jstr(x, "name", "?"));
+			printf("  %-10s", jsonx_str_or(x, "name", "?"));
 			const char *fam[2] = {"ipv4", "ipv6"};
 			for (int f = 0; f < 2; f++) {
 				const json_t *a = json_object_get(x, fam[f]);
@@ -892,7 +878,7 @@ static void print_node_detail(const json_t *n)
 		printf("\n  notes\n");
 		for (size_t i = 0; i < json_array_size(notes); i++) {
 			const json_t *x = json_array_get(notes, i);
-			printf("  %-10s %s\n", jstr(x, "source", "?"), jstr(x, "message", "?"));
+			printf("  %-10s %s\n", jsonx_str_or(x, "source", "?"), jsonx_str_or(x, "message", "?"));
 		}
 	}
 }
@@ -954,13 +940,13 @@ static void plan_rank_row(const json_t *k, char (*row)[CELL])
 	static const char *const f[8] = {"rank", "device", "stage", "tp_rank", "ep_rank",
 					  "layer_first", "layer_count", "expert_first"};
 	for (int i = 0; i < 8; i++)
-		jint(k, f[i], &v[i]);
+		jsonx_int_at(k, f[i], &v[i]);
 	long long ec = 0;
-	jint(k, "expert_count", &ec);
-	jint(k, "weight_bytes", &w);
-	jint(k, "kv_bytes", &kv);
+	jsonx_int_at(k, "expert_count", &ec);
+	jsonx_int_at(k, "weight_bytes", &w);
+	jsonx_int_at(k, "kv_bytes", &kv);
 	snprintf(row[0], CELL, "%lld", v[0]);
-	snprintf(row[1], CELL, "%s", jstr(k, "node_name", jstr(k, "node_id", "?")));
+	snprintf(row[1], CELL, "%s", jsonx_str_or(k, "node_name", jsonx_str_or(k, "node_id", "?")));
 	if (v[1] < 0)
 		snprintf(row[2], CELL, "cpu");
 	else
@@ -990,11 +976,11 @@ static void plan_rank_memory(const json_t *doc, long long r, char (*row)[CELL])
 	const json_t *m = json_object_get(json_array_get(json_object_get(doc, "ranks"), (size_t)r),
 					  "memory");
 	long long v = 0;
-	if (jint(m, "reserve", &v))
+	if (jsonx_int_at(m, "reserve", &v))
 		fmt_gib(v, row[10], CELL);
 	else
 		snprintf(row[10], CELL, "-");
-	if (jint(m, "free", &v))
+	if (jsonx_int_at(m, "free", &v))
 		fmt_gib(v, row[11], CELL);
 	else
 		snprintf(row[11], CELL, "-");
@@ -1011,19 +997,19 @@ static void print_plan_cost(const json_t *doc)
 	       1e3 * json_number_value(json_object_get(c, "seconds_per_token")),
 	       1e3 * json_number_value(json_object_get(c, "read_s")),
 	       1e3 * json_number_value(json_object_get(c, "comm_s")));
-	printf("  cost model: %s\n", jstr(c, "model", "?"));
+	printf("  cost model: %s\n", jsonx_str_or(c, "model", "?"));
 	const json_t *rej = json_object_get(c, "rejected");
 	if (json_array_size(rej))
 		printf("  rejected:\n");
 	for (size_t i = 0; i < json_array_size(rej); i++) {
 		const json_t *x = json_array_get(rej, i);
 		long long t = 0, p = 0, e = 0;
-		jint(x, "tp", &t);
-		jint(x, "pp", &p);
-		jint(x, "ep", &e);
+		jsonx_int_at(x, "tp", &t);
+		jsonx_int_at(x, "pp", &p);
+		jsonx_int_at(x, "ep", &e);
 		printf("    tp %lld x pp %lld x ep %lld: %.3f ms per token, %s\n", t, p, e,
 		       1e3 * json_number_value(json_object_get(x, "seconds_per_token")),
-		       jstr(x, "reason", "?"));
+		       jsonx_str_or(x, "reason", "?"));
 	}
 }
 
@@ -1033,14 +1019,14 @@ static void print_plan_env(const json_t *ranks)
 {
 	for (size_t i = 0; i < json_array_size(ranks); i++) {
 		const json_t *k = json_array_get(ranks, i);
-		const char *node = jstr(k, "node_id", "?");
+		const char *node = jsonx_str_or(k, "node_id", "?");
 		int seen = 0;
 		for (size_t j = 0; j < i && !seen; j++)
-			seen = strcmp(jstr(json_array_get(ranks, j), "node_id", ""), node) == 0;
+			seen = strcmp(jsonx_str_or(json_array_get(ranks, j), "node_id", ""), node) == 0;
 		const json_t *env = json_object_get(k, "env");
 		if (seen || !json_is_object(env))
 			continue;
-		printf("\n  environment of %s (rank %lld)\n", jstr(k, "node_name", node),
+		printf("\n  environment of %s (rank %lld)\n", jsonx_str_or(k, "node_name", node),
 		       (long long)json_integer_value(json_object_get(k, "rank")));
 		const char *name;
 		const json_t *val;
@@ -1063,19 +1049,19 @@ static int cmd_plan_show(const struct ctl_opts *o, const struct cmd_flags *fl, i
 		return rc;
 	}
 	long long ver = 0, ep = 0, tp = 0, pp = 0, epn = 0, W = 0, ctx = -1, seqs = -1;
-	jint(v, "version", &ver);
-	jint(v, "epoch", &ep);
-	jint(v, "tp", &tp);
-	jint(v, "pp", &pp);
-	jint(v, "ep", &epn);
-	jint(v, "world_size", &W);
-	jint(v, "max_ctx", &ctx);
-	jint(v, "max_seqs", &seqs);
+	jsonx_int_at(v, "version", &ver);
+	jsonx_int_at(v, "epoch", &ep);
+	jsonx_int_at(v, "tp", &tp);
+	jsonx_int_at(v, "pp", &pp);
+	jsonx_int_at(v, "ep", &epn);
+	jsonx_int_at(v, "world_size", &W);
+	jsonx_int_at(v, "max_ctx", &ctx);
+	jsonx_int_at(v, "max_seqs", &seqs);
 	char since[64];
 	fmt_ago(json_object_get(v, "status_at"), since, sizeof since);
-	printf("plan v%lld (epoch %lld): %s since %s%s%s\n", ver, ep, jstr(v, "status", "?"), since,
-	       json_is_string(json_object_get(v, "reason")) ? ": " : "", jstr(v, "reason", ""));
-	printf("model:   %s\n", jstr(v, "model", "?"));
+	printf("plan v%lld (epoch %lld): %s since %s%s%s\n", ver, ep, jsonx_str_or(v, "status", "?"), since,
+	       json_is_string(json_object_get(v, "reason")) ? ": " : "", jsonx_str_or(v, "reason", ""));
+	printf("model:   %s\n", jsonx_str_or(v, "model", "?"));
 	printf("ranks:   tp %lld x pp %lld x ep %lld = %lld\n", tp, pp, epn, W);
 	if (ctx >= 0 && seqs >= 0)
 		printf("kv:      max context %lld, %lld sequences of it at once\n", ctx, seqs);
@@ -1108,7 +1094,7 @@ static int cmd_plan_show(const struct ctl_opts *o, const struct cmd_flags *fl, i
 	for (size_t i = 0; i < json_array_size(groups); i++) {
 		const json_t *g = json_array_get(groups, i);
 		char *r = json_dumps(json_object_get(g, "ranks"), JSON_COMPACT);
-		printf("    %-12s %s\n", jstr(g, "name", "?"), r ? r : "?");
+		printf("    %-12s %s\n", jsonx_str_or(g, "name", "?"), r ? r : "?");
 		free(r);
 	}
 	print_plan_env(ranks);
@@ -1131,15 +1117,15 @@ static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *
 	const json_t *self = json_object_get(v, "self");
 	const json_t *head = json_object_get(v, "head");
 	long long ep = 0, hep = 0, lease = 0, expect = 0, quorum = 0, alive = 0, known = 0;
-	jint(v, "epoch", &ep);
-	jint(v, "head_epoch", &hep);
-	jint(v, "lease_left_ms", &lease);
-	jint(v, "expect", &expect);
-	jint(v, "quorum", &quorum);
-	jint(v, "alive", &alive);
-	jint(v, "known", &known);
-	printf("agent:   %s (%s), %s, epoch %lld%s\n", jstr(self, "name", "?"), jstr(self, "id", "?"),
-	       jstr(v, "role", "?"), ep,
+	jsonx_int_at(v, "epoch", &ep);
+	jsonx_int_at(v, "head_epoch", &hep);
+	jsonx_int_at(v, "lease_left_ms", &lease);
+	jsonx_int_at(v, "expect", &expect);
+	jsonx_int_at(v, "quorum", &quorum);
+	jsonx_int_at(v, "alive", &alive);
+	jsonx_int_at(v, "known", &known);
+	printf("agent:   %s (%s), %s, epoch %lld%s\n", jsonx_str_or(self, "name", "?"), jsonx_str_or(self, "id", "?"),
+	       jsonx_str_or(v, "role", "?"), ep,
 	       json_is_true(json_object_get(v, "single")) ? " (single node: no --cluster-key)" : "");
 	if (json_is_object(head)) {
 		char l[48];
@@ -1147,9 +1133,9 @@ static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *
 			snprintf(l, sizeof l, "no expiry");
 		else
 			snprintf(l, sizeof l, "lease %lld ms left here", lease);
-		printf("head:    %s (epoch %lld, %s)\n", jstr(head, "name", "?"), hep, l);
+		printf("head:    %s (epoch %lld, %s)\n", jsonx_str_or(head, "name", "?"), hep, l);
 	} else {
-		printf("head:    none: %s\n", jstr(v, "why", "?"));
+		printf("head:    none: %s\n", jsonx_str_or(v, "why", "?"));
 	}
 	printf("members: %lld alive, %lld known (not left); expect %lld, quorum %lld%s\n", alive,
 	       known, expect, quorum,
@@ -1167,17 +1153,17 @@ static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *
 			const json_t *m = json_array_get(ms, r);
 			char(*row)[CELL] = cells[r + 1];
 			long long e = 0, prio = 0, port = 0;
-			jint(m, "epoch", &e);
-			jint(m, "priority", &prio);
-			snprintf(row[0], CELL, "%s%s", jstr(m, "name", "?"),
+			jsonx_int_at(m, "epoch", &e);
+			jsonx_int_at(m, "priority", &prio);
+			snprintf(row[0], CELL, "%s%s", jsonx_str_or(m, "name", "?"),
 				 json_is_true(json_object_get(m, "self")) ? "*" : "");
-			snprintf(row[1], CELL, "%.12s", jstr(m, "id", "?"));
-			if (jint(m, "port", &port))
-				snprintf(row[2], CELL, "%s:%lld", jstr(m, "addr", "?"), port);
+			snprintf(row[1], CELL, "%.12s", jsonx_str_or(m, "id", "?"));
+			if (jsonx_int_at(m, "port", &port))
+				snprintf(row[2], CELL, "%s:%lld", jsonx_str_or(m, "addr", "?"), port);
 			else
 				snprintf(row[2], CELL, "-");
-			snprintf(row[3], CELL, "%s", jstr(m, "state", "?"));
-			snprintf(row[4], CELL, "%s", jstr(m, "role", "?"));
+			snprintf(row[3], CELL, "%s", jsonx_str_or(m, "state", "?"));
+			snprintf(row[4], CELL, "%s", jsonx_str_or(m, "role", "?"));
 			snprintf(row[5], CELL, "%lld", e);
 			snprintf(row[6], CELL, "%s",
 				 json_is_true(json_object_get(m, "eligible")) ? "yes" : "no");
@@ -1201,17 +1187,17 @@ static int cmd_cluster_status(const struct ctl_opts *o, const struct cmd_flags *
 				const json_t *e = json_array_get(hist, r);
 				char(*row)[CELL] = cells[r + 1];
 				long long x = 0, q = 0;
-				jint(e, "epoch", &x);
+				jsonx_int_at(e, "epoch", &x);
 				snprintf(row[0], CELL, "%lld", x);
 				snprintf(row[1], CELL, "%s",
-					 jstr(e, "head_name", jstr(e, "head", "(none)")));
+					 jsonx_str_or(e, "head_name", jsonx_str_or(e, "head", "(none)")));
 				snprintf(row[2], CELL, "%s",
-					 jstr(e, "candidate_name", jstr(e, "candidate", "-")));
-				if (jint(e, "votes", &x) && jint(e, "quorum", &q))
+					 jsonx_str_or(e, "candidate_name", jsonx_str_or(e, "candidate", "-")));
+				if (jsonx_int_at(e, "votes", &x) && jsonx_int_at(e, "quorum", &q))
 					snprintf(row[3], CELL, "%lld of %lld", x, q);
 				else
 					snprintf(row[3], CELL, "-");
-				snprintf(row[4], CELL, "%s", jstr(e, "outcome", "?"));
+				snprintf(row[4], CELL, "%s", jsonx_str_or(e, "outcome", "?"));
 				fmt_time(json_object_get(e, "ts"), "?", row[5], CELL);
 			}
 			printf("\nrecent elections (as this agent recorded them):\n");

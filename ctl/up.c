@@ -58,21 +58,6 @@ void up_result_free(up_result *r)
 
 /* ---- small helpers ---- */
 
-static const char *jstr(const json_t *o, const char *k, const char *dflt)
-{
-	const json_t *v = json_object_get(o, k);
-	return json_is_string(v) ? json_string_value(v) : dflt;
-}
-
-static int jint(const json_t *o, const char *k, long long *out)
-{
-	const json_t *v = json_object_get(o, k);
-	if (!json_is_integer(v))
-		return 0;
-	*out = (long long)json_integer_value(v);
-	return 1;
-}
-
 static int fail(up_result *res, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static int fail(up_result *res, int code, const char *fmt, ...)
@@ -165,12 +150,12 @@ static int wait_head(const up_params *p, double deadline, up_result *res)
 		int ok = 0;
 		if (a.status >= 200 && a.status < 300 && json_is_object(a.doc)) {
 			int has = json_is_true(json_object_get(a.doc, "has_head"));
-			jint(a.doc, "alive", &alive);
-			jint(a.doc, "head_epoch", &epoch);
-			const char *head = jstr(json_object_get(a.doc, "head"), "name", "?");
+			jsonx_int_at(a.doc, "alive", &alive);
+			jsonx_int_at(a.doc, "head_epoch", &epoch);
+			const char *head = jsonx_str_or(json_object_get(a.doc, "head"), "name", "?");
 			if (!has)
 				snprintf(now, sizeof now, "%s (%lld member(s) alive)",
-					 jstr(a.doc, "why", "no head yet"), alive);
+					 jsonx_str_or(a.doc, "why", "no head yet"), alive);
 			else if (p->expect > 0 && alive < p->expect)
 				snprintf(now, sizeof now, "head %s; %lld of %d members alive", head,
 					 alive, p->expect);
@@ -241,9 +226,9 @@ static void print_shortfall(const up_params *p, const json_t *plan)
 		return;
 	long long bytes = 0, rank = -1, total = 0;
 	char b1[32], b2[32];
-	jint(s, "bytes", &bytes);
-	jint(s, "rank", &rank);
-	jint(s, "total_bytes", &total);
+	jsonx_int_at(s, "bytes", &bytes);
+	jsonx_int_at(s, "rank", &rank);
+	jsonx_int_at(s, "total_bytes", &total);
 	fmt_bytes(bytes, b1, sizeof b1);
 	fmt_bytes(total, b2, sizeof b2);
 	fprintf(p->err, "the model does not fit: short by %s on rank %lld (%s over all devices)\n",
@@ -317,30 +302,30 @@ static void rank_node(const json_t *plan, const json_t *r, char *out, size_t n)
 	const json_t *node = json_object_get(r, "node");
 	long long idx = -1;
 	if (json_is_string(json_object_get(r, "node_name"))) {
-		snprintf(out, n, "%s", jstr(r, "node_name", "?"));
+		snprintf(out, n, "%s", jsonx_str_or(r, "node_name", "?"));
 		return;
 	}
 	if (json_is_string(node)) {
 		snprintf(out, n, "%s", json_string_value(node));
 		return;
 	}
-	jint(r, "node", &idx);
+	jsonx_int_at(r, "node", &idx);
 	const json_t *nd = idx >= 0 ? json_array_get(json_object_get(plan, "nodes"), (size_t)idx)
 				    : NULL;
 	if (json_is_string(json_object_get(nd, "name")))
-		snprintf(out, n, "%s", jstr(nd, "name", "?"));
+		snprintf(out, n, "%s", jsonx_str_or(nd, "name", "?"));
 	else
-		snprintf(out, n, "node %lld (%s)", idx, jstr(r, "hostname", jstr(nd, "hostname", "?")));
+		snprintf(out, n, "node %lld (%s)", idx, jsonx_str_or(r, "hostname", jsonx_str_or(nd, "hostname", "?")));
 }
 
 static void rank_device(const json_t *plan, const json_t *r, char *out, size_t n)
 {
 	long long dev = -1, idx = -1;
-	jint(r, "device", &dev);
-	jint(r, "node", &idx);
+	jsonx_int_at(r, "device", &dev);
+	jsonx_int_at(r, "node", &idx);
 	const json_t *nd = idx >= 0 ? json_array_get(json_object_get(plan, "nodes"), (size_t)idx)
 				    : NULL;
-	int cpu = dev < 0 || strcmp(jstr(nd, "kind", "gpu"), "cpu") == 0;
+	int cpu = dev < 0 || strcmp(jsonx_str_or(nd, "kind", "gpu"), "cpu") == 0;
 	if (dev < 0)
 		snprintf(out, n, "cpu");
 	else
@@ -353,21 +338,21 @@ static void print_plan(const up_params *p, const json_t *doc, up_result *res)
 	const json_t *ranks = json_object_get(plan, "ranks");
 	const json_t *kv = json_object_get(plan, "kv");
 	long long tp = 0, pp = 0, ep = 0, world = 0, ctx = -1, conc = -1, tokens = -1;
-	jint(doc, "deployment", &res->deployment);
-	jint(plan, "tp", &tp);
-	jint(plan, "pp", &pp);
-	jint(plan, "ep", &ep);
-	jint(plan, "world", &world);
-	jint(kv, "max_ctx", &ctx);
-	jint(kv, "concurrency", &conc);
-	jint(kv, "tokens", &tokens);
+	jsonx_int_at(doc, "deployment", &res->deployment);
+	jsonx_int_at(plan, "tp", &tp);
+	jsonx_int_at(plan, "pp", &pp);
+	jsonx_int_at(plan, "ep", &ep);
+	jsonx_int_at(plan, "world", &world);
+	jsonx_int_at(kv, "max_ctx", &ctx);
+	jsonx_int_at(kv, "concurrency", &conc);
+	jsonx_int_at(kv, "tokens", &tokens);
 	if (p->json) {
 		json_t *rs = json_array();
 		for (size_t i = 0; rs && i < json_array_size(ranks); i++) {
 			const json_t *r = json_array_get(ranks, i);
 			char node[256], dev[32];
 			long long k = (long long)i;
-			jint(r, "rank", &k);
+			jsonx_int_at(r, "rank", &k);
 			rank_node(plan, r, node, sizeof node);
 			rank_device(plan, r, dev, sizeof dev);
 			json_array_append_new(rs, json_pack("{s:I,s:s,s:s}", "rank", (json_int_t)k,
@@ -376,7 +361,7 @@ static void print_plan(const up_params *p, const json_t *doc, up_result *res)
 		json_t *ev = json_pack("{s:s,s:O,s:s,s:I,s:I,s:I,s:I,s:o,s:O,s:O}", "event", "plan",
 				       "deployment", json_object_get(doc, "deployment") ?
 				       json_object_get(doc, "deployment") : json_null(),
-				       "state", jstr(doc, "state", "?"), "tp", (json_int_t)tp,
+				       "state", jsonx_str_or(doc, "state", "?"), "tp", (json_int_t)tp,
 				       "pp", (json_int_t)pp, "ep", (json_int_t)ep, "world",
 				       (json_int_t)world, "ranks", rs ? rs : json_array(), "kv",
 				       kv ? kv : json_null(), "plan", plan ? plan : json_null());
@@ -389,8 +374,8 @@ static void print_plan(const up_params *p, const json_t *doc, up_result *res)
 		const json_t *r = json_array_get(ranks, i);
 		char node[256], dev[32];
 		long long k = (long long)i, stage = 0;
-		jint(r, "rank", &k);
-		jint(r, "stage", &stage);
+		jsonx_int_at(r, "rank", &k);
+		jsonx_int_at(r, "stage", &stage);
 		rank_node(plan, r, node, sizeof node);
 		rank_device(plan, r, dev, sizeof dev);
 		fprintf(p->out, "  rank %lld -> %s %s (stage %lld)\n", k, node, dev, stage);
@@ -419,15 +404,15 @@ static void node_view_of(const json_t *n, struct node_view *v)
 	const json_t *rs = json_object_get(n, "ranks");
 	size_t off = 0;
 	memset(v, 0, sizeof *v);
-	snprintf(v->name, sizeof v->name, "%s", jstr(n, "name", "?"));
+	snprintf(v->name, sizeof v->name, "%s", jsonx_str_or(n, "name", "?"));
 	v->bytes_known = json_array_size(rs) > 0;
 	for (size_t i = 0; i < json_array_size(rs); i++) {
 		const json_t *r = json_array_get(rs, i);
 		long long k = -1, l = 0, t = 0;
-		jint(r, "rank", &k);
-		if (jint(r, "loaded_bytes", &l) && jint(r, "total_bytes", &t) && t > 0) {
+		jsonx_int_at(r, "rank", &k);
+		if (jsonx_int_at(r, "loaded_bytes", &l) && jsonx_int_at(r, "total_bytes", &t) && t > 0) {
 			/* the total is the plan's estimate: a ready rank has all of it */
-			if (strcmp(jstr(r, "state", ""), "ready") == 0)
+			if (strcmp(jsonx_str_or(r, "state", ""), "ready") == 0)
 				l = t;
 			v->loaded += l;
 			v->total += t;
@@ -436,7 +421,7 @@ static void node_view_of(const json_t *n, struct node_view *v)
 		}
 		if (off < sizeof v->ranks)
 			off += (size_t)snprintf(v->ranks + off, sizeof v->ranks - off, "%srank %lld %s",
-						i ? ", " : "", k, jstr(r, "state", "?"));
+						i ? ", " : "", k, jsonx_str_or(r, "state", "?"));
 	}
 	if (!json_array_size(rs))
 		snprintf(v->ranks, sizeof v->ranks, "no ranks");
@@ -472,7 +457,7 @@ struct follow {
 
 static void render(const up_params *p, const json_t *doc, double t0, struct follow *f)
 {
-	const char *state = jstr(doc, "state", "?");
+	const char *state = jsonx_str_or(doc, "state", "?");
 	const json_t *nodes = json_object_get(doc, "nodes");
 	double el = ds_now_s() - t0;
 	int state_changed = strcmp(state, f->state) != 0;
@@ -537,7 +522,7 @@ static void render(const up_params *p, const json_t *doc, double t0, struct foll
 static void progress_summary(const json_t *doc, char *out, size_t n)
 {
 	const json_t *nodes = json_object_get(doc, "nodes");
-	size_t off = (size_t)snprintf(out, n, "state %s", jstr(doc, "state", "?"));
+	size_t off = (size_t)snprintf(out, n, "state %s", jsonx_str_or(doc, "state", "?"));
 	for (size_t i = 0; i < json_array_size(nodes) && off < n; i++) {
 		struct node_view v;
 		node_view_of(json_array_get(nodes, i), &v);
@@ -547,7 +532,7 @@ static void progress_summary(const json_t *doc, char *out, size_t n)
 
 static void copy_str(char *dst, size_t n, const json_t *o, const char *k)
 {
-	snprintf(dst, n, "%s", jstr(o, k, ""));
+	snprintf(dst, n, "%s", jsonx_str_or(o, k, ""));
 }
 
 static int follow(const up_params *p, double deadline, double t0, up_result *res)
@@ -561,9 +546,9 @@ static int follow(const up_params *p, double deadline, double t0, up_result *res
 		rc = ask(p, "GET", "/v1/cluster/up", NULL, p->request_ms, &a, res);
 		if (rc == DS_OK && a.status >= 200 && a.status < 300 && json_is_object(a.doc)) {
 			const json_t *doc = a.doc;
-			const char *state = jstr(doc, "state", "?");
+			const char *state = jsonx_str_or(doc, "state", "?");
 			long long dep = -1;
-			int has_dep = jint(doc, "deployment", &dep);
+			int has_dep = jsonx_int_at(doc, "deployment", &dep);
 			render(p, doc, t0, &f);
 			if (res->deployment >= 0 && has_dep && dep != res->deployment) {
 				rc = fail(res, DS_EINTERNAL, "deployment %lld was replaced by deployment "
@@ -580,14 +565,14 @@ static int follow(const up_params *p, double deadline, double t0, up_result *res
 			} else if (strcmp(state, "failed") == 0) {
 				long long fr = -1;
 				copy_str(res->failed_node, sizeof res->failed_node, doc, "failed_node");
-				if (jint(doc, "failed_rank", &fr))
+				if (jsonx_int_at(doc, "failed_rank", &fr))
 					res->failed_rank = (int)fr;
-				rc = fail(res, DS_EINTERNAL, "%s", jstr(doc, "error", "the deployment "
+				rc = fail(res, DS_EINTERNAL, "%s", jsonx_str_or(doc, "error", "the deployment "
 									"failed (the head gave no reason)"));
 			} else if (strcmp(state, "stopped") == 0) {
 				rc = fail(res, DS_EINTERNAL, "the deployment was stopped (`dsctl cluster "
 					  "down`?)%s%s", json_is_string(json_object_get(doc, "error")) ?
-					  ": " : "", jstr(doc, "error", ""));
+					  ": " : "", jsonx_str_or(doc, "error", ""));
 			} else if (strcmp(state, "none") == 0) {
 				rc = fail(res, DS_EINTERNAL, "the head has no deployment (did the head "
 					  "change?)");
@@ -706,24 +691,24 @@ int up_down(const up_params *p, ds_err *err)
 	} else {
 		long long dep = -1;
 		const json_t *nodes = json_object_get(a.doc, "nodes");
-		if (jint(a.doc, "deployment", &dep))
-			fprintf(p->out, "deployment %lld (%s): %s\n", dep, jstr(a.doc, "model", "?"),
-				jstr(a.doc, "state", "?"));
+		if (jsonx_int_at(a.doc, "deployment", &dep))
+			fprintf(p->out, "deployment %lld (%s): %s\n", dep, jsonx_str_or(a.doc, "model", "?"),
+				jsonx_str_or(a.doc, "state", "?"));
 		else
-			fprintf(p->out, "no deployment: %s\n", jstr(a.doc, "state", "?"));
+			fprintf(p->out, "no deployment: %s\n", jsonx_str_or(a.doc, "state", "?"));
 		for (size_t i = 0; i < json_array_size(nodes); i++) {
 			const json_t *n = json_array_get(nodes, i);
 			const json_t *rs = json_object_get(n, "ranks");
-			fprintf(p->out, "  %s:", jstr(n, "name", "?"));
+			fprintf(p->out, "  %s:", jsonx_str_or(n, "name", "?"));
 			for (size_t k = 0; k < json_array_size(rs); k++) {
 				const json_t *r = json_array_get(rs, k);
 				long long rank = -1, pid = -1;
-				jint(r, "rank", &rank);
+				jsonx_int_at(r, "rank", &rank);
 				char pids[32] = "";
-				if (jint(r, "pid", &pid))
+				if (jsonx_int_at(r, "pid", &pid))
 					snprintf(pids, sizeof pids, " (pid %lld)", pid);
 				fprintf(p->out, "%s rank %lld%s %s", k ? "," : "", rank, pids,
-					jstr(r, "state", "?"));
+					jsonx_str_or(r, "state", "?"));
 			}
 			fprintf(p->out, "%s\n", json_array_size(rs) ? "" : " no ranks");
 		}
