@@ -43,6 +43,10 @@ kv_cache *kv_cache_new(const kv_params *p, ds_err *err)
 			       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 		if (m == MAP_FAILED)
 			goto oom;
+		/* transparent huge pages where the kernel allows them: attention
+		 * streams these rows every step, and 4 KiB pages cost a TLB miss
+		 * every few rows (a hint; pages are still touched only when used) */
+		(void)madvise(m, kv->layer_bytes, MADV_HUGEPAGE);
 		kv->layers[l] = m;
 	}
 	for (int i = 0; i < p->n_pages; i++)

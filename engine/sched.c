@@ -307,6 +307,20 @@ static int32_t fit_positions(sched *s, const sched_seq *q)
 	return (int32_t)(cap < INT32_MAX ? cap : INT32_MAX);
 }
 
+/* Tokens of a prefill chunk: at most the chunk size and the budget, and
+ * never leaving exactly one prompt token for a later step.  A token alone in
+ * a step is attended as a decode, the others as a prefill run, and the two
+ * kernels round differently (kernels/cpu/attn_paged.c); so every prompt
+ * token longer than one is computed the same way whatever the chunking (a
+ * prefix cache hit, the budget other requests leave), and so is the text. */
+static int32_t chunk_len(const sched *s, int32_t rem, int budget)
+{
+	int32_t k = imin(imin(rem, s->chunk), budget);
+	if (rem - k == 1 && k >= 3)
+		k--;
+	return k;
+}
+
 /* Phases 1-3 of the header comment: sets each running sequence's plan;
  * returns the tokens planned.  Holds s->mu. */
 static int plan_step(sched *s, int *admitted, int *preempted)
@@ -341,7 +355,7 @@ static int plan_step(sched *s, int *admitted, int *preempted)
 		int32_t rem = n_known(q) - q->n_done;
 		if (rem <= 1)
 			continue;
-		int32_t k = imin(imin(rem, s->chunk), budget);
+		int32_t k = chunk_len(s, rem, budget);
 		while (kv_seq_reserve(s->kv, &q->kv, q->n_done + k, NULL) != DS_OK) {
 			int32_t fit = fit_positions(s, q) - q->n_done;
 			if (fit >= 1) {
@@ -365,7 +379,7 @@ static int plan_step(sched *s, int *admitted, int *preempted)
 	 * just freed belong to older sequences) */
 	while (!*preempted && budget > 0 && s->waiting.head && s->running.n < s->max_running) {
 		sched_seq *q = s->waiting.head;
-		int32_t k = imin(imin(n_known(q) - q->n_done, s->chunk), budget);
+		int32_t k = chunk_len(s, n_known(q) - q->n_done, budget);
 		if (kv_seq_reserve(s->kv, &q->kv, q->n_done + k, NULL) != DS_OK)
 			break;
 		list_remove(&s->waiting, q);

@@ -14,6 +14,7 @@
  * Called through the CPU backend (backend_cpu.c).
  */
 #include "kernels/cpu/attn.h"
+#include "kernels/cpu/attn_paged.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
 #include "kernels/cpu/vmath.h"
@@ -616,6 +617,9 @@ int kc_paged_attn(const kb_paged_attn_args *a)
 	    a->row_stride < a->k_off + a->n_kv_heads * a->head_dim ||
 	    a->row_stride < a->v_off + a->n_kv_heads * a->head_dim)
 		return DS_EINVAL;
+	int rc = kc_paged_attn_simd(a, kc_isa_active());
+	if (rc != DS_EUNSUPPORTED)
+		return rc;
 	paged_job job = {a, pick_ops()};
 	kc_parallel_for(a->n_tok * a->n_heads, 1, paged_range, &job);
 	return DS_OK;

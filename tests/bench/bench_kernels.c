@@ -24,15 +24,19 @@
  *             M = 1..4: us per call and fraction of the read bandwidth;
  *             --decode-hot: the same with N cut down until two copies fit
  *             in L2 (the kernels' compute bound).
+ *   attn      (--attn, alone) paged GQA attention: decode at depth 512 /
+ *             2048 / 8192 against the read probe, prefill chunks in GFLOP/s.
  *   quant     GGUF block-quantized weights (kernels/cpu/quant.h) at the
  *             default model's shapes, M = 1 and 512, and Q4_K / Q6_K at
  *             2048 x 7168, M = 1 (end of the default run; --quant alone).
- * Usage: bench_kernels [--json] [--quick] [--decode|--decode-hot|--quant] [--threads N] [--only DTYPE]
+ * Usage: bench_kernels [--json] [--quick] [--decode|--decode-hot|--quant|--attn] [--threads N] [--only DTYPE]
  *   --quick: one shape, fewer repetitions; --threads: pool size (the cpu
  *   backend instance is opened with it; default one per CPU); --only
  *   bf16|fp8|f16|f32|q4_1|q8_0|q4_k|q6_k: one weight dtype.
  */
+#include "common/fileutil.h"
 #include "common/strutil.h"
+#include "kernels/cpu/attn.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/membw.h"
 #include "kernels/cpu/pool.h"
@@ -525,9 +529,96 @@ static void bench_quant(int quick, int json, const char *only)
 		printf("]");
 }
 
+/* Paged attention (kc_paged_attn) at decode and prefill.  Decode: one token
+ * at depth D over L distinct layer caches (L x D rows, larger than the
+ * last-level cache, so rows come from memory as in a model's step): us per
+ * token and layer, GB/s of K/V rows read, and that over the read probe taken
+ * just before.  Prefill: one chunk of C tokens at positions 0..C-1 (causal),
+ * GFLOP/s counting 4 x head_dim flops per (query, visible key, head). */
+static void bench_attn(void)
+{
+	static const struct {
+		const char *name;
+		int H, KV, hd, layers;
+	} shapes[] = {{"smollm2-135m", 9, 3, 64, 30}, {"llama-8b", 32, 8, 128, 8}};
+	static const int depths[] = {512, 2048, 8192};
+	static const int chunks[] = {512, 2048};
+	const int ps = 64;
+	probe_bandwidth();
+	for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+		const int H = shapes[si].H, KV = shapes[si].KV, hd = shapes[si].hd, L = shapes[si].layers;
+		const int64_t row = 2 * KV * hd, maxd = 8192, pages = maxd / ps;
+		float **cache = calloc((size_t)L, sizeof *cache);
+		size_t clen = 0;
+		int32_t *table = malloc(sizeof(int32_t) * (size_t)pages);
+		float *q = malloc(sizeof(float) * (size_t)(2048 * H * hd));
+		float *out = malloc(sizeof(float) * (size_t)(2048 * H * hd));
+		int32_t *seq = calloc(2048, sizeof(int32_t)), *pos = malloc(sizeof(int32_t) * 2048);
+		for (int64_t i = 0; i < pages; i++)
+			table[i] = (int32_t)((i * 7) % pages); /* scattered pages */
+		for (int l = 0; l < L; l++) {
+			cache[l] = ds_huge_alloc(sizeof(float) * (size_t)(pages * ps * row), &clen); /* as kv.c */
+			for (int64_t i = 0; i < pages * ps * row; i++)
+				cache[l][i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+		}
+		for (int64_t i = 0; i < 2048 * H * hd; i++)
+			q[i] = (float)((i * 40503u) % 1000) / 500.0f - 1.0f;
+		kb_paged_attn_args a = {.out = out, .q = q, .n_tok = 1, .n_heads = H, .n_kv_heads = KV,
+					.head_dim = hd, .q_stride = H * hd, .out_stride = H * hd,
+					.page_size = ps, .row_stride = row, .k_off = 0, .v_off = KV * hd,
+					.block_tables = table, .max_blocks = pages, .tok_seq = seq, .tok_pos = pos,
+					.scale = 0.125f};
+		for (size_t di = 0; di < sizeof depths / sizeof depths[0]; di++) {
+			const int D = depths[di];
+			pos[0] = D - 1;
+			double best = 1e30;
+			probe_bandwidth();
+			for (int rep = 0; rep < 5; rep++) {
+				double t0 = ds_now_s();
+				for (int l = 0; l < L; l++) {
+					a.cache = cache[l];
+					kc_paged_attn(&a);
+				}
+				double dt = (ds_now_s() - t0) / L;
+				best = dt < best ? dt : best;
+			}
+			double gbs = (double)D * (double)row * 4.0 / best / 1e9;
+			printf("paged attn decode %-12s (%d heads on %d x %d) depth %5d: %8.1f us per layer, %5.1f GB/s of "
+			       "K/V, %.2f of the read probe (%.1f GB/s)\n",
+			       shapes[si].name, H, KV, hd, D, best * 1e6, gbs, gbs * 1e9 / bw_best, bw_best / 1e9);
+		}
+		for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
+			const int C = chunks[ci];
+			for (int i = 0; i < C; i++)
+				pos[i] = i;
+			a.n_tok = C;
+			a.cache = cache[0];
+			double best = 1e30;
+			for (int rep = 0; rep < 3; rep++) {
+				double t0 = ds_now_s();
+				kc_paged_attn(&a);
+				double dt = ds_now_s() - t0;
+				best = dt < best ? dt : best;
+			}
+			double flops = 4.0 * hd * H * ((double)C * (C + 1) / 2);
+			printf("paged attn prefill %-12s chunk %5d: %8.2f ms, %6.1f GFLOP/s\n", shapes[si].name, C,
+			       best * 1e3, flops / best / 1e9);
+			a.n_tok = 1;
+		}
+		for (int l = 0; l < L; l++)
+			ds_huge_free(cache[l], clen);
+		free(cache);
+		free(table);
+		free(q);
+		free(out);
+		free(seq);
+		free(pos);
+	}
+}
+
 int main(int argc, char **argv)
 {
-	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0, quant_only = 0, rc = 0;
+	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0, quant_only = 0, attn_only = 0, rc = 0;
 	const char *only = NULL;
 	kb_backend *cpu = NULL;
 	ds_err err = {0};
@@ -542,6 +633,8 @@ int main(int argc, char **argv)
 			decode = 1;
 		} else if (strcmp(argv[i], "--decode-hot") == 0) {
 			decode = 2;
+		} else if (strcmp(argv[i], "--attn") == 0) {
+			attn_only = 1;
 		} else if (strcmp(argv[i], "--quant") == 0) {
 			quant_only = 1;
 		} else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
@@ -552,7 +645,7 @@ int main(int argc, char **argv)
 				return 2;
 			}
 		} else {
-			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--decode] [--decode-hot] [--quant] [--threads N] [--only DTYPE]\n");
+			fprintf(stderr, "usage: bench_kernels [--json] [--quick] [--membw] [--decode] [--decode-hot] [--quant] [--attn] [--threads N] [--only DTYPE]\n");
 			return 2;
 		}
 	}
@@ -585,6 +678,10 @@ int main(int argc, char **argv)
 	}
 	if (quant_only) {
 		bench_quant(quick, json, only);
+		goto out;
+	}
+	if (attn_only) {
+		bench_attn();
 		goto out;
 	}
 	if (json)

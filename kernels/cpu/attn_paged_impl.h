@@ -1,0 +1,287 @@
+/*
+ * attn_paged_impl.h - the body of the paged GQA attention kernels, included
+ * by attn_paged.c once per instruction set (private to kernels/cpu).
+ *
+ * The includer defines, with the matching target pragma active:
+ *   VW            lanes per vector (16 for AVX-512, 8 for AVX2)
+ *   VF            the vector type (__m512 / __m256)
+ *   SFX(name)     the name with the ISA's suffix
+ *   VLOAD(p) VSTORE(p, v) VSET1(x) VZERO() VFMA(a, b, c) = a * b + c
+ *   VMUL VADD VSUB VMAX  VEXP(v)  VHSUM(v) VHMAX(v)
+ *   VBLEND_LT0(pos, j, v)  v where float lanes pos >= j, else 0 (the causal mask)
+ *
+ * Two kernels (see attn_paged.c for how work is split):
+ *  - dec: one query token, the G heads of one KV head, keys [j0, j1): every
+ *    K and V row slice is loaded once for the G heads; lanes are dimensions
+ *    (head_dim % VW == 0).  Writes the unnormalised sum, the max and the
+ *    normaliser (a split of the keys is merged by log-sum-exp afterwards).
+ *  - tile: up to VW consecutive query tokens of one sequence (a prefill chunk)
+ *    and one head, lanes are the tokens: scores of a key for all the tile's
+ *    tokens are one vector (q transposed once per tile, the key's elements
+ *    broadcast), and so is the running max and normaliser; no horizontal
+ *    reduction, no transpose per key.  Keys are read once per tile instead of
+ *    once per token.
+ */
+
+/* ---------------- decode: G heads of one KV head over keys [j0, j1) ---------------- */
+
+/* acc[g][0..hd) += sum_i p[g][i] * V_i, CB vectors of every head in registers */
+__attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const int CB, float *acc,
+							    int64_t hd, const float *p, int64_t pstride,
+							    const float *v0, int64_t rstride, int64_t n)
+{
+	for (int64_t c0 = 0; c0 < hd; c0 += (int64_t)CB * VW) {
+		VF r[DEC_GMAX][4];
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+			for (int c = 0; c < CB; c++)
+				r[g][c] = VLOAD(acc + g * hd + c0 + c * VW);
+		const float *v = v0 + c0;
+		for (int64_t i = 0; i < n; i++, v += rstride) {
+			VF x[4];
+#pragma GCC unroll 4
+			for (int c = 0; c < CB; c++)
+				x[c] = VLOAD(v + c * VW);
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++) {
+				VF w = VSET1(p[g * pstride + i]);
+#pragma GCC unroll 4
+				for (int c = 0; c < CB; c++)
+					r[g][c] = VFMA(w, x[c], r[g][c]);
+			}
+		}
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+			for (int c = 0; c < CB; c++)
+				VSTORE(acc + g * hd + c0 + c * VW, r[g][c]);
+	}
+}
+
+/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled); with pf,
+ * also asks for the n rows of pf_bytes each from pf into L2 (the next block) */
+__attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, float *sc, int64_t sstride,
+							    const float *q, int64_t hd, const float *k0,
+							    int64_t rstride, int64_t n, const char *pf,
+							    int64_t pf_bytes)
+{
+	const float *k = k0;
+	for (int64_t i = 0; i < n; i++, k += rstride) {
+		VF s[DEC_GMAX];
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+			s[g] = VZERO();
+		if (pf) {
+			const char *r = pf + i * rstride * (int64_t)sizeof(float);
+			for (int64_t b = 0; b < pf_bytes; b += 64)
+				_mm_prefetch(r + b, _MM_HINT_T1);
+		}
+		for (int64_t d = 0; d < hd; d += VW) {
+			VF x = VLOAD(k + d);
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++)
+				s[g] = VFMA(VLOAD(q + g * hd + d), x, s[g]);
+		}
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+			sc[g * sstride + i] = VHSUM(s[g]);
+	}
+}
+
+/* One block of n keys (rows from row, one page) for G heads of KV head kh:
+ * q [G][hd] scaled, the stretch's acc [G][hd], m [G], l [G] updated. */
+__attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int G, const kb_paged_attn_args *a,
+								     int64_t kh, const float *q,
+								     const float *row, int64_t n,
+								     float *acc, float *m, float *l,
+								     const char *pf, int64_t pf_bytes)
+{
+	const int64_t hd = a->head_dim, rs = a->row_stride;
+	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
+	SFX(dec_qk)(G, &sc[0][0], BLK + VW, q, hd, row + a->k_off + kh * hd, rs, n, pf, pf_bytes);
+	for (int g = 0; g < G; g++) {
+		float *s = sc[g];
+		VF vm = VSET1(-INFINITY);
+		int64_t i = 0;
+		for (; i + VW <= n; i += VW)
+			vm = VMAX(vm, VLOAD(s + i));
+		float bmax = VHMAX(vm);
+		for (; i < n; i++)
+			bmax = s[i] > bmax ? s[i] : bmax;
+		if (bmax > m[g]) { /* the running max grows: rescale what is summed */
+			float c = expf(m[g] - bmax);
+			VF vc = VSET1(c);
+			for (int64_t d = 0; d < hd; d += VW)
+				VSTORE(acc + g * hd + d, VMUL(VLOAD(acc + g * hd + d), vc));
+			l[g] *= c;
+			m[g] = bmax;
+		}
+		VF vmx = VSET1(m[g]), sum = VZERO();
+		for (i = 0; i + VW <= n; i += VW) {
+			VF e = VEXP(VSUB(VLOAD(s + i), vmx));
+			VSTORE(s + i, e);
+			sum = VADD(sum, e);
+		}
+		float ls = VHSUM(sum);
+		for (; i < n; i++)
+			ls += (s[i] = expf(s[i] - m[g]));
+		l[g] += ls;
+	}
+	const float *v0 = row + a->v_off + kh * hd;
+	if (hd % (4 * VW) == 0 && G <= 4)
+		SFX(dec_pv)(G, 4, acc, hd, &sc[0][0], BLK + VW, v0, rs, n);
+	else if (hd % (2 * VW) == 0)
+		SFX(dec_pv)(G, 2, acc, hd, &sc[0][0], BLK + VW, v0, rs, n);
+	else
+		SFX(dec_pv)(G, 1, acc, hd, &sc[0][0], BLK + VW, v0, rs, n);
+}
+
+static void SFX(dec_block)(int g, const kb_paged_attn_args *a, int64_t kh, const float *q, const float *row,
+			   int64_t n, float *acc, float *m, float *l, const char *pf, int64_t pf_bytes)
+{
+	switch (g) {
+	case 1: SFX(dec_block_fixed)(1, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 2: SFX(dec_block_fixed)(2, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 3: SFX(dec_block_fixed)(3, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 4: SFX(dec_block_fixed)(4, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 5: SFX(dec_block_fixed)(5, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 6: SFX(dec_block_fixed)(6, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 7: SFX(dec_block_fixed)(7, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	default: SFX(dec_block_fixed)(8, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	}
+}
+
+/* ---------------- prefill tile: nq <= VW consecutive tokens, one head ---------------- */
+
+/* Scores, softmax update and weighted sum of one block (n keys from k and v,
+ * row stride rs) for one head of a tile: qt [hd][VW], acc [hd][VW], m and l
+ * per lane. */
+__attribute__((always_inline)) static inline void SFX(tile_block)(const float *qt, float *acc, VF *mp, VF *lp,
+								float *sc, const float *k, const float *v,
+								int64_t rs, int64_t hd, int64_t n, int64_t jb,
+								int masked, VF vpos)
+{
+	/* scores, 4 keys at a time sharing each load of q */
+	int64_t i = 0;
+	for (; i + 4 <= n; i += 4) {
+		VF s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
+		const float *k0 = k + i * rs, *k1 = k0 + rs, *k2 = k1 + rs, *k3 = k2 + rs;
+		for (int64_t d = 0; d < hd; d++) {
+			VF qd = VLOAD(qt + d * VW);
+			s0 = VFMA(qd, VSET1(k0[d]), s0);
+			s1 = VFMA(qd, VSET1(k1[d]), s1);
+			s2 = VFMA(qd, VSET1(k2[d]), s2);
+			s3 = VFMA(qd, VSET1(k3[d]), s3);
+		}
+		VSTORE(sc + (i + 0) * VW, s0);
+		VSTORE(sc + (i + 1) * VW, s1);
+		VSTORE(sc + (i + 2) * VW, s2);
+		VSTORE(sc + (i + 3) * VW, s3);
+	}
+	for (; i < n; i++) {
+		VF s0 = VZERO();
+		const float *k0 = k + i * rs;
+		for (int64_t d = 0; d < hd; d++)
+			s0 = VFMA(VLOAD(qt + d * VW), VSET1(k0[d]), s0);
+		VSTORE(sc + i * VW, s0);
+	}
+	/* the running max and normaliser of every lane */
+	VF bm = VSET1(-INFINITY);
+	for (i = 0; i < n; i++) {
+		VF s = VLOAD(sc + i * VW);
+		if (masked)
+			s = VBLEND_LT(vpos, (float)(jb + i), s, VSET1(-INFINITY));
+		bm = VMAX(bm, s);
+	}
+	VF mn = VMAX(*mp, bm);
+	VF c = VEXP(VSUB(*mp, mn)); /* m = -inf on the first block: acc and l are 0 anyway */
+	VF l = VMUL(*lp, c);
+	for (int64_t d = 0; d < hd; d++)
+		VSTORE(acc + d * VW, VMUL(VLOAD(acc + d * VW), c));
+	*mp = mn;
+	for (i = 0; i < n; i++) {
+		VF e = VEXP(VSUB(VLOAD(sc + i * VW), mn));
+		if (masked)
+			e = VBLEND_LT(vpos, (float)(jb + i), e, VZERO());
+		VSTORE(sc + i * VW, e);
+		l = VADD(l, e);
+	}
+	*lp = l;
+	/* acc[d] += sum_i p_i * V_i[d], 8 dimensions in registers over the block */
+	int64_t d0 = 0;
+	for (; d0 + 8 <= hd; d0 += 8) {
+		VF r[8];
+#pragma GCC unroll 8
+		for (int e = 0; e < 8; e++)
+			r[e] = VLOAD(acc + (d0 + e) * VW);
+		const float *vi = v + d0;
+		for (i = 0; i < n; i++, vi += rs) {
+			VF p = VLOAD(sc + i * VW);
+#pragma GCC unroll 8
+			for (int e = 0; e < 8; e++)
+				r[e] = VFMA(p, VSET1(vi[e]), r[e]);
+		}
+#pragma GCC unroll 8
+		for (int e = 0; e < 8; e++)
+			VSTORE(acc + (d0 + e) * VW, r[e]);
+	}
+	for (; d0 < hd; d0++) {
+		VF r = VLOAD(acc + d0 * VW);
+		for (i = 0; i < n; i++)
+			r = VFMA(VLOAD(sc + i * VW), VSET1(v[i * rs + d0]), r);
+		VSTORE(acc + d0 * VW, r);
+	}
+}
+
+/* nq <= VW consecutive tokens from t0 (one sequence), heads [h0, h0 + nh) of
+ * one KV head: every block of keys is read once for all of them. */
+static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh)
+{
+	const kb_paged_attn_args *a = x->a;
+	const int64_t hd = a->head_dim, ps = a->page_size, rs = a->row_stride;
+	const int64_t kh = h0 / (a->n_heads / a->n_kv_heads);
+	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t0] * a->max_blocks;
+	const int64_t p0 = a->tok_pos[t0], plast = a->tok_pos[t0 + nq - 1];
+	_Alignas(64) float qt[TILE_FMAX];  /* per head [d][lane] = scale * q[t0 + lane][h][d] */
+	_Alignas(64) float acc[TILE_FMAX]; /* per head [d][lane] */
+	_Alignas(64) float sc[BLK * VW];   /* [key][lane] */
+	_Alignas(64) float pos[VW];
+	VF m[TILE_HMAX], l[TILE_HMAX];
+	for (int g = 0; g < nh; g++) {
+		for (int i = 0; i < VW; i++) {
+			int li = i < nq ? i : nq - 1; /* idle lanes repeat the last token */
+			const float *q = a->q + (t0 + li) * a->q_stride + (h0 + g) * hd;
+			for (int64_t d = 0; d < hd; d++)
+				qt[(g * hd + d) * VW + i] = q[d] * a->scale;
+		}
+		m[g] = VSET1(-INFINITY);
+		l[g] = VZERO();
+	}
+	for (int i = 0; i < VW; i++)
+		pos[i] = (float)a->tok_pos[t0 + (i < nq ? i : nq - 1)];
+	memset(acc, 0, (size_t)(nh * hd * VW) * sizeof *acc);
+	const VF vpos = VLOAD(pos);
+	for (int64_t jb = 0; jb <= plast;) {
+		int64_t in_page = ps - jb % ps, n = plast + 1 - jb;
+		n = n < in_page ? n : in_page;
+		n = n < BLK ? n : BLK;
+		const float *row = a->cache + ((int64_t)bt[jb / ps] * ps + jb % ps) * rs;
+		const int masked = jb + n - 1 > p0; /* some key of the block lies past a lane's token */
+		for (int g = 0; g < nh; g++)
+			SFX(tile_block)(qt + g * hd * VW, acc + g * hd * VW, &m[g], &l[g], sc,
+					row + a->k_off + kh * hd, row + a->v_off + kh * hd, rs, hd, n, jb, masked,
+					vpos);
+		jb += n;
+	}
+	for (int g = 0; g < nh; g++) {
+		_Alignas(64) float inv[VW];
+		VSTORE(inv, l[g]);
+		for (int i = 0; i < nq; i++) {
+			float *o = a->out + (t0 + i) * a->out_stride + (h0 + g) * hd;
+			float s = 1.0f / inv[i];
+			for (int64_t d = 0; d < hd; d++)
+				o[d] = acc[(g * hd + d) * VW + i] * s;
+		}
+	}
+}
