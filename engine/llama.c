@@ -589,10 +589,11 @@ static int attention(llama_model *m, const llayer *ly, float *cache, const eng_b
 	part_cols(m, PART_ATTN, m->base.rank.tp_rank, &oc0, &ocn);
 	if (n_kv == 0) /* a tp rank past the kv heads: only its rows of o */
 		goto project;
+	const lw *qkv[3] = {&ly->q, &ly->k, &ly->v};
+	float *qkv_y[3] = {m->q, m->kvb, m->kvb + kvd};
+	const int64_t qkv_stride[3] = {qd, 2 * kvd, 2 * kvd};
 	if ((rc = rmsnorm(m, m->h, x, ly->attn_norm, n)) ||
-	    (rc = linear(m, &ly->q, m->h, D, m->q, qd, n, 0)) ||
-	    (rc = linear(m, &ly->k, m->h, D, m->kvb, 2 * kvd, n, 0)) ||
-	    (rc = linear(m, &ly->v, m->h, D, m->kvb + kvd, 2 * kvd, n, 0)))
+	    (rc = model_linear_multi(m->be, qkv, 3, m->h, D, qkv_y, qkv_stride, n)))
 		return rc;
 	kb_rope_args rq = {.x = m->q, .n_tok = n, .n_heads = n_heads, .tok_stride = qd,
 				.head_stride = c->head_dim, .rot_dim = c->head_dim,
@@ -633,9 +634,11 @@ static int mlp(llama_model *m, const llayer *ly, int64_t n, float *x, ds_err *er
 	const int64_t D = m->c.dim, F = m->c.ffn, f0 = m->sp.f0, fc = m->sp.fc;
 	int rc;
 	if (fc > 0) {
+		const lw *gu[2] = {&ly->gate, &ly->up};
+		float *gu_y[2] = {m->g + f0, m->u};
+		const int64_t gu_stride[2] = {F, fc};
 		if ((rc = rmsnorm(m, m->h, x, ly->ffn_norm, n)) ||
-		    (rc = linear(m, &ly->gate, m->h, D, m->g + f0, F, n, 0)) ||
-		    (rc = linear(m, &ly->up, m->h, D, m->u, fc, n, 0)))
+		    (rc = model_linear_multi(m->be, gu, 2, m->h, D, gu_y, gu_stride, n)))
 			return rc;
 		kb_silu_mul_args sm = {.out = m->g + f0, .gate = m->g + f0, .up = m->u, .rows = n, .dim = fc,
 					.out_stride = F, .gate_stride = F, .up_stride = fc};

@@ -679,6 +679,20 @@ int model_linear(const kb_backend *be, const model_weight *w, const float *x, in
 	return M ? kb_matmul(be, &a) : DS_OK;
 }
 
+int model_linear_multi(const kb_backend *be, const model_weight *const *w, int n, const float *x,
+		       int64_t x_stride, float *const *y, const int64_t *y_stride, int64_t M)
+{
+	kb_matmul_args a[8];
+	if (n > 8)
+		return DS_EINVAL;
+	for (int i = 0; i < n; i++)
+		a[i] = (kb_matmul_args){.y = y[i], .x = x, .w = w[i]->w, .w_scale = w[i]->scale,
+					.wtype = w[i]->type, .M = M, .N = w[i]->n, .K = w[i]->k,
+					.x_stride = x_stride, .y_stride = y_stride[i], .w_stride = w[i]->k,
+					.scale_stride = w[i]->scale_stride, .block = w[i]->block};
+	return M ? kb_matmul_multi(be, a, n) : DS_OK;
+}
+
 void *model_act_alloc(const kb_backend *be, size_t *counter, size_t n, size_t size)
 {
 	size_t bytes = (n ? n : 1) * size;

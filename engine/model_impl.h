@@ -68,6 +68,10 @@ typedef struct model_weight {
 /* y[M][n] (+)= x[M][k] W^T through be->matmul; M = 0 is a no-op. */
 int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
 		 float *y, int64_t y_stride, int64_t M, int accumulate);
+/* n products of the same x (each y[i], y_stride[i], w[i]) through
+ * kb_matmul_multi: one job on the CPU for a decode row, else n model_linear. */
+int model_linear_multi(const kb_backend *be, const model_weight *const *w, int n, const float *x,
+		       int64_t x_stride, float *const *y, const int64_t *y_stride, int64_t M);
 
 /* calloc that adds the bytes to *counter (a model's extra_bytes): host
  * memory the graph's C code reads (f32 copies of norms, bookkeeping). */

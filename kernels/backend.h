@@ -329,6 +329,9 @@ typedef struct kb_backend_ops {
 	int (*set_threads)(const kb_backend *be, int n);
 	int (*rmsnorm)(const kb_backend *be, const kb_rmsnorm_args *a);
 	int (*matmul)(const kb_backend *be, const kb_matmul_args *a);
+	/* n independent products run as one job where the backend can (NULL:
+	 * kb_matmul_multi calls matmul n times); the same results as n calls. */
+	int (*matmul_multi)(const kb_backend *be, const kb_matmul_args *a, int n);
 	int (*embed)(const kb_backend *be, const kb_embed_args *a);
 	int (*rope)(const kb_backend *be, const kb_rope_args *a);
 	int (*silu_mul)(const kb_backend *be, const kb_silu_mul_args *a);
@@ -409,6 +412,17 @@ static inline int kb_sync(const kb_backend *be) { return be->ops->sync(be); }
 static inline int kb_set_threads(const kb_backend *be, int n) { return be->ops->set_threads ? be->ops->set_threads(be, n) : DS_EUNSUPPORTED; }
 static inline int kb_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a) { return be->ops->rmsnorm(be, a); }
 static inline int kb_matmul(const kb_backend *be, const kb_matmul_args *a) { return be->ops->matmul(be, a); }
+static inline int kb_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n)
+{
+	if (be->ops->matmul_multi)
+		return be->ops->matmul_multi(be, a, n);
+	for (int i = 0; i < n; i++) {
+		int rc = be->ops->matmul(be, &a[i]);
+		if (rc)
+			return rc;
+	}
+	return DS_OK;
+}
 static inline int kb_embed(const kb_backend *be, const kb_embed_args *a) { return be->ops->embed(be, a); }
 static inline int kb_rope(const kb_backend *be, const kb_rope_args *a) { return be->ops->rope(be, a); }
 static inline int kb_silu_mul(const kb_backend *be, const kb_silu_mul_args *a) { return be->ops->silu_mul(be, a); }

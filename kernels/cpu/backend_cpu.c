@@ -88,6 +88,30 @@ static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
 	return kc_matmul_batch_isa(kc_isa_active(), a);
 }
 
+/* A decode step's products of one x row (q, k, v; gate, up) meet the
+ * threads once (kc_qmatmul_multi_isa) when they qualify; otherwise, or for
+ * any argument matmul would refuse, one call each. */
+static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n)
+{
+	int ok = n > 1;
+	for (int i = 0; i < n && ok; i++)
+		ok = a[i].M == 1 && a[i].N > 0 && a[i].K > 0 && a[i].y && a[i].x && a[i].w &&
+		     a[i].y_stride >= a[i].N && a[i].w_stride >= a[i].K && a[i].batch <= 1 &&
+		     (unsigned)a[i].wtype < (unsigned)KB_DTYPE_COUNT && kb_dtype_is_quant(a[i].wtype) &&
+		     a[i].K % kb_dtype_block(a[i].wtype) == 0 && a[i].w_stride % kb_dtype_block(a[i].wtype) == 0;
+	if (ok) {
+		int rc = kc_qmatmul_multi_isa(kc_isa_active(), a, n);
+		if (rc != DS_EUNSUPPORTED)
+			return rc;
+	}
+	for (int i = 0; i < n; i++) {
+		int rc = cpu_matmul(be, &a[i]);
+		if (rc)
+			return rc;
+	}
+	return DS_OK;
+}
+
 static int cpu_embed(const kb_backend *be, const kb_embed_args *a)
 {
 	if (!a || a->n < 0 || a->dim < 0)
@@ -227,6 +251,7 @@ static const kb_backend_ops cpu_ops = {
 	.set_threads = cpu_set_threads,
 	.rmsnorm = cpu_rmsnorm,
 	.matmul = cpu_matmul,
+	.matmul_multi = cpu_matmul_multi,
 	.embed = cpu_embed,
 	.rope = cpu_rope,
 	.silu_mul = cpu_silu_mul,

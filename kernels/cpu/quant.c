@@ -668,6 +668,56 @@ int kc_qmatmul_isa(enum kc_isa isa, const kb_matmul_args *a)
 	return DS_OK;
 }
 
+/* ---- several products of one x row ---- */
+
+#define MULTI_MAX 8
+
+typedef struct multi_job {
+	job jobs[MULTI_MAX];          /* one per product; they share the act rows */
+	int64_t first[MULTI_MAX + 1]; /* first row of each product in the joint range */
+	int n;
+} multi_job;
+
+static void multi_rows(void *ctx, int64_t r0, int64_t r1)
+{
+	const multi_job *mj = ctx;
+	for (int i = 0; i < mj->n; i++) {
+		int64_t b = r0 > mj->first[i] ? r0 : mj->first[i];
+		int64_t e = r1 < mj->first[i + 1] ? r1 : mj->first[i + 1];
+		if (b < e)
+			gemv_rows((void *)&mj->jobs[i], b - mj->first[i], e - mj->first[i]);
+	}
+}
+
+int kc_qmatmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
+{
+	if (isa > kc_isa_detect() || n < 1 || n > MULTI_MAX)
+		return DS_EUNSUPPORTED;
+	const kc_qkernels *k = kernels_for(isa);
+	const int xb = kb_dtype_is_quant(a[0].wtype) ? kc_q_xblock(a[0].wtype) : 0;
+	for (int i = 0; i < n; i++)
+		if (!kb_dtype_is_quant(a[i].wtype) || kc_q_xblock(a[i].wtype) != xb || a[i].M != 1 ||
+		    a[i].N < 1 || a[i].K != a[0].K || a[i].x != a[0].x || a[i].batch > 1 ||
+		    (k->nr > 0 && a[i].M >= k->gemm_min_m))
+			return DS_EUNSUPPORTED;
+	layout l;
+	layout_for(a[0].wtype, a[0].K, 0, 2, &l);
+	char *base = scratch_get(l.row_bytes);
+	if (!base)
+		return DS_ENOMEM;
+	multi_job mj = {.n = n};
+	for (int i = 0; i < n; i++) {
+		mj.jobs[i] = (job){.a = &a[i], .k = k, .l = &l, .base = base, .m0 = 0, .rows = 1,
+				   .w_row_bytes = kb_dtype_bytes(a[i].wtype, a[i].w_stride)};
+		mj.first[i + 1] = mj.first[i] + a[i].N;
+	}
+	quant_rows(&mj.jobs[0], 0, 1);
+	/* one contiguous range of rows per thread, as for one product */
+	const int threads = kc_pool_threads();
+	kc_parallel_for(mj.first[n], (mj.first[n] + threads - 1) / threads, multi_rows, &mj);
+	return DS_OK;
+}
+
 /* ---- embedding rows from a quantized table ---- */
 
 static void qembed_rows(void *ctx, int64_t b, int64_t e)

@@ -95,6 +95,14 @@ void kc_qmatmul_ref(const kb_matmul_args *a);
 #define KC_QUANT_SCRATCH_MAX ((size_t)64 << 20)
 int kc_qmatmul_isa(enum kc_isa isa, const kb_matmul_args *a);
 
+/* n products of one x row (every M = 1, the same x and K, weight types whose
+ * activations are quantized alike, none batched): x is quantized once and the
+ * rows of all the products are split over the pool as one range, so the
+ * threads meet once instead of n times (a decode step's q, k and v, or gate
+ * and up).  DS_EUNSUPPORTED (nothing done) when the products do not qualify:
+ * the caller then runs them one by one.  Arguments already validated. */
+int kc_qmatmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n);
+
 /* Embedding lookup from a block-quantized table: out[i] = dequantized row
  * ids[i] (a->dim and a->table_stride multiples of the block; validated by the
  * caller).  Rows are spread over the pool. */

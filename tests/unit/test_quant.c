@@ -377,3 +377,67 @@ TEST(quant_dequant_op_slices)
 	CHECK_EQ(kb_dequant(be, &a), DS_EINVAL);
 	free(w);
 }
+
+TEST(quant_matmul_multi_equals_each_product)
+{
+	/* q, k and v of a decode row (Q8_0, Q4_1 and Q8_0: the same activation
+	 * blocks), then gate and up in Q4_K / Q6_K (256-blocks): through the
+	 * backend's matmul_multi, on every ISA and 1-3 threads, the bits of
+	 * one call per product; one product accumulating into y */
+	const kb_backend *be = kb_backend_get("cpu", NULL);
+	CHECK(be != NULL && be->ops->matmul_multi != NULL);
+	static const struct {
+		enum kb_dtype t[3];
+		int64_t N[3], K;
+		int n;
+	} sets[] = {{{KB_Q8_0, KB_Q4_1, KB_Q8_0}, {576, 192, 200}, 576, 3},
+		    {{KB_Q4_K, KB_Q6_K, KB_Q4_K}, {300, 160, 0}, 512, 2}};
+	const int prev_threads = kc_pool_threads();
+	for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+		const int n = sets[si].n;
+		const int64_t K = sets[si].K;
+		uint8_t *w[3];
+		float *y[3], *ref[3];
+		kb_matmul_args a[3];
+		float *x = malloc((size_t)K * sizeof(float));
+		for (int64_t i = 0; i < K; i++)
+			x[i] = ut_rand_float(-2.0f, 2.0f);
+		for (int i = 0; i < n; i++) {
+			const int64_t N = sets[si].N[i];
+			size_t wb = (size_t)N * kb_dtype_bytes(sets[si].t[i], K);
+			w[i] = malloc(wb);
+			rand_blocks(sets[si].t[i], w[i], wb);
+			y[i] = malloc((size_t)N * sizeof(float));
+			ref[i] = malloc((size_t)N * sizeof(float));
+			a[i] = (kb_matmul_args){.y = y[i], .x = x, .w = w[i], .wtype = sets[si].t[i], .M = 1,
+						.N = N, .K = K, .x_stride = K, .y_stride = N, .w_stride = K,
+						.accumulate = i == 1};
+		}
+		for (int isa = (int)KC_ISA_AVX2; isa <= (int)kc_isa_detect(); isa++) {
+			enum kc_isa prev = kc_isa_force((enum kc_isa)isa);
+			for (int th = 1; th <= 3; th++) {
+				CHECK_EQ(kc_pool_set_threads(th), DS_OK);
+				for (int i = 0; i < n; i++) {
+					for (int64_t r = 0; r < sets[si].N[i]; r++)
+						ref[i][r] = y[i][r] = (float)r * 0.25f; /* what accumulate adds to */
+					a[i].y = ref[i];
+					CHECK_EQ(kb_matmul(be, &a[i]), DS_OK);
+					a[i].y = y[i];
+				}
+				CHECK_EQ(kb_matmul_multi(be, a, n), DS_OK);
+				for (int i = 0; i < n; i++)
+					if (memcmp(y[i], ref[i], (size_t)sets[si].N[i] * sizeof(float)) != 0)
+						ut_fail(__FILE__, __LINE__, "set %zu product %d, isa %s, %d threads: "
+							"other bits than one call", si, i, kc_isa_name((enum kc_isa)isa), th);
+			}
+			kc_isa_force(prev);
+		}
+		for (int i = 0; i < n; i++) {
+			free(w[i]);
+			free(y[i]);
+			free(ref[i]);
+		}
+		free(x);
+	}
+	kc_pool_set_threads(prev_threads);
+}
