@@ -14,6 +14,7 @@
  * Called through the CPU backend (backend_cpu.c).
  */
 #include "kernels/cpu/attn.h"
+#include "kernels/cpu/attn_mla.h"
 #include "kernels/cpu/attn_paged.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
@@ -530,6 +531,8 @@ int kc_mla_attn(const kb_mla_attn_args *a)
 		kc_parallel_for(a->n_tok * per_tok, 1, mla_groups_range, &job);
 		return DS_OK;
 	}
+	if (kc_isa_active() >= KC_ISA_AVX2 && kc_mla_attn_avx2(a) == DS_OK)
+		return DS_OK;
 #endif
 	kc_parallel_for(a->n_tok * a->n_heads, 1, mla_range, &job);
 	return DS_OK;

@@ -1,0 +1,222 @@
+/*
+ * attn_mla_avx2.c - absorbed MLA over the paged latent cache on AVX2: the
+ * heads of a token in groups of up to 8 share each load of a cache row
+ * (kc_mla_attn's AVX2 path; attn.c keeps the AVX-512 and scalar ones).
+ *
+ * Every head of MLA reads the same latent rows (kv_lora + rope floats per
+ * position), so a per-head loop reads the whole cache once per head: 16
+ * times per layer on the benchmark model, 128 on DeepSeek-V3.  Here a chunk
+ * of MLA_CHUNK rows (in L2) is scored and summed for a group of heads at a
+ * time, with the online softmax of attn.c (running max per head, rescaled
+ * once per chunk).  AVX2 has 16 vector registers: one row at a time is
+ * scored (a lane accumulator per head), and the weighted sum keeps one or
+ * two vectors of every head's output in registers over the chunk's rows.
+ * Per head the arithmetic does not depend on the group size, so the result
+ * does not depend on the thread count.
+ */
+#include "kernels/cpu/attn_mla.h"
+#include "kernels/cpu/pool.h"
+#include "kernels/cpu/vmath.h"
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define MLA_CHUNK 128
+#define MLA_GMAX 8
+#define MLA_PF 8 /* rows ahead asked for into L2 */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+__attribute__((always_inline)) static inline float hsum8(__m256 v)
+{
+	__m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_add_ss(h, _mm_movehdup_ps(h));
+	return _mm_cvtss_f32(h);
+}
+
+/* sc[g][i] = scale * (ql[g] . row_i[0..lora) + qp[g] . row_i[lora..lora+rope)) */
+__attribute__((always_inline)) static inline void scores_fixed(const int G, float sc[][MLA_CHUNK],
+							      const float *const *ql, const float *const *qp,
+							      const float *const *rows, int64_t n, int64_t npf,
+							      int64_t lora, int64_t rope, float scale)
+{
+	for (int64_t i = 0; i < n; i++) {
+		const float *r = rows[i];
+		if (i + MLA_PF < npf) /* the row MLA_PF on, line by line */
+			for (int64_t d = 0; d < lora + rope; d += 16)
+				_mm_prefetch((const char *)(rows[i + MLA_PF] + d), _MM_HINT_T1);
+		__m256 acc[MLA_GMAX];
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+			acc[g] = _mm256_setzero_ps();
+		for (int64_t d = 0; d < lora; d += 8) {
+			__m256 c = _mm256_loadu_ps(r + d);
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++)
+				acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(ql[g] + d), c, acc[g]);
+		}
+		for (int64_t d = 0; d < rope; d += 8) {
+			__m256 c = _mm256_loadu_ps(r + lora + d);
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++)
+				acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qp[g] + d), c, acc[g]);
+		}
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+			sc[g][i] = scale * hsum8(acc[g]);
+	}
+}
+
+/* out[g][0..lora) += sum_i w[g][i] * rows[i][0..lora), CB vectors of every
+ * head's output in registers over the chunk's rows */
+__attribute__((always_inline)) static inline void wsum_fixed(const int G, const int CB, float *const *out,
+							    float w[][MLA_CHUNK], const float *const *rows,
+							    int64_t n, int64_t lora)
+{
+	for (int64_t d = 0; d < lora; d += 8 * CB) {
+		__m256 a[MLA_GMAX][2];
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+#pragma GCC unroll 2
+			for (int c = 0; c < CB; c++)
+				a[g][c] = _mm256_loadu_ps(out[g] + d + 8 * c);
+		for (int64_t i = 0; i < n; i++) {
+			__m256 x[2];
+#pragma GCC unroll 2
+			for (int c = 0; c < CB; c++)
+				x[c] = _mm256_loadu_ps(rows[i] + d + 8 * c);
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++) {
+				__m256 wi = _mm256_set1_ps(w[g][i]);
+#pragma GCC unroll 2
+				for (int c = 0; c < CB; c++)
+					a[g][c] = _mm256_fmadd_ps(wi, x[c], a[g][c]);
+			}
+		}
+#pragma GCC unroll 8
+		for (int g = 0; g < G; g++)
+#pragma GCC unroll 2
+			for (int c = 0; c < CB; c++)
+				_mm256_storeu_ps(out[g] + d + 8 * c, a[g][c]);
+	}
+}
+
+__attribute__((always_inline)) static inline void group_fixed(const int G, const kb_mla_attn_args *a,
+							     int64_t t, int64_t h0)
+{
+	const int64_t lora = a->kv_lora, rope = a->rope_dim;
+	const float *ql[MLA_GMAX], *qp[MLA_GMAX];
+	float *out[MLA_GMAX], m[MLA_GMAX], l[MLA_GMAX];
+	_Alignas(32) float sc[MLA_GMAX][MLA_CHUNK];
+	const float *rows[MLA_CHUNK + MLA_PF];
+	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
+	for (int g = 0; g < G; g++) {
+		ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * lora;
+		qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * rope;
+		out[g] = a->out + t * a->out_stride + (h0 + g) * lora;
+		memset(out[g], 0, (size_t)lora * sizeof(float));
+		m[g] = -INFINITY;
+		l[g] = 0.0f;
+	}
+	const int64_t keys = a->tok_pos[t] + 1;
+	for (int64_t j0 = 0; j0 < keys; j0 += MLA_CHUNK) {
+		const int64_t n = keys - j0 < MLA_CHUNK ? keys - j0 : MLA_CHUNK;
+		const int64_t npf = keys - j0 < n + MLA_PF ? keys - j0 : n + MLA_PF;
+		for (int64_t i = 0; i < npf; i++) {
+			const int64_t j = j0 + i;
+			rows[i] = a->cache + ((int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size) *
+						     a->row_stride;
+		}
+		scores_fixed(G, sc, ql, qp, rows, n, npf, lora, rope, a->scale);
+		for (int g = 0; g < G; g++) {
+			float cmax = -INFINITY;
+			for (int64_t i = 0; i < n; i++)
+				cmax = sc[g][i] > cmax ? sc[g][i] : cmax;
+			if (cmax > m[g]) { /* the running max grows: rescale what is summed */
+				const float c = expf(m[g] - cmax);
+				const __m256 vc = _mm256_set1_ps(c);
+				for (int64_t d = 0; d < lora; d += 8)
+					_mm256_storeu_ps(out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(out[g] + d), vc));
+				l[g] *= c;
+				m[g] = cmax;
+			}
+			const __m256 vm = _mm256_set1_ps(m[g]);
+			__m256 sum = _mm256_setzero_ps();
+			int64_t i = 0;
+			for (; i + 8 <= n; i += 8) {
+				__m256 e = kc_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + i), vm));
+				_mm256_storeu_ps(sc[g] + i, e);
+				sum = _mm256_add_ps(sum, e);
+			}
+			float s = hsum8(sum);
+			for (; i < n; i++)
+				s += (sc[g][i] = expf(sc[g][i] - m[g]));
+			l[g] += s;
+		}
+		if (G <= 4 && lora % 16 == 0)
+			wsum_fixed(G, 2, out, sc, rows, n, lora);
+		else
+			wsum_fixed(G, 1, out, sc, rows, n, lora);
+	}
+	for (int g = 0; g < G; g++) {
+		const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+		for (int64_t d = 0; d < lora; d += 8)
+			_mm256_storeu_ps(out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(out[g] + d), inv));
+	}
+}
+
+static void group(const kb_mla_attn_args *a, int64_t t, int64_t h0, int g)
+{
+	switch (g) {
+	case 1: group_fixed(1, a, t, h0); break;
+	case 2: group_fixed(2, a, t, h0); break;
+	case 3: group_fixed(3, a, t, h0); break;
+	case 4: group_fixed(4, a, t, h0); break;
+	case 5: group_fixed(5, a, t, h0); break;
+	case 6: group_fixed(6, a, t, h0); break;
+	case 7: group_fixed(7, a, t, h0); break;
+	default: group_fixed(8, a, t, h0); break;
+	}
+}
+#pragma GCC pop_options
+
+typedef struct mla2_job {
+	const kb_mla_attn_args *a;
+	int64_t gsize, per_tok;
+} mla2_job;
+
+static void groups_range(void *ctx, int64_t begin, int64_t end)
+{
+	const mla2_job *j = ctx;
+	const int64_t H = j->a->n_heads;
+	for (int64_t it = begin; it < end; it++) {
+		const int64_t t = it / j->per_tok, h0 = it % j->per_tok * j->gsize;
+		group(j->a, t, h0, (int)(H - h0 < j->gsize ? H - h0 : j->gsize));
+	}
+}
+
+int kc_mla_attn_avx2(const kb_mla_attn_args *a)
+{
+	if (a->kv_lora % 8 || a->rope_dim % 8)
+		return DS_EUNSUPPORTED;
+	/* the largest group (at most MLA_GMAX) that still gives every thread an item */
+	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
+	mla2_job j = {.a = a, .gsize = MLA_GMAX};
+	while (j.gsize > 1 && a->n_tok * ((a->n_heads + j.gsize - 1) / j.gsize) < threads)
+		j.gsize /= 2;
+	j.per_tok = (a->n_heads + j.gsize - 1) / j.gsize;
+	kc_parallel_for(a->n_tok * j.per_tok, 1, groups_range, &j);
+	return DS_OK;
+}
+#else
+int kc_mla_attn_avx2(const kb_mla_attn_args *a)
+{
+	(void)a;
+	return DS_EUNSUPPORTED;
+}
+#endif
