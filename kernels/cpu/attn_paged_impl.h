@@ -59,12 +59,10 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
 	}
 }
 
-/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled); with pf,
- * also asks for the n rows of pf_bytes each from pf into L2 (the next block) */
+/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled) */
 __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, float *sc, int64_t sstride,
 							    const float *q, int64_t hd, const float *k0,
-							    int64_t rstride, int64_t n, const char *pf,
-							    int64_t pf_bytes)
+							    int64_t rstride, int64_t n)
 {
 	const float *k = k0;
 	for (int64_t i = 0; i < n; i++, k += rstride) {
@@ -72,11 +70,6 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, float
 #pragma GCC unroll 8
 		for (int g = 0; g < G; g++)
 			s[g] = VZERO();
-		if (pf) {
-			const char *r = pf + i * rstride * (int64_t)sizeof(float);
-			for (int64_t b = 0; b < pf_bytes; b += 64)
-				_mm_prefetch(r + b, _MM_HINT_T1);
-		}
 		for (int64_t d = 0; d < hd; d += VW) {
 			VF x = VLOAD(k + d);
 #pragma GCC unroll 8
@@ -94,12 +87,11 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, float
 __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int G, const kb_paged_attn_args *a,
 								     int64_t kh, const float *q,
 								     const float *row, int64_t n,
-								     float *acc, float *m, float *l,
-								     const char *pf, int64_t pf_bytes)
+								     float *acc, float *m, float *l)
 {
 	const int64_t hd = a->head_dim, rs = a->row_stride;
 	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
-	SFX(dec_qk)(G, &sc[0][0], BLK + VW, q, hd, row + a->k_off + kh * hd, rs, n, pf, pf_bytes);
+	SFX(dec_qk)(G, &sc[0][0], BLK + VW, q, hd, row + a->k_off + kh * hd, rs, n);
 	for (int g = 0; g < G; g++) {
 		float *s = sc[g];
 		VF vm = VSET1(-INFINITY);
@@ -138,17 +130,17 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 }
 
 static void SFX(dec_block)(int g, const kb_paged_attn_args *a, int64_t kh, const float *q, const float *row,
-			   int64_t n, float *acc, float *m, float *l, const char *pf, int64_t pf_bytes)
+			   int64_t n, float *acc, float *m, float *l)
 {
 	switch (g) {
-	case 1: SFX(dec_block_fixed)(1, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	case 2: SFX(dec_block_fixed)(2, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	case 3: SFX(dec_block_fixed)(3, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	case 4: SFX(dec_block_fixed)(4, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	case 5: SFX(dec_block_fixed)(5, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	case 6: SFX(dec_block_fixed)(6, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	case 7: SFX(dec_block_fixed)(7, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
-	default: SFX(dec_block_fixed)(8, a, kh, q, row, n, acc, m, l, pf, pf_bytes); break;
+	case 1: SFX(dec_block_fixed)(1, a, kh, q, row, n, acc, m, l); break;
+	case 2: SFX(dec_block_fixed)(2, a, kh, q, row, n, acc, m, l); break;
+	case 3: SFX(dec_block_fixed)(3, a, kh, q, row, n, acc, m, l); break;
+	case 4: SFX(dec_block_fixed)(4, a, kh, q, row, n, acc, m, l); break;
+	case 5: SFX(dec_block_fixed)(5, a, kh, q, row, n, acc, m, l); break;
+	case 6: SFX(dec_block_fixed)(6, a, kh, q, row, n, acc, m, l); break;
+	case 7: SFX(dec_block_fixed)(7, a, kh, q, row, n, acc, m, l); break;
+	default: SFX(dec_block_fixed)(8, a, kh, q, row, n, acc, m, l); break;
 	}
 }
 
