@@ -186,8 +186,8 @@ static int cfg_load_env(const cfg_opt *tab, void *cfg, const char *prefix, ds_er
 	return DS_OK;
 }
 
-/* Parses argv[start..]: `--name value`, `--name=value`, bare `--flag` for bools,
- * `-x value` for options with a short_flag.
+/* Parses argv[start..]: `--name value`, `--name=value`, bare `--flag` for bools
+ * (and `--no-flag` to set one false), `-x value` for options with a short_flag.
  * Stops at "--" or at the first argument that is not a flag; *next gets its
  * index (argc when all were consumed).  `--config` is accepted and skipped. */
 static int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, int start,
@@ -203,6 +203,7 @@ static int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, 
 		const char *name, *eq;
 		size_t len;
 		const cfg_opt *o = NULL;
+		int negated = 0; /* --no-NAME of a boolean NAME: false */
 		if (a[0] == '-' && a[1] && a[1] != '-' && a[2] == '\0') {
 			for (const cfg_opt *s = tab; s->name && !o; s++)
 				if (s->short_flag == a[1])
@@ -224,12 +225,21 @@ static int cfg_parse_args(const cfg_opt *tab, void *cfg, int argc, char **argv, 
 			continue;
 		}
 		o = find(tab, name, len);
+		if (!o && !eq && len > 3 && strncmp(name, "no-", 3) == 0) {
+			o = find(tab, name + 3, len - 3);
+			negated = o && o->type == CFG_BOOL;
+			if (!negated)
+				o = NULL;
+		}
 		if (!o)
 			return ds_err_set(err, DS_EINVAL, "unknown flag --%.*s (see --help)", (int)len,
 					  name);
 	have_opt:;
 		const char *val;
-		if (eq) {
+		if (negated) {
+			val = "false";
+			i++;
+		} else if (eq) {
 			val = eq + 1;
 			i++;
 		} else if (o->type == CFG_BOOL) {

@@ -18,6 +18,8 @@
  * The config file is `--config FILE` (or $<PREFIX>_CONFIG): lines of
  * `key = value`, `#` comments, keys spelled as the flags.  The environment
  * variable of "api-port" with prefix "DSAGENT" is DSAGENT_API_PORT.
+ * A boolean is set true by its bare flag (`--name`) and false by `--no-name`
+ * or `--name=false`.
  * CFG_STR fields are `char *` owned by the struct (cfg_free releases them);
  * CFG_INT are int, CFG_I64 int64_t, CFG_DOUBLE double, CFG_BOOL int (0/1).
  */

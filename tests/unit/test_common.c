@@ -198,6 +198,29 @@ TEST(config_precedence_file_env_flags)
 	unlink(path);
 }
 
+TEST(config_no_flag_sets_a_boolean_false)
+{
+	struct tcfg c;
+	ds_err e = {0};
+	char *a1[] = {"prog", "--flag", "--no-flag", NULL}; /* the later one wins */
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 3, a1, 1, NULL, &e), DS_OK);
+	CHECK_EQ(c.flag, 0);
+	cfg_free(topts, &c);
+	char *a2[] = {"prog", "--no-flag", "--flag", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 3, a2, 1, NULL, &e), DS_OK);
+	CHECK_EQ(c.flag, 1);
+	cfg_free(topts, &c);
+	/* only booleans have a --no- form, and it takes no value */
+	char *a3[] = {"prog", "--no-port", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 2, a3, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "--no-port") != NULL);
+	cfg_free(topts, &c);
+	char *a4[] = {"prog", "--no-flag=true", NULL};
+	CHECK_EQ(cfg_load(topts, &c, "DSUT", 2, a4, 1, NULL, &e), DS_EINVAL);
+	CHECK(strstr(e.msg, "--no-flag") != NULL);
+	cfg_free(topts, &c);
+}
+
 TEST(config_rejects_bad_values_with_names)
 {
 	struct tcfg c;
