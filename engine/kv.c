@@ -1,14 +1,34 @@
 /*
- * kv.c - paged KV cache (see kv.h).
+ * kv.c - paged KV cache and its prefix cache (see kv.h).  Called by the
+ * scheduler (engine/sched.c), dsrun and the models' tests; one owner thread.
+ *
+ * A page's states (each edge names the function that takes it):
+ *
+ *   FREE ──kv_page_alloc──> IN USE ──kv_page_unref (last, unpublished)──> FREE
+ *                             │  ^
+ *              kv_seq_publish │  │ kv_seq_match (takes a reference)
+ *                             v  │
+ *                     IN USE, PUBLISHED ──kv_page_unref (last)──> EVICTABLE
+ *   EVICTABLE ──kv_seq_match──> IN USE, PUBLISHED
+ *   EVICTABLE ──kv_page_alloc (free stack empty; LRU head)──> IN USE (unpublished)
  *
  * Invariants:
- *   1. refs[p] == 0  <=>  p is on the free stack (free_top entries).
+ *   1. refs[p] == 0  <=>  p is on the free stack (free_top entries) or on the
+ *      LRU list (n_lru entries); on the LRU list  <=>  refs[p] == 0 and p is
+ *      published.
  *   2. a kv_seq holds exactly one reference on each page in blocks[0..n_blocks).
  *   3. layer arrays are allocated once at creation (anonymous mmap, so untouched
  *      pages cost no resident memory) and never move.
+ *   4. p is published  <=>  p is in the hash table (bucket chain of
+ *      key[p]); its ids[p] and parent link (parent[p], parent_gen[p]) do not
+ *      change until it is evicted.  gen[p] grows at every allocation.
+ *   5. the LRU list runs from the least recently released page (head, evicted
+ *      first) to the most recent (tail); a sequence's pages are released last
+ *      block first, so the end of a prefix goes before its start.
  */
 #include "engine/kv.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -20,6 +40,20 @@ struct kv_cache {
 	int32_t *refs;
 	int32_t *free_stack;
 	int free_top;
+
+	/* prefix cache, per page */
+	uint64_t *key;        /* [n_pages] chain hash (published pages) */
+	int32_t *ids;         /* [n_pages][page_size] token ids (published pages) */
+	int32_t *parent;      /* [n_pages] page before it in its sequence, -1 = first */
+	uint32_t *parent_gen; /* [n_pages] gen[parent] when it was published */
+	uint32_t *gen;        /* [n_pages] allocations so far */
+	uint8_t *published;   /* [n_pages] */
+	int32_t *hnext;       /* [n_pages] next page in the same bucket, -1 = end */
+	int32_t *bucket;      /* [n_buckets] first page, -1 = none */
+	uint64_t bucket_mask; /* n_buckets - 1 (a power of two >= n_pages) */
+	int32_t *lru_prev, *lru_next; /* [n_pages] links of the LRU list, -1 = end */
+	int32_t lru_head, lru_tail;
+	int n_lru, n_published;
 };
 
 kv_cache *kv_cache_new(const kv_params *p, ds_err *err)
@@ -34,10 +68,32 @@ kv_cache *kv_cache_new(const kv_params *p, ds_err *err)
 	kv->p = *p;
 	kv->layer_bytes = (size_t)p->n_pages * (size_t)p->page_size * (size_t)p->row_floats * sizeof(float);
 	kv->layers = calloc((size_t)p->n_layers, sizeof *kv->layers);
-	kv->refs = calloc((size_t)p->n_pages, sizeof *kv->refs);
-	kv->free_stack = malloc((size_t)p->n_pages * sizeof *kv->free_stack);
-	if (!kv->layers || !kv->refs || !kv->free_stack)
+	const size_t np = (size_t)p->n_pages;
+	size_t nb = 1;
+	while (nb < np)
+		nb *= 2;
+	kv->refs = calloc(np, sizeof *kv->refs);
+	kv->free_stack = malloc(np * sizeof *kv->free_stack);
+	kv->key = calloc(np, sizeof *kv->key);
+	kv->ids = malloc(np * (size_t)p->page_size * sizeof *kv->ids);
+	kv->parent = malloc(np * sizeof *kv->parent);
+	kv->parent_gen = calloc(np, sizeof *kv->parent_gen);
+	kv->gen = calloc(np, sizeof *kv->gen);
+	kv->published = calloc(np, sizeof *kv->published);
+	kv->hnext = malloc(np * sizeof *kv->hnext);
+	kv->bucket = malloc(nb * sizeof *kv->bucket);
+	kv->lru_prev = malloc(np * sizeof *kv->lru_prev);
+	kv->lru_next = malloc(np * sizeof *kv->lru_next);
+	if (!kv->layers || !kv->refs || !kv->free_stack || !kv->key || !kv->ids || !kv->parent ||
+	    !kv->parent_gen || !kv->gen || !kv->published || !kv->hnext || !kv->bucket ||
+	    !kv->lru_prev || !kv->lru_next)
 		goto oom;
+	kv->bucket_mask = nb - 1;
+	for (size_t i = 0; i < nb; i++)
+		kv->bucket[i] = -1;
+	for (size_t i = 0; i < np; i++)
+		kv->parent[i] = kv->hnext[i] = kv->lru_prev[i] = kv->lru_next[i] = -1;
+	kv->lru_head = kv->lru_tail = -1;
 	for (int l = 0; l < p->n_layers; l++) {
 		void *m = mmap(NULL, kv->layer_bytes, PROT_READ | PROT_WRITE,
 			       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -70,6 +126,16 @@ void kv_cache_free(kv_cache *kv)
 	free(kv->layers);
 	free(kv->refs);
 	free(kv->free_stack);
+	free(kv->key);
+	free(kv->ids);
+	free(kv->parent);
+	free(kv->parent_gen);
+	free(kv->gen);
+	free(kv->published);
+	free(kv->hnext);
+	free(kv->bucket);
+	free(kv->lru_prev);
+	free(kv->lru_next);
 	free(kv);
 }
 
@@ -85,7 +151,17 @@ float *kv_cache_layer(kv_cache *kv, int layer)
 
 int kv_cache_pages_free(const kv_cache *kv)
 {
-	return kv->free_top;
+	return kv->free_top + kv->n_lru;
+}
+
+int kv_cache_pages_cached(const kv_cache *kv)
+{
+	return kv->n_published;
+}
+
+int kv_cache_pages_evictable(const kv_cache *kv)
+{
+	return kv->n_lru;
 }
 
 size_t kv_cache_bytes(const kv_cache *kv)
@@ -93,24 +169,85 @@ size_t kv_cache_bytes(const kv_cache *kv)
 	return kv->layer_bytes * (size_t)kv->p.n_layers;
 }
 
-/* Page management: alloc returns a page id with one reference, or -1. */
+/* ---- the LRU list and the hash table (invariants 1, 4, 5) ---- */
+
+static void lru_remove(kv_cache *kv, int page)
+{
+	int32_t pv = kv->lru_prev[page], nx = kv->lru_next[page];
+	if (pv >= 0)
+		kv->lru_next[pv] = nx;
+	else
+		kv->lru_head = nx;
+	if (nx >= 0)
+		kv->lru_prev[nx] = pv;
+	else
+		kv->lru_tail = pv;
+	kv->lru_prev[page] = kv->lru_next[page] = -1;
+	kv->n_lru--;
+}
+
+static void lru_push_back(kv_cache *kv, int page)
+{
+	kv->lru_prev[page] = kv->lru_tail;
+	kv->lru_next[page] = -1;
+	if (kv->lru_tail >= 0)
+		kv->lru_next[kv->lru_tail] = page;
+	else
+		kv->lru_head = page;
+	kv->lru_tail = page;
+	kv->n_lru++;
+}
+
+static int32_t *bucket_of(kv_cache *kv, uint64_t key)
+{
+	return &kv->bucket[key & kv->bucket_mask];
+}
+
+static void hash_remove(kv_cache *kv, int page)
+{
+	int32_t *at = bucket_of(kv, kv->key[page]);
+	while (*at != page)
+		at = &kv->hnext[*at];
+	*at = kv->hnext[page];
+	kv->hnext[page] = -1;
+	kv->published[page] = 0;
+	kv->n_published--;
+}
+
+/* Page management: alloc returns a page id with one reference, or -1.  The
+ * free stack first; then the least recently released cached page, which
+ * stops being published. */
 static int kv_page_alloc(kv_cache *kv)
 {
-	if (kv->free_top == 0)
+	int page;
+	if (kv->free_top > 0) {
+		page = kv->free_stack[--kv->free_top];
+	} else if (kv->lru_head >= 0) {
+		page = kv->lru_head;
+		lru_remove(kv, page);
+		hash_remove(kv, page);
+	} else {
 		return -1;
-	int page = kv->free_stack[--kv->free_top];
+	}
 	kv->refs[page] = 1;
+	kv->gen[page]++;
 	return page;
 }
 
 static void kv_page_ref(kv_cache *kv, int page)
 {
-	kv->refs[page]++;
+	if (kv->refs[page]++ == 0)
+		lru_remove(kv, page); /* invariant 1: only published pages wait there */
 }
 
 static void kv_page_unref(kv_cache *kv, int page)
 {
-	if (--kv->refs[page] == 0)
+	assert(kv->refs[page] > 0);
+	if (--kv->refs[page] > 0)
+		return;
+	if (kv->published[page])
+		lru_push_back(kv, page);
+	else
 		kv->free_stack[kv->free_top++] = page;
 }
 
@@ -138,9 +275,9 @@ int kv_seq_reserve(kv_cache *kv, kv_seq *seq, int64_t n_positions, ds_err *err)
 	int need = (int)need64;
 	if (need <= seq->n_blocks)
 		return DS_OK;
-	if (need - seq->n_blocks > kv->free_top)
+	if (need - seq->n_blocks > kv_cache_pages_free(kv))
 		return ds_err_set(err, DS_EBUSY, "kv cache: %d more pages needed, %d free",
-				  need - seq->n_blocks, kv->free_top);
+				  need - seq->n_blocks, kv_cache_pages_free(kv));
 	int rc = grow(seq, need, err);
 	if (rc)
 		return rc;
@@ -179,4 +316,92 @@ void kv_seq_free(kv_cache *kv, kv_seq *seq)
 	free(seq->blocks);
 	seq->blocks = NULL;
 	seq->cap = 0;
+}
+
+/* ---- prefix caching ---- */
+
+static uint64_t mix64(uint64_t x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdULL;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ULL;
+	x ^= x >> 33;
+	return x;
+}
+
+uint64_t kv_page_key(uint64_t parent, const int32_t *ids, int page_size)
+{
+	uint64_t h = mix64(parent ^ 0x9e3779b97f4a7c15ULL);
+	for (int i = 0; i < page_size; i++)
+		h = mix64(h ^ ((uint64_t)(uint32_t)ids[i] + 0x632be59bd9b4e019ULL * (uint64_t)(i + 1)));
+	return h;
+}
+
+/* The published page with this key, ids and parent link, or -1 (kv.h: the
+ * hash finds candidates, the ids and the link decide). */
+static int find_page(kv_cache *kv, uint64_t key, const int32_t *ids, int32_t parent)
+{
+	const int ps = kv->p.page_size;
+	uint32_t pgen = parent >= 0 ? kv->gen[parent] : 0;
+	for (int32_t p = *bucket_of(kv, key); p >= 0; p = kv->hnext[p])
+		if (kv->key[p] == key && kv->parent[p] == parent && kv->parent_gen[p] == pgen &&
+		    memcmp(kv->ids + (int64_t)p * ps, ids, (size_t)ps * sizeof *ids) == 0)
+			return p;
+	return -1;
+}
+
+int64_t kv_seq_match(kv_cache *kv, kv_seq *seq, const int32_t *ids, int64_t n_ids, ds_err *err)
+{
+	if (seq->n_blocks != 0)
+		return ds_err_set(err, DS_EINVAL, "kv cache: matching into a non-empty sequence");
+	const int ps = kv->p.page_size;
+	int64_t max = n_ids / ps;
+	if (max > kv->p.n_pages)
+		max = kv->p.n_pages;
+	uint64_t key = KV_ROOT_KEY;
+	int32_t parent = -1;
+	int n = 0;
+	while (n < max) {
+		const int32_t *page_ids = ids + (int64_t)n * ps;
+		key = kv_page_key(key, page_ids, ps);
+		int p = find_page(kv, key, page_ids, parent);
+		if (p < 0)
+			break;
+		int rc = grow(seq, n + 1, err);
+		if (rc) {
+			kv_seq_truncate(kv, seq, 0);
+			return rc;
+		}
+		kv_page_ref(kv, p);
+		seq->blocks[seq->n_blocks++] = p;
+		parent = p;
+		n++;
+	}
+	return (int64_t)n * ps;
+}
+
+void kv_seq_publish(kv_cache *kv, const kv_seq *seq, int from, int to, const int32_t *ids)
+{
+	const int ps = kv->p.page_size;
+	assert(to <= seq->n_blocks);
+	for (int i = from; i < to; i++) {
+		int p = seq->blocks[i];
+		if (kv->published[p])
+			continue;
+		int32_t parent = i > 0 ? seq->blocks[i - 1] : -1;
+		assert(parent < 0 || kv->published[parent]);
+		if (parent >= 0 && !kv->published[parent])
+			return; /* its key is unknown: the chain stops here */
+		const int32_t *page_ids = ids + (int64_t)i * ps;
+		kv->key[p] = kv_page_key(parent >= 0 ? kv->key[parent] : KV_ROOT_KEY, page_ids, ps);
+		memcpy(kv->ids + (int64_t)p * ps, page_ids, (size_t)ps * sizeof *page_ids);
+		kv->parent[p] = parent;
+		kv->parent_gen[p] = parent >= 0 ? kv->gen[parent] : 0;
+		int32_t *b = bucket_of(kv, kv->key[p]);
+		kv->hnext[p] = *b;
+		*b = p;
+		kv->published[p] = 1;
+		kv->n_published++;
+	}
 }
