@@ -339,6 +339,7 @@ int main(int argc, char **argv)
 	sp.max_batch_tokens = opts.max_batch_tokens;
 	sp.prefill_chunk = opts.prefill_chunk;
 	sp.page_size = opts.page_size;
+	sp.prefix_caching = opts.enable_prefix_caching;
 	sp.kv_bytes = (size_t)opts.kv_cache_mb << 20;
 	sp.auth = !opts.insecure_no_auth;
 	sp.metrics_auth = opts.metrics_auth;

@@ -73,6 +73,10 @@ const cfg_opt agent_opts_table[] = {
 	 .help = "prompt tokens of one request per step (chunked prefill)"},
 	{.name = "page-size", .type = CFG_INT, .offset = O(page_size), .def = "16", .min = 1,
 	 .max = 4096, .help = "positions per KV-cache page"},
+	{.name = "enable-prefix-caching", .type = CFG_BOOL, .offset = O(enable_prefix_caching),
+	 .def = "true", .min = 1, .max = 0,
+	 .help = "reuse the KV pages of earlier prompts that start the same way (automatic "
+		 "prefix caching; --no-enable-prefix-caching turns it off)"},
 	{.name = "kv-cache-mb", .type = CFG_INT, .offset = O(kv_cache_mb), .def = "1024", .min = 1,
 	 .max = 1 << 24, .help = "KV-cache memory cap in MiB (pages beyond it preempt)"},
 	{.name = "max-body-kb", .type = CFG_INT, .offset = O(max_body_kb), .def = "2048", .min = 1,

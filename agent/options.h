@@ -27,6 +27,7 @@ typedef struct agent_opts {
 	int tp, pp, ep;          /* a plan of rank processes on this machine (engine/driver.h) */
 	int ctx;
 	int max_running, max_waiting, max_batch_tokens, prefill_chunk, page_size;
+	int enable_prefix_caching;
 	int kv_cache_mb;
 	int max_body_kb;
 	/* both HTTP servers (agent/api/http.h) */

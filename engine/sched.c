@@ -36,7 +36,10 @@
  *      admission order;
  *   3. admissions from the head of the waiting queue (FIFO: never skipped)
  *      while max_running, the budget and free pages for the first chunk last;
- *      none in a step that preempted.
+ *      none in a step that preempted.  With prefix caching the sequence first
+ *      takes its cached pages (kv_seq_match on all its known ids but the
+ *      last) and starts at the first position past them; when the pages of
+ *      its first chunk do not fit, it gives them back and waits.
  * A sequence that needs a page when none is free takes one from the most
  * recently admitted running sequence (preempt: pages freed, back to the front
  * of the waiting queue); a prefill chunk first shrinks to the free pages and
@@ -60,6 +63,10 @@
  *      block list (max_blocks entries) at sched_submit.
  *   5. events: n_taken <= n_pub <= n_gen; fin is set once, after the last
  *      token is published, and a consumer sees it only when n_taken == n_pub.
+ *   6. prefix caching: a running sequence's pages [0, n_pub_pages) are
+ *      published (matched at admission, or published by sample_all once the
+ *      step that filled them succeeded); they lie below n_done, so no step
+ *      writes into them.  Steps that fail publish nothing.
  */
 #include "engine/sched.h"
 
@@ -108,6 +115,7 @@ struct sched_seq {
 	int plan_decode;         /* planned in phase 1 (its last known token alone) */
 	int logit_row;           /* row of s->logits, -1 = nothing sampled */
 	int admitted_once;
+	int n_pub_pages;         /* kv.blocks[0, n_pub_pages) are published (prefix cache) */
 	sched_finish pending;    /* finish decided by this step's sample */
 
 	/* published: under s->mu */
@@ -131,6 +139,7 @@ struct sched {
 	kv_cache *kv;
 	int V, max_ctx, page_size, n_pages, max_blocks;
 	int max_running, max_waiting, budget, chunk;
+	int prefix;              /* prefix caching on */
 	int32_t *model_eos;      /* [n_model_eos] */
 	int n_model_eos;
 
@@ -240,6 +249,7 @@ static void sync_stats(sched *s)
 	s->stats.running = s->running.n;
 	s->stats.waiting = s->waiting.n;
 	s->stats.kv_pages_used = s->n_pages - kv_cache_pages_free(s->kv);
+	s->stats.kv_pages_cached = kv_cache_pages_cached(s->kv);
 }
 
 /* Ends q (running or waiting) with fin: pages and row freed, unlinked, the
@@ -273,6 +283,7 @@ static void preempt(sched *s, sched_seq *q)
 	s->free_slots[s->n_free_slots++] = q->slot;
 	q->slot = -1;
 	q->n_done = 0;
+	q->n_pub_pages = 0;
 	q->plan = q->plan_decode = 0;
 	list_remove(&s->running, q);
 	list_push_front(&s->waiting, q);
@@ -379,9 +390,24 @@ static int plan_step(sched *s, int *admitted, int *preempted)
 	 * just freed belong to older sequences) */
 	while (!*preempted && budget > 0 && s->waiting.head && s->running.n < s->max_running) {
 		sched_seq *q = s->waiting.head;
+		/* the cached full pages of all but the last two known ids: at
+		 * least two are computed, so they form a prefill run (chunk_len) */
+		const int64_t look = n_known(q) - 2 > 0 ? n_known(q) - 2 : 0;
+		int64_t hit = s->prefix ? kv_seq_match(s->kv, &q->kv, q->toks, look, NULL) : 0;
+		if (hit < 0)
+			hit = 0; /* cannot happen: the block list holds max_blocks */
+		q->n_done = (int32_t)hit;
 		int32_t k = chunk_len(s, n_known(q) - q->n_done, budget);
-		if (kv_seq_reserve(s->kv, &q->kv, q->n_done + k, NULL) != DS_OK)
+		if (kv_seq_reserve(s->kv, &q->kv, q->n_done + k, NULL) != DS_OK) {
+			kv_seq_truncate(s->kv, &q->kv, 0); /* the matched pages go back */
+			q->n_done = 0;
 			break;
+		}
+		q->n_pub_pages = (int)(hit / s->page_size);
+		if (s->prefix) {
+			s->stats.prefix_queries += (uint64_t)n_known(q);
+			s->stats.prefix_hits += (uint64_t)hit;
+		}
 		list_remove(&s->waiting, q);
 		list_push_back(&s->running, q);
 		q->state = ST_RUNNING;
@@ -482,6 +508,11 @@ static void sample_all(sched *s)
 		sched_seq *q = s->b_seqs[b];
 		q->n_done += q->plan;
 		q->pending = SCHED_RUNNING;
+		int full = q->n_done / s->page_size; /* pages whose rows are all computed */
+		if (s->prefix && full > q->n_pub_pages) {
+			kv_seq_publish(s->kv, &q->kv, q->n_pub_pages, full, q->toks);
+			q->n_pub_pages = full;
+		}
 		if (q->logit_row < 0)
 			continue;
 		float *row = s->logits + (int64_t)q->logit_row * s->V;
@@ -661,6 +692,7 @@ sched *sched_new(model *m, const sched_params *p, ds_err *err)
 	if (s->max_running > s->budget)
 		s->max_running = s->budget;
 	s->max_waiting = p->max_waiting ? p->max_waiting : DEFAULT_MAX_WAITING;
+	s->prefix = p->prefix_caching != 0;
 
 	const int *eos;
 	s->n_model_eos = model_eos_ids(m, &eos);
@@ -696,8 +728,9 @@ sched *sched_new(model *m, const sched_params *p, ds_err *err)
 	}
 	s->started = 1;
 	log_info("sched", "scheduler started", "max_running=%d max_waiting=%d token_budget=%d "
-		 "prefill_chunk=%d pages=%d page_size=%d", s->max_running, s->max_waiting, s->budget,
-		 s->chunk, s->n_pages, s->page_size);
+		 "prefill_chunk=%d pages=%d page_size=%d prefix_caching=%s", s->max_running,
+		 s->max_waiting, s->budget, s->chunk, s->n_pages, s->page_size,
+		 s->prefix ? "on" : "off");
 	return s;
 fail:
 	free_buffers(s);

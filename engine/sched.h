@@ -23,6 +23,17 @@
  * tokens it generated so far appended to its prompt (recompute); its consumer
  * sees nothing of this except a later token.
  *
+ * Prefix caching (prefix_caching = 1; engine/kv.h): every full page a
+ * sequence computes is published with its token ids, and stays in the cache
+ * after the sequence ends until its page is needed (LRU).  At admission a
+ * sequence takes the longest chain of cached pages that holds the start of
+ * its ids (prompt, plus the generated ids when it resumes after a
+ * preemption) and its prefill starts at the first position past them.  At
+ * least its last id is always computed, for its logits: the match looks at
+ * the first n - 1 ids only, so a prompt whose every page is cached
+ * recomputes its last page.  Admission counts cached unreferenced pages as
+ * free and the matched ones as held.
+ *
  * Consumers (HTTP threads) read events from their sched_seq: a blocking,
  * bounded-wait queue of generated tokens, then one finish reason.  A consumer
  * that goes away calls sched_seq_cancel / sched_seq_release; the sequence's
@@ -54,6 +65,7 @@ typedef struct sched_params {
 	int token_budget;  /* tokens per step; 0 = the model's max_batch_tokens (never more) */
 	int prefill_chunk; /* prefill tokens of one sequence per step; 0 (or more than
 			    * token_budget) = token_budget */
+	int prefix_caching; /* 1: automatic prefix caching (below); 0: off */
 } sched_params;
 
 typedef struct sched_req {
@@ -96,6 +108,10 @@ typedef struct sched_stats {
 	uint64_t preemptions;  /* since start */
 	uint64_t steps;
 	uint64_t prompt_tokens, generation_tokens; /* computed, since start */
+	/* prefix caching, in tokens since start: ids looked up at each admission
+	 * (re-admissions after a preemption too) and of them those found cached */
+	uint64_t prefix_queries, prefix_hits;
+	int kv_pages_cached;   /* published pages (in use or evictable) */
 	int alive;             /* 0 once the step thread died */
 } sched_stats;
 

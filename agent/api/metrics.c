@@ -179,6 +179,19 @@ int metrics_render(metrics *m, const sched_stats *st, buf *o)
 			    "# TYPE vllm:num_preemptions_total counter\n"
 			    "vllm:num_preemptions_total{model_name=\"%s\"} %llu\n",
 			 mn, (unsigned long long)st->preemptions);
+	rc |= buf_printf(o, "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in tokens "
+			    "(the prompt tokens looked up at each admission).\n"
+			    "# TYPE vllm:prefix_cache_queries_total counter\n"
+			    "vllm:prefix_cache_queries_total{model_name=\"%s\"} %llu\n",
+			 mn, (unsigned long long)st->prefix_queries);
+	rc |= buf_printf(o, "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in tokens "
+			    "(prompt tokens found in cached KV pages).\n"
+			    "# TYPE vllm:prefix_cache_hits_total counter\n"
+			    "vllm:prefix_cache_hits_total{model_name=\"%s\"} %llu\n",
+			 mn, (unsigned long long)st->prefix_hits);
+	rc |= gauge(o, mn, "gpu_prefix_cache_hit_rate",
+		    "Prefix cache hit rate since start: hits / queries, in tokens (0 before any query).",
+		    st->prefix_queries ? (double)st->prefix_hits / (double)st->prefix_queries : 0.0);
 	rc |= buf_printf(o, "# HELP vllm:prompt_tokens_total Prompt tokens of finished requests.\n"
 			    "# TYPE vllm:prompt_tokens_total counter\n"
 			    "vllm:prompt_tokens_total{model_name=\"%s\"} %llu\n",

@@ -266,6 +266,7 @@ static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
 		.max_waiting = s->p.max_waiting,
 		.token_budget = s->p.max_batch_tokens,
 		.prefill_chunk = s->p.prefill_chunk,
+		.prefix_caching = s->p.prefix_caching,
 	};
 	sched *sc = sched_new(s->m, &scp, err);
 	if (!sc) {

@@ -60,6 +60,7 @@ typedef struct serve_params {
 	const char *chat_template; /* override name or NULL */
 	const char *backend;
 	int threads, ctx, max_running, max_waiting, max_batch_tokens, prefill_chunk, page_size;
+	int prefix_caching;        /* automatic prefix caching (engine/sched.h) */
 	int tp, pp, ep;            /* > 1 world: the model runs in rank processes (engine/driver.h) */
 	size_t kv_bytes;
 	int auth;                  /* 0 = --insecure-no-auth */
