@@ -211,7 +211,8 @@ asan:
 # into .cache/bench/, about 3 GB for the FP8 and BF16 variants), the serving
 # benchmark (prompts of 512 tokens, 128 out, concurrency 1/4/16), the time to
 # serve (dsctl cluster up --local 2 --tp 2 on a 2 GB V3-shaped model, beside
-# reading its bytes) and the gossip benchmark (50 agents on loopback:
+# reading its bytes), prefix caching (a chat's second-turn TTFT over its first,
+# cache on and off) and the gossip benchmark (50 agents on loopback:
 # convergence time, bytes/s per node).
 bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
@@ -221,6 +222,7 @@ bench: all $(BENCH_BINS)
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_distributed.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_cluster_up.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_prefix_cache.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_gossip.py
 
 check:
