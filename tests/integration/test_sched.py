@@ -61,10 +61,11 @@ def greedy(ps, max_tokens=24, **extra):
     return [dict(prompt=p, max_tokens=max_tokens, ignore_eos=True, **extra) for p in ps]
 
 
-def check_trace(out, reqs, budget, chunk):
+def check_trace(out, reqs, budget, chunk, page=None):
     """Step rules, from the trace alone: each step within budget; prefill
     chunks <= chunk; a sequence's positions continue where they stopped (or
-    restart at 0 after a preemption in that step); every sequence that
+    restart at 0 after a preemption in that step; with prefix caching, page
+    given, at any whole page of its known ids); every sequence that
     decoded and is not done decodes again next step unless preempted; each
     request samples exactly once per delivered token."""
     trace = out["trace"]
@@ -86,10 +87,11 @@ def check_trace(out, reqs, budget, chunk):
             else:
                 seen_prefill = True
                 assert n <= chunk
-            assert pos == nxt.get(r, 0) or pos == 0, (step, r, pos, nxt.get(r))
+            known = len(reqs[r]["prompt"]) + sampled.get(r, 0)  # ids before this sample
+            assert (pos == nxt.get(r, 0) or pos == 0 or
+                    (page and pos % page == 0 and pos < known)), (step, r, pos, nxt.get(r))
             nxt[r] = pos + n
             sampled[r] = sampled.get(r, 0) + smp
-            known = len(reqs[r]["prompt"]) + sampled[r] - smp  # ids before this sample
             # logits only for the last known id: prompt + generated so far
             assert nxt[r] == known if smp else nxt[r] < known
     for r, res in enumerate(out["results"]):
@@ -144,6 +146,36 @@ def test_preemption_and_chunks_equal_alone(models, kind, tmp_path):
                 restarted.add(r)
             first.setdefault(r, pos)
     assert restarted
+
+
+@pytest.mark.parametrize("kind", ["v3", "llama"])
+def test_prefix_caching_with_preemption_equals_alone(models, kind, tmp_path):
+    """Prefix caching (sched_params.prefix_caching) in a pool that preempts:
+    requests sharing a 40-token start reuse each other's pages and their own
+    after a preemption, and every output equals the request run alone with
+    an empty cache (each --alone run gets a fresh scheduler)."""
+    model, vocab = models[kind]
+    g = random.Random(7)
+    shared = [g.randrange(vocab) for _ in range(40)]
+    reqs = greedy([shared + p for p in prompts(3, vocab, (3, 9, 17, 1, 12, 5))], max_tokens=20)
+    out = run(model, reqs, tmp_path, "--alone", "--prefix-caching", "--ordered", "--pages", 8,
+              "--page-size", 16, "--chunk", 5, "--max-running", 6, "--budget", 16,
+              "--step-delay-us", 300)
+    st = out["stats"]
+    for r, (a, b) in enumerate(zip(out["results"], out["alone"])):
+        assert a["finish"] == b["finish"] == "length"
+        assert a["tokens"] == b["tokens"], r
+    assert st["prefix_hits"] >= 32 and st["prefix_queries"] >= sum(len(q["prompt"]) for q in reqs)
+    assert st["preemptions"] > 0
+    assert out["pages_used_after"] == 0 and st["kv_pages_used"] == 0
+    assert 0 < st["kv_pages_cached"] <= 8  # published pages stay, evictable
+    check_trace(out, reqs, 16, 5, page=16)
+    # a request started past position 0 at its first step: reused pages
+    first = {}
+    for t in out["trace"]:
+        for r, n, pos, dec, smp in t[5]:
+            first.setdefault(r, pos)
+    assert any(p > 0 for p in first.values()), first
 
 
 def test_decode_not_stalled_by_chunked_prefill(models, tmp_path):

@@ -8,7 +8,8 @@
  * (model max_batch_tokens, default 64), --page-size N (default 16),
  * --pages N (0 = enough for --max-seqs full sequences), --max-seqs N (8).
  * Scheduler: --max-running N, --max-waiting N, --budget N, --chunk N (0 =
- * the scheduler's defaults).
+ * the scheduler's defaults), --prefix-caching (sched_params.prefix_caching;
+ * --alone runs get a fresh scheduler, so an empty cache, each).
  *
  * FILE is a JSON array of requests: {"prompt": [ids], "max_tokens": N,
  * "temperature": T (0), "seed": S, "top_k", "top_p", "repetition_penalty",
@@ -240,11 +241,13 @@ static void wait_idle(sched *s)
 
 static json_t *stats_json(const sched_stats *st)
 {
-	return json_pack("{s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:i}", "running", st->running, "waiting",
-			 st->waiting, "kv_pages_total", st->kv_pages_total, "kv_pages_used",
-			 st->kv_pages_used, "preemptions", (json_int_t)st->preemptions, "steps",
-			 (json_int_t)st->steps, "prompt_tokens", (json_int_t)st->prompt_tokens,
-			 "generation_tokens", (json_int_t)st->generation_tokens, "alive", st->alive);
+	return json_pack("{s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:i}", "running",
+			 st->running, "waiting", st->waiting, "kv_pages_total", st->kv_pages_total,
+			 "kv_pages_used", st->kv_pages_used, "preemptions", (json_int_t)st->preemptions,
+			 "steps", (json_int_t)st->steps, "prompt_tokens", (json_int_t)st->prompt_tokens,
+			 "generation_tokens", (json_int_t)st->generation_tokens, "alive", st->alive,
+			 "prefix_queries", (json_int_t)st->prefix_queries, "prefix_hits",
+			 (json_int_t)st->prefix_hits, "kv_pages_cached", st->kv_pages_cached);
 }
 
 static json_t *results_json(const result *res, int n)
@@ -571,6 +574,8 @@ int main(int argc, char **argv)
 			alone = 1;
 		else if (strcmp(argv[i], "--ordered") == 0)
 			ordered = 1;
+		else if (strcmp(argv[i], "--prefix-caching") == 0)
+			sp.prefix_caching = 1;
 		else if (strcmp(argv[i], "--busy") == 0)
 			busy = 1;
 		else {
