@@ -271,3 +271,25 @@ def test_preempted_request_resumes_from_its_cached_pages(tmp_path_factory, off):
         assert got == [gen(off, p) for p in prompts]
     finally:
         assert small.stop() == 0
+
+
+def test_rank_processes_reuse_pages_too(tmp_path_factory, off):
+    """--tp 2: the driver's page bookkeeping drives the ranks' caches through
+    each step's block tables, so the cache works with no new protocol."""
+    tp = serve(tmp_path_factory, "pc-tp2", "--tp", "2")
+    try:
+        msgs = [{"role": "system", "content": "You are a careful assistant."},
+                {"role": "user", "content": "Notes: " + prose(70, 20) + " Which metal?"}]
+        first, _ = ask(tp, msgs)
+        msgs += [{"role": "assistant", "content": first},
+                 {"role": "user", "content": "And which bird?"}]
+        before = metrics(tp)
+        second, _ = ask(tp, msgs)
+        after = metrics(tp)
+        shared = common_full_pages(tokenize(tp, msgs[:2]), tokenize(tp, msgs))
+        assert shared >= 300, shared
+        assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] \
+            >= shared
+        assert [first, second] == [ask(off, msgs[:2])[0], ask(off, msgs)[0]]
+    finally:
+        assert tp.stop() == 0
