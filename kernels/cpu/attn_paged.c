@@ -68,7 +68,22 @@ typedef struct paged_ctx {
 /* ---- AVX-512 ---- */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+/* out[0..3] = the sums of a, b, c, d: pairs interleaved, then quads, then
+ * the four 128-bit lanes added (13 instructions for 4 sums instead of 4 x 8) */
+__attribute__((always_inline)) static inline void hsum4_16(__m512 a, __m512 b, __m512 c, __m512 d, float *out)
+{
+	__m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+	__m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+	__m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+				 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+	/* t: each 128-bit lane holds a partial [a, b, c, d] */
+	t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0x4E));
+	t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0xB1));
+	_mm_storeu_ps(out, _mm512_castps512_ps128(t));
+}
 #define VW 16
+#define VNREG 32
+#define VHSUM4(a, b, c, d, out) hsum4_16((a), (b), (c), (d), (out))
 #define VF __m512
 #define SFX(n) n##_avx512
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -103,6 +118,8 @@ typedef struct paged_ctx {
 #undef VHSUM
 #undef VHMAX
 #undef VBLEND_LT
+#undef VNREG
+#undef VHSUM4
 #pragma GCC pop_options
 
 /* ---- AVX2 ---- */
@@ -123,7 +140,14 @@ __attribute__((always_inline)) static inline float hmax8(__m256 v)
 	h = _mm_max_ss(h, _mm_movehdup_ps(h));
 	return _mm_cvtss_f32(h);
 }
+__attribute__((always_inline)) static inline void hsum4_8(__m256 a, __m256 b, __m256 c, __m256 d, float *out)
+{
+	__m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+	_mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
 #define VW 8
+#define VNREG 16
+#define VHSUM4(a, b, c, d, out) hsum4_8((a), (b), (c), (d), (out))
 #define VF __m256
 #define SFX(n) n##_avx2
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -157,6 +181,8 @@ __attribute__((always_inline)) static inline float hmax8(__m256 v)
 #undef VHSUM
 #undef VHMAX
 #undef VBLEND_LT
+#undef VNREG
+#undef VHSUM4
 #pragma GCC pop_options
 
 /* (O, M, L) of nh heads takes in one stretch's (acc, m, l):

@@ -8,7 +8,9 @@
  *   SFX(name)     the name with the ISA's suffix
  *   VLOAD(p) VSTORE(p, v) VSET1(x) VZERO() VFMA(a, b, c) = a * b + c
  *   VMUL VADD VSUB VMAX  VEXP(v)  VHSUM(v) VHMAX(v)
- *   VBLEND_LT0(pos, j, v)  v where float lanes pos >= j, else 0 (the causal mask)
+ *   VBLEND_LT(pos, j, a, b)  a where lanes of pos >= j, else b (the causal mask)
+ *   VHSUM4(a, b, c, d, out)  out[0..3] = the horizontal sums of a, b, c, d
+ *   VNREG         vector registers
  *
  * Two kernels (see attn_paged.c for how work is split):
  *  - dec: one query token, the G heads of one KV head, keys [j0, j1): every
@@ -59,13 +61,40 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
 	}
 }
 
-/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled) */
-__attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, float *sc, int64_t sstride,
-							    const float *q, int64_t hd, const float *k0,
-							    int64_t rstride, int64_t n)
+/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled).  With
+ * R4 (when 4 rows x G heads of accumulators fit the registers) four rows at
+ * a time share each load of q, and each head's four sums are reduced
+ * together (VHSUM4) instead of one horizontal sum per row. */
+__attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const int R4, float *sc,
+							    int64_t sstride, const float *q, int64_t hd,
+							    const float *k0, int64_t rstride, int64_t n)
 {
-	const float *k = k0;
-	for (int64_t i = 0; i < n; i++, k += rstride) {
+	int64_t i = 0;
+	if (R4)
+		for (; i + 4 <= n; i += 4) {
+			const float *k = k0 + i * rstride;
+			VF s0[DEC_GMAX], s1[DEC_GMAX], s2[DEC_GMAX], s3[DEC_GMAX];
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++)
+				s0[g] = s1[g] = s2[g] = s3[g] = VZERO();
+			for (int64_t d = 0; d < hd; d += VW) {
+				VF x0 = VLOAD(k + d), x1 = VLOAD(k + rstride + d);
+				VF x2 = VLOAD(k + 2 * rstride + d), x3 = VLOAD(k + 3 * rstride + d);
+#pragma GCC unroll 8
+				for (int g = 0; g < G; g++) {
+					VF qv = VLOAD(q + g * hd + d);
+					s0[g] = VFMA(qv, x0, s0[g]);
+					s1[g] = VFMA(qv, x1, s1[g]);
+					s2[g] = VFMA(qv, x2, s2[g]);
+					s3[g] = VFMA(qv, x3, s3[g]);
+				}
+			}
+#pragma GCC unroll 8
+			for (int g = 0; g < G; g++)
+				VHSUM4(s0[g], s1[g], s2[g], s3[g], sc + g * sstride + i);
+		}
+	const float *k = k0 + i * rstride;
+	for (; i < n; i++, k += rstride) {
 		VF s[DEC_GMAX];
 #pragma GCC unroll 8
 		for (int g = 0; g < G; g++)
@@ -91,7 +120,7 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 {
 	const int64_t hd = a->head_dim, rs = a->row_stride;
 	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
-	SFX(dec_qk)(G, &sc[0][0], BLK + VW, q, hd, row + a->k_off + kh * hd, rs, n);
+	SFX(dec_qk)(G, 4 * G + 5 <= VNREG, &sc[0][0], BLK + VW, q, hd, row + a->k_off + kh * hd, rs, n);
 	for (int g = 0; g < G; g++) {
 		float *s = sc[g];
 		VF vm = VSET1(-INFINITY);
