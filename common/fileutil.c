@@ -5,6 +5,7 @@
  * cluster key).  Thread-safe: no state of its own.
  */
 #include "common/fileutil.h"
+#include "common/log.h"
 #include "common/strutil.h"
 
 #include <errno.h>
@@ -231,6 +232,13 @@ int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, vo
 	return DS_OK;
 }
 
+/* 1 under DS_THP=never (fileutil.h, ds_thp_usable). */
+static int thp_pretend_never(void)
+{
+	const char *v = getenv("DS_THP");
+	return v && strcmp(v, "never") == 0;
+}
+
 void *ds_huge_alloc(size_t bytes, size_t *len)
 {
 	/* a huge-page-aligned stretch: map one huge page more, trim both ends */
@@ -245,7 +253,8 @@ void *ds_huge_alloc(size_t bytes, size_t *len)
 		munmap(raw, (size_t)(p - raw));
 	if (raw + n + HUGE_PAGE > p + n)
 		munmap(p + n, (size_t)(raw + n + HUGE_PAGE - (p + n)));
-	(void)madvise(p, n, MADV_HUGEPAGE); /* a hint: without THP, plain pages */
+	/* a hint: without THP, plain pages */
+	(void)madvise(p, n, thp_pretend_never() ? MADV_NOHUGEPAGE : MADV_HUGEPAGE);
 	*len = n;
 	return p;
 }
@@ -264,6 +273,11 @@ void ds_file_unmap(void *map, size_t map_len)
 
 int ds_thp_usable(void)
 {
+	const char *v = getenv("DS_THP");
+	if (thp_pretend_never())
+		return 0;
+	if (v && *v)
+		log_warn("fileutil", "DS_THP ignored", "value=\"%.40s\" understood=never", v);
 	char buf[128] = {0};
 	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
 	if (!f)
@@ -272,6 +286,19 @@ int ds_thp_usable(void)
 	fclose(f);
 	buf[n] = 0;
 	return strstr(buf, "[always]") != NULL || strstr(buf, "[madvise]") != NULL;
+}
+
+size_t ds_peak_rss_bytes(void)
+{
+	FILE *f = fopen("/proc/self/status", "r");
+	char line[256];
+	unsigned long long kb = 0;
+	while (f && fgets(line, sizeof line, f))
+		if (sscanf(line, "VmHWM: %llu kB", &kb) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return (size_t)kb * 1024;
 }
 
 int ds_self_exe(char *out, size_t cap, ds_err *err)

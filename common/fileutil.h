@@ -64,15 +64,27 @@ int ds_file_map(int fd, const char *path, size_t size, enum ds_map_mode mode, vo
 void ds_file_unmap(void *map, size_t map_len); /* NULL is a no-op */
 
 /* Anonymous read-write memory of at least bytes, 2 MiB aligned and advised
- * for transparent huge pages (plain pages where the kernel has none);
+ * for transparent huge pages (plain pages where the kernel has none, and
+ * advised against them under DS_THP=never, see ds_thp_usable);
  * *len (a multiple of 2 MiB) is what ds_huge_free needs.  NULL when mmap
  * fails (errno set). */
 void *ds_huge_alloc(size_t bytes, size_t *len);
 void ds_huge_free(void *p, size_t len); /* NULL is a no-op */
 
 /* 1 when transparent huge pages can back a madvise'd mapping
- * (/sys/kernel/mm/transparent_hugepage/enabled is [always] or [madvise]). */
+ * (/sys/kernel/mm/transparent_hugepage/enabled is [always] or [madvise]).
+ * DS_THP=never in the environment makes this process act as if the file
+ * said [never]: ds_thp_usable is 0 and ds_huge_alloc advises against huge
+ * pages, so a machine without them can be reproduced on one that has them;
+ * any other value is an error of the caller's making and reads the file. */
 int ds_thp_usable(void);
+
+/* This process's peak resident memory in bytes: VmHWM of /proc/self/status
+ * (0 when it cannot be read).  Not getrusage's ru_maxrss: Linux carries the
+ * high-water mark of the memory the process had before exec into it, so a
+ * program started by a large parent (a benchmark script that has just
+ * written a checkpoint) would report the parent's peak as its own. */
+size_t ds_peak_rss_bytes(void);
 
 /* This process's executable path (/proc/self/exe) into out.  DS_EIO naming
  * the file when it cannot be read, DS_ERANGE when it does not fit. */

@@ -42,7 +42,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #define MAX_PROMPT_TOKENS (1 << 20)
@@ -267,13 +266,6 @@ static int write_logits(const char *path, const float *lg, size_t n, ds_err *err
 	return bad ? ds_err_set(err, DS_EIO, "writing %s failed", path) : DS_OK;
 }
 
-static long peak_rss_bytes(void)
-{
-	struct rusage ru;
-	getrusage(RUSAGE_SELF, &ru);
-	return ru.ru_maxrss * 1024L;
-}
-
 /* next[b] = the argmax of sequence b's logits (the bench's tokens: argmax
  * keeps its runs deterministic). */
 static void greedy_next(const runner *r, int B, int32_t *next)
@@ -375,7 +367,7 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	double t_decode = ds_now_s() - t0;
 	double pf = (double)c->prompt_len * B / t_prefill;
 	double dc = c->n_predict ? (double)c->n_predict * B / t_decode : 0.0;
-	long rss = peak_rss_bytes(); /* before the probe's buffers exist */
+	long rss = (long)ds_peak_rss_bytes(); /* before the probe's buffers exist */
 	bw_stretch bw = {0};
 	if (c->membw && (rc = bench_membw(c, r, ss, next, &bw, err)))
 		goto out;

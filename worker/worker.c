@@ -59,6 +59,7 @@
 #include "worker/worker.h"
 #include "comm/comm.h"
 #include "common/config.h"
+#include "common/fileutil.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "engine/engine.h"
@@ -297,26 +298,13 @@ static int step_run(worker *w, uint32_t id, size_t len, ds_err *err)
 			   (size_t)rows * (size_t)w->vocab * sizeof(float), err);
 }
 
-static uint64_t peak_rss_bytes(void)
-{
-	FILE *f = fopen("/proc/self/status", "r");
-	char line[256];
-	unsigned long long kb = 0;
-	while (f && fgets(line, sizeof line, f))
-		if (sscanf(line, "VmHWM: %llu kB", &kb) == 1)
-			break;
-	if (f)
-		fclose(f);
-	return (uint64_t)kb * 1024;
-}
-
 /* Every rank's record, gathered over the world group; rank 0 replies. */
 static int stats_run(worker *w, uint32_t id, ds_err *err)
 {
 	rankproto_stat s = {.rank = w->rank,
 			    .weight_bytes = model_weight_bytes(w->m),
 			    .extra_bytes = model_extra_bytes(w->m),
-			    .peak_rss_bytes = peak_rss_bytes(),
+			    .peak_rss_bytes = ds_peak_rss_bytes(),
 			    .comm_seconds = model_comm_seconds(w->m)};
 	uint8_t *mine = w->stats + (size_t)w->rank * RANKPROTO_STAT_BYTES;
 	rankproto_stat_put(&s, mine);

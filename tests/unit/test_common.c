@@ -342,6 +342,93 @@ TEST(file_write_private_is_0600_atomic_and_exclusive)
 	ut_tmpdir_free(dir);
 }
 
+/* The VmFlags of the /proc/self/smaps region holding p into flags ("" if none). */
+static void smaps_flags(const void *p, char *flags, size_t cap)
+{
+	FILE *f = fopen("/proc/self/smaps", "r");
+	char line[512];
+	int inside = 0;
+	flags[0] = '\0';
+	while (f && fgets(line, sizeof line, f)) {
+		unsigned long lo, hi;
+		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+			inside = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+		else if (inside && strncmp(line, "VmFlags:", 8) == 0) {
+			snprintf(flags, cap, "%s", line + 8);
+			break;
+		}
+	}
+	if (f)
+		fclose(f);
+}
+
+TEST(huge_alloc_advice_follows_thp_and_ds_thp_never)
+{
+	const char *old = getenv("DS_THP");
+	char *saved = old ? strdup(old) : NULL;
+	char flags[256];
+	size_t len = 0;
+	unsetenv("DS_THP");
+	int sys = ds_thp_usable();
+	char *p = ds_huge_alloc((size_t)3 << 20, &len);
+	CHECK(p != NULL && len == ((size_t)4 << 20) && ((uintptr_t)p & (((size_t)2 << 20) - 1)) == 0);
+	if (p) {
+		smaps_flags(p, flags, sizeof flags);
+		CHECK(strstr(flags, " hg") != NULL); /* MADV_HUGEPAGE */
+	}
+	ds_huge_free(p, len);
+	/* DS_THP=never: as if the kernel had none, and the copy advised against them */
+	setenv("DS_THP", "never", 1);
+	CHECK_EQ(ds_thp_usable(), 0);
+	p = ds_huge_alloc((size_t)1 << 20, &len);
+	CHECK(p != NULL && len == ((size_t)2 << 20));
+	if (p) {
+		smaps_flags(p, flags, sizeof flags);
+		CHECK(strstr(flags, " nh") != NULL && strstr(flags, " hg") == NULL); /* MADV_NOHUGEPAGE */
+	}
+	ds_huge_free(p, len);
+	/* anything else reads the kernel's setting (and logs that it was ignored) */
+	setenv("DS_THP", "off", 1);
+	CHECK_EQ(ds_thp_usable(), sys);
+	if (saved)
+		setenv("DS_THP", saved, 1);
+	else
+		unsetenv("DS_THP");
+	free(saved);
+}
+
+/* VmRSS of /proc/self/status in bytes. */
+static size_t rss_now(void)
+{
+	FILE *f = fopen("/proc/self/status", "r");
+	char line[256];
+	unsigned long long kb = 0;
+	while (f && fgets(line, sizeof line, f))
+		if (sscanf(line, "VmRSS: %llu kB", &kb) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return (size_t)kb * 1024;
+}
+
+TEST(peak_rss_is_this_process_high_water_mark)
+{
+	const size_t n = (size_t)32 << 20;
+	char *p = malloc(n);
+	CHECK(p != NULL);
+	if (!p)
+		return;
+	memset(p, 1, n); /* resident now (the barrier keeps the stores) */
+	__asm__ volatile("" : : "r"(p) : "memory");
+	size_t rss = rss_now(), peak = ds_peak_rss_bytes();
+	CHECK(rss >= n);
+	CHECK(peak >= rss);
+	free(p);
+	/* a high-water mark stays (the kernel's per-CPU counts may move it by
+	 * a few hundred KiB when the mapping goes) */
+	CHECK(ds_peak_rss_bytes() + ((size_t)2 << 20) >= peak);
+}
+
 TEST(hex_round_trip_random_bytes)
 {
 	uint8_t in[37], back[37];
