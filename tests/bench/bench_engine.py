@@ -144,6 +144,34 @@ def bench_default(threads):
           f"tg128 {r['decode_tok_s'] / tg:.2f}x")
 
 
+def bench_load_memory(shape, tag, threads, prompt_len, n):
+    """Rows of the FP8 model at batch 1 as other machines run it: with the
+    kernels capped at AVX2 (DS_CPU_ISA=avx2) where this CPU has AVX-512, and
+    with the file mapping kept as on a kernel without transparent huge pages
+    (DS_THP=never).  Peak RSS must stay about (checkpoint + KV) x 1.1 in each
+    (docs/engine.md, Memory)."""
+    d = model_dir("v3-fp8", shape, tag)
+    per_tok, ckpt = bytes_per_token(d)
+    cfg = json.loads((d / "config.json").read_text())
+    kv = (cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+          * (prompt_len + n))
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split()
+    runs = [("fp8 avx2", {"DS_CPU_ISA": "avx2"})] if "avx512f" in flags else []
+    runs.append(("fp8 noTHP", {"DS_THP": "never"}))
+    for label, env in runs:
+        cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
+               "-n", str(n), "--batch", "1", "--threads", str(threads), "--json"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                           env={**os.environ, **env})
+        if r.returncode != 0:
+            sys.exit(f"bench: {env} {' '.join(cmd)} failed: {r.stderr}")
+        r = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"{label:<10}{ckpt / 1e9:>9.2f}{per_tok / 1e6:>10.1f}{1:>6}"
+              f"{r['prefill_tok_s']:>13.1f}{r['decode_tok_s']:>12.2f}"
+              f"{r['peak_rss_bytes'] / 1e9:>13.2f}{r['peak_rss_bytes'] / (ckpt + kv):>9.3f}",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -181,6 +209,7 @@ def main():
                   f"{per_tok / 1e6:>10.1f}{batch:>6}{r['prefill_tok_s']:>13.1f}"
                   f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"
                   f"{r['peak_rss_bytes'] / (ckpt + kv_bytes):>9.3f}{cols}", flush=True)
+    bench_load_memory(shape, tag, a.threads, prompt_len, n)
 
 
 if __name__ == "__main__":
