@@ -213,12 +213,19 @@ asan:
 # serve (dsctl cluster up --local 2 --tp 2 on a 2 GB V3-shaped model, beside
 # reading its bytes), prefix caching (a chat's second-turn TTFT over its first,
 # cache on and off) and the gossip benchmark (50 agents on loopback:
-# convergence time, bytes/s per node).
+# convergence time, bytes/s per node).  With LLAMA_BENCH / LLAMA_SERVER set
+# (../shared/tools/llamacpp.sh prints them), the same GGUF against llama.cpp:
+# engine rows at equal depth and serving; on an AVX-512 machine once more with
+# our AVX2 path against LLAMA_BENCH_AVX2 / LLAMA_SERVER_AVX2.  Each prints one
+# skip line when its variables are not set.
 bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
+	$(BUILD)/tests/bench_kernels --attn
 	$(BUILD)/tests/bench_comm
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_llamacpp.py
+	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_llamacpp.py --isa avx2
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_distributed.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_cluster_up.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_serving.py

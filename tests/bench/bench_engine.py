@@ -29,9 +29,8 @@ plus the KV cache.
 Then the default model (models/default.gguf, SmolLM2-135M-Instruct Q4_1):
 prompt processing of 512 tokens (pp512) and generation of 128 tokens from an
 empty context (tg128), as llama-bench defines them, plus generation right after
-the 512-token prompt, peak RSS; and when LLAMA_BENCH=/path/to/llama-bench is
-set, llama.cpp's pp512/tg128 on the same file with the same threads, measured
-in the same run, and the ratios.
+the 512-token prompt, peak RSS.  The comparison with llama.cpp (the same rows
+at equal cache depth, and serving) is tests/bench/bench_llamacpp.py.
 
 Usage: python tests/bench/bench_engine.py [--threads N] [--quick] [--only v3|default]
 """
@@ -128,20 +127,6 @@ def bench_default(threads):
           f"{r['prefill_tok_s']:.1f} tok/s, tg128 {r['decode_tok_s']:.1f} tok/s "
           f"(after the 512-token prompt: {r['decode_after_prompt_tok_s']:.1f} tok/s), peak RSS "
           f"{r['peak_rss_bytes'] / 2**20:.1f} MiB", flush=True)
-    lb = os.environ.get("LLAMA_BENCH")
-    if not lb:
-        print("(set LLAMA_BENCH=/path/to/llama-bench to compare with llama.cpp in the same run)")
-        return
-    cmd = [lb, "-m", str(model), "-t", str(threads), "-p", "512", "-n", "128", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        sys.exit(f"bench: {' '.join(cmd)} failed: {out.stderr}")
-    rows = json.loads(out.stdout)
-    pp = next(x["avg_ts"] for x in rows if x.get("n_prompt") == 512 and x.get("n_gen") == 0)
-    tg = next(x["avg_ts"] for x in rows if x.get("n_gen") == 128 and x.get("n_prompt") == 0)
-    print(f"llama.cpp ({lb}): pp512 {pp:.1f} tok/s, tg128 {tg:.1f} tok/s")
-    print(f"ratio dsrun / llama.cpp: pp512 {r['prefill_tok_s'] / pp:.2f}x, "
-          f"tg128 {r['decode_tok_s'] / tg:.2f}x")
 
 
 def bench_load_memory(shape, tag, threads, prompt_len, n):
