@@ -85,7 +85,7 @@ def cpu_line():
                          timeout=60)
     m = re.search(r"cpu isa: detected (\S+), active (\S+)", out.stdout)
     ours = f"detected {m.group(1)}, active {m.group(2)}" if m else "unknown"
-    return (f"{name.group(1) if name else '?'}, {os.cpu_count()} CPUs; our dispatch "
+    return (f"{name.group(1) if name else '?'}, {os.cpu_count()} CPUs, {load()}; our dispatch "
             f"(DS_CPU_ISA={os.environ.get('DS_CPU_ISA', 'unset')}): {ours}")
 
 
@@ -101,6 +101,12 @@ def exe_isa(exe):
     z, y = code.count("%zmm"), code.count("%ymm")
     return (f"AVX-512 code ({z} instructions on zmm)" if z else
             f"no AVX-512 code, {'AVX2' if y else 'no AVX2'} ({y} on ymm)")
+
+
+def load():
+    """The 1-minute load average: other work on the machine slows both programs,
+    and llama.cpp's spin-waiting threads far more when it takes one of the cores."""
+    return f"load average {open('/proc/loadavg').read().split()[0]}"
 
 
 def has_avx512():
@@ -380,6 +386,7 @@ def main():
         else:
             print(f"bench_llamacpp serving: skipped (set LLAMA_SERVER{suffix})")
     summary(tag, res)
+    print(f"  ({load()} at the end)")
     return 0
 
 
