@@ -327,7 +327,7 @@ def summary(tag, res):
         q = ratio(a, b)
         ok = q is not None and q >= TARGET
         below += not ok
-        print(f"  {n:<24}{fmt(q, '.2f'):>6}x  {'meets' if ok else 'BELOW TARGET'}")
+        print(f"  {n:<24}{fmt(q, '.3f'):>7}x  {'meets' if ok else 'BELOW TARGET'}")
     d0, d2k = res.get("decode 128 @ depth 0"), res.get("decode 128 @ depth 2048")
     if d0 and d2k:
         ours, theirs = ratio(d2k[0], d0[0]), ratio(d2k[1], d0[1])
