@@ -195,6 +195,7 @@ static const kb_backend_ops cuda_ops = {
 	.set_threads = NULL,
 	.rmsnorm = cuda_rmsnorm,
 	.matmul = NULL,
+	.matmul_multi = NULL,
 	.embed = NULL,
 	.rope = NULL,
 	.silu_mul = NULL,
