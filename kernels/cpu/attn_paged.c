@@ -226,12 +226,13 @@ static const float *key_row(const kb_paged_attn_args *a, const int32_t *bt, int6
 	return a->cache + ((int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size) * a->row_stride;
 }
 
-/* Keys of the block from jb: one page's, at most BLK, before j1 */
-static int64_t block_keys(const kb_paged_attn_args *a, int64_t jb, int64_t j1)
+/* Keys of the block from jb: up to the next multiple of BLK, before j1.
+ * Blocks follow positions, not pages, so the rescale points of the online
+ * softmax (hence the rounding) do not depend on the page size. */
+static int64_t block_keys(int64_t jb, int64_t j1)
 {
-	int64_t n = a->page_size - jb % a->page_size;
-	n = n < j1 - jb ? n : j1 - jb;
-	return n < BLK ? n : BLK;
+	int64_t n = BLK - jb % BLK;
+	return n < j1 - jb ? n : j1 - jb;
 }
 
 /* Reads one float of every cache line of the item's bytes of n rows, in
@@ -241,12 +242,12 @@ static int64_t block_keys(const kb_paged_attn_args *a, int64_t jb, int64_t j1)
  * kept few lines in flight, and software prefetches of the next block (24
  * lines per row) did no better: measured single-threaded at depth 2048,
  * 0.30 of the read probe without this pass and 0.60 with it. */
-static float touch_rows(const float *row, int64_t rs, int64_t n, int64_t lo, int64_t hi)
+static float touch_rows(const float *const *rows, int64_t n, int64_t lo, int64_t hi)
 {
 	/* four sums, so the adds do not chain the loads */
 	float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 	for (int64_t i = 0; i < n; i++) {
-		const float *r = row + i * rs;
+		const float *r = rows[i];
 		int64_t b = lo;
 		for (; b + 48 < hi; b += 64) {
 			s[0] += r[b];
@@ -286,18 +287,20 @@ static void dec_item(const paged_ctx *x, const pitem *p)
 		const int64_t j0 = s * SPLIT, j1 = (s + 1) * SPLIT < keys ? (s + 1) * SPLIT : keys;
 		fold_start(acc, m, l, nh, hd);
 		for (int64_t jb = j0; jb < j1;) {
-			const int64_t n = block_keys(a, jb, j1);
-			const float *row = key_row(a, bt, jb);
-			sink += touch_rows(row, a->row_stride, n, lo, hi);
+			const int64_t n = block_keys(jb, j1);
+			const float *rows[BLK];
+			for (int64_t i = 0; i < n; i++)
+				rows[i] = key_row(a, bt, jb + i);
+			sink += touch_rows(rows, n, lo, hi);
 			for (int64_t kh = p->kh0; kh < p->kh1; kh++)
 				for (int64_t g0 = 0; g0 < G; g0 += DEC_GMAX) {
 					const int64_t gi = (kh - p->kh0) * G + g0;
 					const int g = (int)(G - g0 < DEC_GMAX ? G - g0 : DEC_GMAX);
 					if (x->wide)
-						dec_block_avx512(g, a, kh, q + gi * hd, row, n, acc + gi * hd, m + gi,
+						dec_block_avx512(g, a, kh, q + gi * hd, rows, n, acc + gi * hd, m + gi,
 								 l + gi);
 					else
-						dec_block_avx2(g, a, kh, q + gi * hd, row, n, acc + gi * hd, m + gi,
+						dec_block_avx2(g, a, kh, q + gi * hd, rows, n, acc + gi * hd, m + gi,
 							       l + gi);
 				}
 			jb += n;

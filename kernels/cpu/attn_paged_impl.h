@@ -30,7 +30,7 @@
 /* acc[g][0..hd) += sum_i p[g][i] * V_i, CB vectors of every head in registers */
 __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const int CB, float *acc,
 							    int64_t hd, const float *p, int64_t pstride,
-							    const float *v0, int64_t rstride, int64_t n)
+							    const float *const *rows, int64_t off, int64_t n)
 {
 	for (int64_t c0 = 0; c0 < hd; c0 += (int64_t)CB * VW) {
 		VF r[DEC_GMAX][4];
@@ -39,8 +39,8 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
 #pragma GCC unroll 4
 			for (int c = 0; c < CB; c++)
 				r[g][c] = VLOAD(acc + g * hd + c0 + c * VW);
-		const float *v = v0 + c0;
-		for (int64_t i = 0; i < n; i++, v += rstride) {
+		for (int64_t i = 0; i < n; i++) {
+			const float *v = rows[i] + off + c0;
 			VF x[4];
 #pragma GCC unroll 4
 			for (int c = 0; c < CB; c++)
@@ -67,19 +67,20 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
  * together (VHSUM4) instead of one horizontal sum per row. */
 __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const int R4, float *sc,
 							    int64_t sstride, const float *q, int64_t hd,
-							    const float *k0, int64_t rstride, int64_t n)
+							    const float *const *rows, int64_t off, int64_t n)
 {
 	int64_t i = 0;
 	if (R4)
 		for (; i + 4 <= n; i += 4) {
-			const float *k = k0 + i * rstride;
+			const float *k = rows[i] + off, *k1 = rows[i + 1] + off;
+			const float *k2 = rows[i + 2] + off, *k3 = rows[i + 3] + off;
 			VF s0[DEC_GMAX], s1[DEC_GMAX], s2[DEC_GMAX], s3[DEC_GMAX];
 #pragma GCC unroll 8
 			for (int g = 0; g < G; g++)
 				s0[g] = s1[g] = s2[g] = s3[g] = VZERO();
 			for (int64_t d = 0; d < hd; d += VW) {
-				VF x0 = VLOAD(k + d), x1 = VLOAD(k + rstride + d);
-				VF x2 = VLOAD(k + 2 * rstride + d), x3 = VLOAD(k + 3 * rstride + d);
+				VF x0 = VLOAD(k + d), x1 = VLOAD(k1 + d);
+				VF x2 = VLOAD(k2 + d), x3 = VLOAD(k3 + d);
 #pragma GCC unroll 8
 				for (int g = 0; g < G; g++) {
 					VF qv = VLOAD(q + g * hd + d);
@@ -93,8 +94,8 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const
 			for (int g = 0; g < G; g++)
 				VHSUM4(s0[g], s1[g], s2[g], s3[g], sc + g * sstride + i);
 		}
-	const float *k = k0 + i * rstride;
-	for (; i < n; i++, k += rstride) {
+	for (; i < n; i++) {
+		const float *k = rows[i] + off;
 		VF s[DEC_GMAX];
 #pragma GCC unroll 8
 		for (int g = 0; g < G; g++)
@@ -111,16 +112,16 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const
 	}
 }
 
-/* One block of n keys (rows from row, one page) for G heads of KV head kh:
+/* One block of n keys (their rows) for G heads of KV head kh:
  * q [G][hd] scaled, the stretch's acc [G][hd], m [G], l [G] updated. */
 __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int G, const kb_paged_attn_args *a,
 								     int64_t kh, const float *q,
-								     const float *row, int64_t n,
+								     const float *const *rows, int64_t n,
 								     float *acc, float *m, float *l)
 {
-	const int64_t hd = a->head_dim, rs = a->row_stride;
+	const int64_t hd = a->head_dim;
 	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
-	SFX(dec_qk)(G, 4 * G + 5 <= VNREG, &sc[0][0], BLK + VW, q, hd, row + a->k_off + kh * hd, rs, n);
+	SFX(dec_qk)(G, 4 * G + 5 <= VNREG, &sc[0][0], BLK + VW, q, hd, rows, a->k_off + kh * hd, n);
 	for (int g = 0; g < G; g++) {
 		float *s = sc[g];
 		VF vm = VSET1(-INFINITY);
@@ -149,45 +150,46 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 			ls += (s[i] = expf(s[i] - m[g]));
 		l[g] += ls;
 	}
-	const float *v0 = row + a->v_off + kh * hd;
+	const int64_t v0 = a->v_off + kh * hd;
 	if (hd % (4 * VW) == 0 && G <= 4)
-		SFX(dec_pv)(G, 4, acc, hd, &sc[0][0], BLK + VW, v0, rs, n);
+		SFX(dec_pv)(G, 4, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 	else if (hd % (2 * VW) == 0)
-		SFX(dec_pv)(G, 2, acc, hd, &sc[0][0], BLK + VW, v0, rs, n);
+		SFX(dec_pv)(G, 2, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 	else
-		SFX(dec_pv)(G, 1, acc, hd, &sc[0][0], BLK + VW, v0, rs, n);
+		SFX(dec_pv)(G, 1, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 }
 
-static void SFX(dec_block)(int g, const kb_paged_attn_args *a, int64_t kh, const float *q, const float *row,
+static void SFX(dec_block)(int g, const kb_paged_attn_args *a, int64_t kh, const float *q, const float *const *rows,
 			   int64_t n, float *acc, float *m, float *l)
 {
 	switch (g) {
-	case 1: SFX(dec_block_fixed)(1, a, kh, q, row, n, acc, m, l); break;
-	case 2: SFX(dec_block_fixed)(2, a, kh, q, row, n, acc, m, l); break;
-	case 3: SFX(dec_block_fixed)(3, a, kh, q, row, n, acc, m, l); break;
-	case 4: SFX(dec_block_fixed)(4, a, kh, q, row, n, acc, m, l); break;
-	case 5: SFX(dec_block_fixed)(5, a, kh, q, row, n, acc, m, l); break;
-	case 6: SFX(dec_block_fixed)(6, a, kh, q, row, n, acc, m, l); break;
-	case 7: SFX(dec_block_fixed)(7, a, kh, q, row, n, acc, m, l); break;
-	default: SFX(dec_block_fixed)(8, a, kh, q, row, n, acc, m, l); break;
+	case 1: SFX(dec_block_fixed)(1, a, kh, q, rows, n, acc, m, l); break;
+	case 2: SFX(dec_block_fixed)(2, a, kh, q, rows, n, acc, m, l); break;
+	case 3: SFX(dec_block_fixed)(3, a, kh, q, rows, n, acc, m, l); break;
+	case 4: SFX(dec_block_fixed)(4, a, kh, q, rows, n, acc, m, l); break;
+	case 5: SFX(dec_block_fixed)(5, a, kh, q, rows, n, acc, m, l); break;
+	case 6: SFX(dec_block_fixed)(6, a, kh, q, rows, n, acc, m, l); break;
+	case 7: SFX(dec_block_fixed)(7, a, kh, q, rows, n, acc, m, l); break;
+	default: SFX(dec_block_fixed)(8, a, kh, q, rows, n, acc, m, l); break;
 	}
 }
 
 /* ---------------- prefill tile: nq <= VW consecutive tokens, one head ---------------- */
 
-/* Scores, softmax update and weighted sum of one block (n keys from k and v,
- * row stride rs) for one head of a tile: qt [hd][VW], acc [hd][VW], m and l
+/* Scores, softmax update and weighted sum of one block (n keys, their rows;
+ * K at koff, V at voff) for one head of a tile: qt [hd][VW], acc [hd][VW], m and l
  * per lane. */
 __attribute__((always_inline)) static inline void SFX(tile_block)(const float *qt, float *acc, VF *mp, VF *lp,
-								float *sc, const float *k, const float *v,
-								int64_t rs, int64_t hd, int64_t n, int64_t jb,
+								float *sc, const float *const *rows, int64_t koff,
+								int64_t voff, int64_t hd, int64_t n, int64_t jb,
 								int masked, VF vpos)
 {
 	/* scores, 4 keys at a time sharing each load of q */
 	int64_t i = 0;
 	for (; i + 4 <= n; i += 4) {
 		VF s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
-		const float *k0 = k + i * rs, *k1 = k0 + rs, *k2 = k1 + rs, *k3 = k2 + rs;
+		const float *k0 = rows[i] + koff, *k1 = rows[i + 1] + koff;
+		const float *k2 = rows[i + 2] + koff, *k3 = rows[i + 3] + koff;
 		for (int64_t d = 0; d < hd; d++) {
 			VF qd = VLOAD(qt + d * VW);
 			s0 = VFMA(qd, VSET1(k0[d]), s0);
@@ -202,7 +204,7 @@ __attribute__((always_inline)) static inline void SFX(tile_block)(const float *q
 	}
 	for (; i < n; i++) {
 		VF s0 = VZERO();
-		const float *k0 = k + i * rs;
+		const float *k0 = rows[i] + koff;
 		for (int64_t d = 0; d < hd; d++)
 			s0 = VFMA(VLOAD(qt + d * VW), VSET1(k0[d]), s0);
 		VSTORE(sc + i * VW, s0);
@@ -236,8 +238,8 @@ __attribute__((always_inline)) static inline void SFX(tile_block)(const float *q
 #pragma GCC unroll 8
 		for (int e = 0; e < 8; e++)
 			r[e] = VLOAD(acc + (d0 + e) * VW);
-		const float *vi = v + d0;
-		for (i = 0; i < n; i++, vi += rs) {
+		for (i = 0; i < n; i++) {
+			const float *vi = rows[i] + voff + d0;
 			VF p = VLOAD(sc + i * VW);
 #pragma GCC unroll 8
 			for (int e = 0; e < 8; e++)
@@ -250,7 +252,7 @@ __attribute__((always_inline)) static inline void SFX(tile_block)(const float *q
 	for (; d0 < hd; d0++) {
 		VF r = VLOAD(acc + d0 * VW);
 		for (i = 0; i < n; i++)
-			r = VFMA(VLOAD(sc + i * VW), VSET1(v[i * rs + d0]), r);
+			r = VFMA(VLOAD(sc + i * VW), VSET1(rows[i][voff + d0]), r);
 		VSTORE(acc + d0 * VW, r);
 	}
 }
@@ -284,14 +286,17 @@ static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh
 	memset(acc, 0, (size_t)(nh * hd * VW) * sizeof *acc);
 	const VF vpos = VLOAD(pos);
 	for (int64_t jb = 0; jb <= plast;) {
-		int64_t in_page = ps - jb % ps, n = plast + 1 - jb;
-		n = n < in_page ? n : in_page;
+		/* blocks of BLK positions, whatever the page size (the rescale
+		 * points, hence the rounding, follow positions only) */
+		int64_t n = plast + 1 - jb;
 		n = n < BLK ? n : BLK;
-		const float *row = a->cache + ((int64_t)bt[jb / ps] * ps + jb % ps) * rs;
+		const float *rows[BLK];
+		for (int64_t i = 0; i < n; i++)
+			rows[i] = a->cache + ((int64_t)bt[(jb + i) / ps] * ps + (jb + i) % ps) * rs;
 		const int masked = jb + n - 1 > p0; /* some key of the block lies past a lane's token */
 		for (int g = 0; g < nh; g++)
 			SFX(tile_block)(qt + g * hd * VW, acc + g * hd * VW, &m[g], &l[g], sc,
-					row + a->k_off + kh * hd, row + a->v_off + kh * hd, rs, hd, n, jb, masked,
+					rows, a->k_off + kh * hd, a->v_off + kh * hd, hd, n, jb, masked,
 					vpos);
 		jb += n;
 	}
