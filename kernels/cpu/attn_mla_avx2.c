@@ -31,14 +31,6 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-__attribute__((always_inline)) static inline float hsum8(__m256 v)
-{
-	__m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-	h = _mm_add_ss(h, _mm_movehdup_ps(h));
-	return _mm_cvtss_f32(h);
-}
-
 /* sc[g][i] = scale * (ql[g] . row_i[0..lora) + qp[g] . row_i[lora..lora+rope)) */
 __attribute__((always_inline)) static inline void scores_fixed(const int G, float sc[][MLA_CHUNK],
 							      const float *const *ql, const float *const *qp,
@@ -68,7 +60,7 @@ __attribute__((always_inline)) static inline void scores_fixed(const int G, floa
 		}
 #pragma GCC unroll 8
 		for (int g = 0; g < G; g++)
-			sc[g][i] = scale * hsum8(acc[g]);
+			sc[g][i] = scale * kc_hsum8(acc[g]);
 	}
 }
 
@@ -153,7 +145,7 @@ __attribute__((always_inline)) static inline void group_fixed(const int G, const
 				_mm256_storeu_ps(sc[g] + i, e);
 				sum = _mm256_add_ps(sum, e);
 			}
-			float s = hsum8(sum);
+			float s = kc_hsum8(sum);
 			for (; i < n; i++)
 				s += (sc[g][i] = expf(sc[g][i] - m[g]));
 			l[g] += s;

@@ -101,38 +101,12 @@ __attribute__((always_inline)) static inline void hsum4_16(__m512 a, __m512 b, _
 /* a where pos >= j, b where pos < j */
 #define VBLEND_LT(pos, j, a, b) \
 	_mm512_mask_blend_ps(_mm512_cmp_ps_mask((pos), _mm512_set1_ps(j), _CMP_LT_OQ), (a), (b))
-#include "kernels/cpu/attn_paged_impl.h"
-#undef VW
-#undef VF
-#undef SFX
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VFMA
-#undef VMUL
-#undef VADD
-#undef VSUB
-#undef VMAX
-#undef VEXP
-#undef VHSUM
-#undef VHMAX
-#undef VBLEND_LT
-#undef VNREG
-#undef VHSUM4
+#include "kernels/cpu/attn_paged_impl.h" /* undefines the parameters */
 #pragma GCC pop_options
 
 /* ---- AVX2 ---- */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-__attribute__((always_inline)) static inline float hsum8(__m256 v)
-{
-	__m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-	h = _mm_add_ss(h, _mm_movehdup_ps(h));
-	return _mm_cvtss_f32(h);
-}
-
 __attribute__((always_inline)) static inline float hmax8(__m256 v)
 {
 	__m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -160,29 +134,11 @@ __attribute__((always_inline)) static inline void hsum4_8(__m256 a, __m256 b, __
 #define VSUB(a, b) _mm256_sub_ps((a), (b))
 #define VMAX(a, b) _mm256_max_ps((a), (b))
 #define VEXP(v) kc_exp8(v)
-#define VHSUM(v) hsum8(v)
+#define VHSUM(v) kc_hsum8(v)
 #define VHMAX(v) hmax8(v)
 #define VBLEND_LT(pos, j, a, b) \
 	_mm256_blendv_ps((a), (b), _mm256_cmp_ps((pos), _mm256_set1_ps(j), _CMP_LT_OQ))
-#include "kernels/cpu/attn_paged_impl.h"
-#undef VW
-#undef VF
-#undef SFX
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VFMA
-#undef VMUL
-#undef VADD
-#undef VSUB
-#undef VMAX
-#undef VEXP
-#undef VHSUM
-#undef VHMAX
-#undef VBLEND_LT
-#undef VNREG
-#undef VHSUM4
+#include "kernels/cpu/attn_paged_impl.h" /* undefines the parameters */
 #pragma GCC pop_options
 
 /* (O, M, L) of nh heads takes in one stretch's (acc, m, l):

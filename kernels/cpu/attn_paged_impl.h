@@ -11,6 +11,7 @@
  *   VBLEND_LT(pos, j, a, b)  a where lanes of pos >= j, else b (the causal mask)
  *   VHSUM4(a, b, c, d, out)  out[0..3] = the horizontal sums of a, b, c, d
  *   VNREG         vector registers
+ * and undefines them all at its end.
  *
  * Two kernels (see attn_paged.c for how work is split):
  *  - dec: one query token, the G heads of one KV head, keys [j0, j1): every
@@ -311,3 +312,22 @@ static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh
 		}
 	}
 }
+
+#undef VW
+#undef VF
+#undef SFX
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VFMA
+#undef VMUL
+#undef VADD
+#undef VSUB
+#undef VMAX
+#undef VEXP
+#undef VHSUM
+#undef VHMAX
+#undef VBLEND_LT
+#undef VNREG
+#undef VHSUM4

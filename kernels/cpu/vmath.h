@@ -7,7 +7,8 @@
  * (about 1 ulp on [-ln2/2, ln2/2]).  2^n is applied in two halves so that
  * results between FLT_MAX and the smallest subnormal come out right: x >
  * 88.73 gives +inf, x < -103.9 gives 0, subnormal results are kept.
- * Used by silu_mul.c and softmax.c.
+ * Used by silu_mul.c and softmax.c; kc_hsum8 (the sum of 8 lanes) by the
+ * attention kernels.
  */
 #ifndef DS_KERNELS_CPU_VMATH_H
 #define DS_KERNELS_CPU_VMATH_H
@@ -47,6 +48,14 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 kc_exp8(
 	__m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
 	__m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
 	return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline float kc_hsum8(__m256 v)
+{
+	__m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_add_ss(h, _mm_movehdup_ps(h));
+	return _mm_cvtss_f32(h);
 }
 
 __attribute__((target("avx512f,avx512dq"), always_inline)) static inline __m512 kc_exp16(__m512 x)

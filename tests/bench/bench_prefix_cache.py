@@ -27,18 +27,15 @@ import os
 import pathlib
 import random
 import re
-import signal
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from tests.fixtures.agent import AgentProcess  # noqa: E402
+from tests.bench.bench_serving import Agent as ServingAgent  # noqa: E402
 
-BUILD = ROOT / os.environ.get("DS_BUILD", "build")
 WORDS = ("river mountain lantern copper whisper orchard glacier harbor velvet meadow "
          "compass thunder saffron pillar quartz ember falcon willow marble canyon violet "
          "anchor prairie cobalt beacon tundra juniper lagoon granite sparrow").split()
@@ -55,37 +52,9 @@ def history(seed, n_sentences):
     return "Here are my travel notes; I will ask about them.\n\n" + " ".join(out)
 
 
-class Agent:
-    def __init__(self, model, threads, backend, extra):
-        self.tmp = tempfile.TemporaryDirectory(prefix="bench-prefix-")
-        tmp = pathlib.Path(self.tmp.name)
-        (tmp / "data").mkdir()
-        exe = BUILD / "dsagent"
-        if not exe.exists():
-            sys.exit(f"bench_prefix_cache: {exe} is missing: run `make` first")
-        cmd = ["--bind", "127.0.0.1", "--control-port", "0", "--api-port", "0",
-               "--data-dir", str(tmp / "data"), "--insecure-no-auth", "--backend", backend,
-               "--threads", str(threads), "--model", str(model), *extra]
-        self.agent = AgentProcess(exe, cmd, log_dir=tmp)
-        try:
-            self.port = self.agent.wait_listening(300).api_port
-            self.model = self.agent.wait_serving(300)
-        except RuntimeError as e:
-            self.stop()
-            sys.exit(f"bench_prefix_cache: {e}")
-
-    def post(self, path, body):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        try:
-            c.request("POST", path, body=json.dumps(body),
-                      headers={"Content-Type": "application/json"})
-            r = c.getresponse()
-            data = r.read()
-        finally:
-            c.close()
-        if r.status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {r.status}: {data[:300]!r}")
-        return json.loads(data)
+class Agent(ServingAgent):
+    """bench_serving.py's agent (started the same way, call and metric) with a
+    streamed chat call that times the first token."""
 
     def chat(self, messages):
         """(answer, ttft seconds) of a greedy streamed chat call."""
@@ -114,18 +83,6 @@ class Agent:
             c.close()
         return "".join(parts), ttft
 
-    def metric(self, name):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        c.request("GET", "/metrics")
-        text = c.getresponse().read().decode()
-        c.close()
-        m = re.search(r"^" + re.escape(name) + r"\{[^}]*\} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else float("nan")
-
-    def stop(self):
-        self.agent.stop(signal.SIGTERM, timeout=30)
-        self.tmp.cleanup()
-
 
 def run_setting(a, label, rounds, n_sentences):
     rows, answers = [], []
@@ -133,7 +90,7 @@ def run_setting(a, label, rounds, n_sentences):
         msgs = [{"role": "system", "content": "You are a careful assistant."},
                 {"role": "user", "content": history(1000 + r, n_sentences) +
                  "\n\nWhich river is mentioned first?"}]
-        n_hist = a.post("/tokenize", {"messages": msgs})["count"]
+        n_hist = a.call("POST", "/tokenize", {"messages": msgs})["count"]
         ans1, t1 = a.chat(msgs)
         msgs += [{"role": "assistant", "content": ans1},
                  {"role": "user", "content": "And which metal?"}]
