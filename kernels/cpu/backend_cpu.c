@@ -58,49 +58,66 @@ static int cpu_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a)
 	return kc_rmsnorm_isa(kc_isa_active(), a);
 }
 
-static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
+/* DS_EINVAL for arguments the matmul refuses, 1 when there is nothing to
+ * compute (M or N is 0), else DS_OK. */
+static int matmul_check(const kb_matmul_args *a)
 {
 	if (!a || a->M < 0 || a->N < 0 || a->K < 0 ||
 	    (unsigned)a->wtype >= (unsigned)KB_DTYPE_COUNT)
 		return DS_EINVAL;
 	if (a->M == 0 || a->N == 0)
-		return DS_OK;
+		return 1;
 	if (!a->y || !a->x || !a->w || a->x_stride < a->K || a->y_stride < a->N ||
-	    a->w_stride < a->K)
+	    a->w_stride < a->K || a->batch < 0)
 		return DS_EINVAL;
 	if (kb_dtype_is_quant(a->wtype)) {
-		/* block-quantized weights (quant.h): whole blocks only; batched
-		 * items run one after another, each threaded */
+		/* block-quantized weights (quant.h): whole blocks only */
 		const int64_t blk = kb_dtype_block(a->wtype);
 		if (a->K % blk || a->w_stride % blk)
 			return DS_EINVAL;
-		if (a->batch < 0 || (a->batch > 1 && (a->x_bstride < 0 || a->y_bstride < 0 ||
-						      a->w_bstride < 0 || a->w_bstride % blk)))
+		if (a->batch > 1 && (a->x_bstride < 0 || a->y_bstride < 0 || a->w_bstride < 0 ||
+				     a->w_bstride % blk))
 			return DS_EINVAL;
-		return kc_qmatmul_isa(kc_isa_active(), a);
+		return DS_OK;
 	}
 	if (a->wtype == KB_F8_E4M3 &&
 	    (!a->w_scale || a->block < 1 || a->scale_stride < (a->K + a->block - 1) / a->block))
 		return DS_EINVAL;
-	if (a->batch < 0 || (a->batch > 1 && (a->x_bstride < 0 || a->y_bstride < 0 ||
-					      a->w_bstride < 0 || a->s_bstride < 0)))
+	if (a->batch > 1 && (a->x_bstride < 0 || a->y_bstride < 0 || a->w_bstride < 0 || a->s_bstride < 0))
 		return DS_EINVAL;
+	return DS_OK;
+}
+
+/* Block-quantized weights: batched items run one after another, each
+ * threaded (quant.c). */
+static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
+{
+	int rc = matmul_check(a);
+	if (rc)
+		return rc > 0 ? DS_OK : rc;
+	if (kb_dtype_is_quant(a->wtype))
+		return kc_qmatmul_isa(kc_isa_active(), a);
 	return kc_matmul_batch_isa(kc_isa_active(), a);
 }
 
-/* A decode step's products of one x row (q, k, v; gate, up) meet the
- * threads once (kc_qmatmul_multi_isa) when they qualify; otherwise, or for
- * any argument matmul would refuse, one call each. */
+/* A decode step's products of one x row (q, k, v; gate, up; a MoE layer's
+ * experts) meet the threads once when they qualify: block-quantized ones
+ * through kc_qmatmul_multi_isa, BF16 and FP8 ones through
+ * kc_matmul_multi_isa; otherwise one call each.  Arguments are checked
+ * before anything runs. */
 static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n)
 {
-	int ok = n > 1;
-	for (int i = 0; i < n && ok; i++)
-		ok = a[i].M == 1 && a[i].N > 0 && a[i].K > 0 && a[i].y && a[i].x && a[i].w &&
-		     a[i].y_stride >= a[i].N && a[i].w_stride >= a[i].K && a[i].batch <= 1 &&
-		     (unsigned)a[i].wtype < (unsigned)KB_DTYPE_COUNT && kb_dtype_is_quant(a[i].wtype) &&
-		     a[i].K % kb_dtype_block(a[i].wtype) == 0 && a[i].w_stride % kb_dtype_block(a[i].wtype) == 0;
-	if (ok) {
-		int rc = kc_qmatmul_multi_isa(kc_isa_active(), a, n);
+	int ok = n > 1, quant = 0;
+	for (int i = 0; i < n; i++) {
+		int rc = matmul_check(&a[i]);
+		if (rc < 0)
+			return rc;
+		ok = ok && rc == DS_OK && a[i].M == 1 && a[i].batch <= 1;
+		quant += kb_dtype_is_quant(a[i].wtype);
+	}
+	if (ok && (quant == 0 || quant == n)) {
+		int rc = quant ? kc_qmatmul_multi_isa(kc_isa_active(), a, n)
+			       : kc_matmul_multi_isa(kc_isa_active(), a, n);
 		if (rc != DS_EUNSUPPORTED)
 			return rc;
 	}

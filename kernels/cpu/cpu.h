@@ -66,6 +66,14 @@ int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a);
  * stretch of rows; otherwise one product per pool item.  Either way each y
  * element is what kc_matmul_isa gives for its product alone. */
 int kc_matmul_batch_isa(enum kc_isa isa, const kb_matmul_args *a);
+/* n <= 32 products of one x row each (their own x, W, y; arguments checked
+ * by the caller) as one pool job: the rows of all of them split into one
+ * contiguous share per thread, each x permuted once however many products
+ * share it.  Each y element is what kc_matmul_isa gives for its product
+ * alone.  DS_EUNSUPPORTED (nothing computed) unless every product goes
+ * through the one-row kernels (BF16 or FP8, whole contiguous rows of at
+ * most KC_MM_ROWS_MAXK, an instruction set that has them). */
+int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n);
 
 /* --- embed, rope, silu_mul, axpy, softmax --- */
 void kc_embed_ref(const kb_embed_args *a);

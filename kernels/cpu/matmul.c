@@ -401,6 +401,93 @@ int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a)
 	return DS_OK;
 }
 
+/* ---- several products of one x row as one job (kb_matmul_multi) ---- */
+
+#define MM_MULTI_MAX 32
+
+/* The rows of all products as one range, product i from first[i] (each
+ * start rounded up to 16 so that a share boundary never splits a cache
+ * line of y), one contiguous share per thread. */
+typedef struct multi_rows_job {
+	kc_mm_rows proto[MM_MULTI_MAX]; /* per product: all but n0, n1, xs, pf_end */
+	int64_t first[MM_MULTI_MAX + 1];
+	int n;
+	const kc_mm_kernels *kn;
+	int64_t per; /* rows per share */
+} multi_rows_job;
+
+static void multi_rows_item(void *ctx, int64_t b, int64_t e)
+{
+	const multi_rows_job *j = ctx;
+	_Alignas(64) float xs[KC_MM_ROWS_MAXK];
+	for (int64_t it = b; it < e; it++) {
+		const int64_t r0 = it * j->per, r1 = r0 + j->per;
+		for (int i = 0; i < j->n; i++) {
+			const kc_mm_rows *p = &j->proto[i];
+			int64_t lo = r0 > j->first[i] ? r0 - j->first[i] : 0;
+			int64_t hi = r1 - j->first[i] < p->per_item ? r1 - j->first[i] : p->per_item;
+			if (lo >= hi)
+				continue;
+			kc_mm_rows t = *p;
+			t.n0 = lo;
+			t.n1 = hi;
+			t.xs = xs;
+			t.pf_end = (const char *)t.w + (size_t)hi * (size_t)t.K * kb_dtype_size(t.dt);
+			j->kn->rows(&t);
+		}
+	}
+}
+
+int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
+{
+	if (isa > kc_isa_detect() || n < 1 || n > MM_MULTI_MAX)
+		return DS_EUNSUPPORTED;
+	const kc_mm_kernels *kn = kernels_for(isa);
+	if (!kn || !kn->xperm)
+		return DS_EUNSUPPORTED;
+	int g[MM_MULTI_MAX];
+	int64_t xfloats = 0;
+	for (int i = 0; i < n; i++) {
+		g[i] = kn->xperm(a[i].wtype, a[i].block, 1);
+		if (a[i].M != 1 || a[i].N < 1 || a[i].K < 1 || a[i].batch > 1 || !rows_fit(&a[i], kn, g[i]))
+			return DS_EUNSUPPORTED;
+		xfloats += a[i].K;
+	}
+	if (xfloats > XPERM_STACK)
+		return DS_EUNSUPPORTED;
+	/* x permuted once per distinct (x, K, group) */
+	_Alignas(64) float xp[XPERM_STACK];
+	multi_rows_job j = {.n = n, .kn = kn};
+	int64_t used = 0;
+	double macs = 0.0;
+	for (int i = 0; i < n; i++) {
+		const float *px = NULL;
+		for (int q = 0; q < i && !px; q++)
+			if (a[q].x == a[i].x && a[q].K == a[i].K && g[q] == g[i])
+				px = j.proto[q].x;
+		if (!px) {
+			kn->permute_x(xp + used, a[i].x, a[i].K, g[i]);
+			px = xp + used;
+			used += a[i].K;
+		}
+		j.proto[i] = (kc_mm_rows){
+			.dt = a[i].wtype, .x = px, .w = a[i].w, .K = a[i].K, .y = a[i].y,
+			.store = !a[i].accumulate, .scale = a[i].w_scale, .scale_stride = a[i].scale_stride,
+			.block = a[i].block, .per_item = a[i].N, .pf_bytes = PF_BYTES,
+		};
+		j.first[i + 1] = j.first[i] + (a[i].N + 15) / 16 * 16;
+		macs += (double)a[i].N * (double)a[i].K;
+	}
+	const int64_t threads = threads_for(macs), total = j.first[n];
+	j.per = ((total + threads - 1) / threads + 15) / 16 * 16;
+	const int64_t items = (total + j.per - 1) / j.per;
+	if (items == 1)
+		multi_rows_item(&j, 0, 1);
+	else
+		kc_parallel_for(items, 1, multi_rows_item, &j);
+	return DS_OK;
+}
+
 typedef struct batch_job {
 	enum kc_isa isa;
 	const kb_matmul_args *a;

@@ -420,14 +420,6 @@ INL __mmask16 mask_upto(int64_t left)
 	return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (unsigned)left) - 1u);
 }
 
-/* Asks for the line pf_bytes past p unless that is past pf_end (the end of
- * the share). */
-INL void rows_prefetch(const kc_mm_rows *t, const char *pf_end, const char *p)
-{
-	if (p + t->pf_bytes < pf_end)
-		__builtin_prefetch(p + t->pf_bytes, 0, 1);
-}
-
 /* One BF16 row against permuted x: 128 bytes a step, four accumulators (one
  * per phase and half, so that the FMA latency is hidden), the tail (K % 32
  * elements, x in natural order) widened the plain way. */
@@ -437,8 +429,8 @@ INL __m512 row_bf16(const kc_mm_rows *t, const char *pf_end, const float *x, con
 	__m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 	int64_t k = 0;
 	for (; k + 64 <= t->K; k += 64) {
-		rows_prefetch(t, pf_end, (const char *)(w + k));
-		rows_prefetch(t, pf_end, (const char *)(w + k + 32));
+		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k));
+		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k + 32));
 		__m512i v0 = _mm512_loadu_si512((const void *)(w + k));
 		__m512i v1 = _mm512_loadu_si512((const void *)(w + k + 32));
 		a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(x + k), a0);
@@ -447,7 +439,7 @@ INL __m512 row_bf16(const kc_mm_rows *t, const char *pf_end, const float *x, con
 		a3 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v1, hi16)), _mm512_loadu_ps(x + k + 48), a3);
 	}
 	if (k + 32 <= t->K) {
-		rows_prefetch(t, pf_end, (const char *)(w + k));
+		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k));
 		__m512i v0 = _mm512_loadu_si512((const void *)(w + k));
 		a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(x + k), a0);
 		a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v0, hi16)), _mm512_loadu_ps(x + k + 16), a1);
@@ -470,7 +462,7 @@ INL __m512 row_fp8(const kc_mm_rows *t, const char *pf_end, const uint8_t *w)
 	__m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 	int64_t k = 0;
 	for (; k + 64 <= t->K; k += 64) {
-		rows_prefetch(t, pf_end, (const char *)(w + k));
+		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k));
 		__m512i b = _mm512_loadu_si512((const void *)(w + k));
 		__m512i hi = _mm512_srai_epi16(b, 4), lo = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 4);
 		a3 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(hi, f8m)), _mm512_loadu_ps(x + k + 48), a3);
@@ -516,43 +508,8 @@ INL void rows_write(const kc_mm_rows *t, __m512 v[4], int nd, float *y)
 		y[i] = t->store ? r[i] : y[i] + r[i];
 }
 
-TGT static void rows(const kc_mm_rows *t)
-{
-	const size_t rb = (size_t)t->K * (t->dt == KB_BF16 ? 2 : 1);
-	const char *w = (const char *)t->w + (size_t)t->n0 * rb, *pf_end = t->pf_end;
-	/* the share's first pf_bytes: nothing ran ahead of them */
-	for (const char *p = w; p < w + t->pf_bytes && p < pf_end; p += 64)
-		__builtin_prefetch(p, 0, 1);
-	/* product i, its row r, its x, y and scales (no division per row: with
-	 * K = 128 a row is only two steps) */
-	int64_t i = t->n0 / t->per_item, r = t->n0 - i * t->per_item;
-	const float *x = t->x + i * t->K, *s = t->scale ? t->scale + i * t->s_bstride : NULL;
-	float *y = t->y + i * t->y_bstride;
-	int64_t sb_end = r; /* FP8: the first row of the next scale block row */
-	__m512 v[4];
-	int nd = 0;
-	for (int64_t n = t->n0; n < t->n1; n++, r++, w += rb) {
-		if (r == t->per_item) {
-			r = 0, sb_end = 0;
-			x += t->K, y += t->y_bstride;
-			if (s)
-				s += t->s_bstride;
-		}
-		if (t->dt == KB_BF16) {
-			v[nd++] = row_bf16(t, pf_end, x, (const uint16_t *)w);
-		} else {
-			if (r == sb_end) {
-				rows_fp8_scale_x(t, x, s + r / t->block * t->scale_stride);
-				sb_end = (r / t->block + 1) * t->block;
-			}
-			v[nd++] = row_fp8(t, pf_end, (const uint8_t *)w);
-		}
-		if (nd == 4 || n + 1 == t->n1 || r + 1 == t->per_item) {
-			rows_write(t, v, nd, y + r - nd + 1);
-			nd = 0;
-		}
-	}
-}
+#define RV __m512
+#include "kernels/cpu/matmul_rows_impl.h"
 
 /* BF16: groups of 32 for any decode M.  FP8: groups of 64 for one x row
  * (the form's 4 x vectors and 8 accumulators would not fit with more) when

@@ -100,6 +100,14 @@ typedef struct kc_mm_rows {
 	const char *pf_end;  /* ... never at or past this byte (end of the share) */
 } kc_mm_rows;
 
+/* Asks for the line pf_bytes past p unless that is past pf_end (the end of
+ * the share): the row kernels call it once per 64 bytes they read. */
+static inline void kc_mm_rows_prefetch(const kc_mm_rows *t, const char *pf_end, const char *p)
+{
+	if (p + t->pf_bytes < pf_end)
+		__builtin_prefetch(p + t->pf_bytes, 0, 1);
+}
+
 /* The longest rows that take kc_mm_kernels.rows (and the floats of xs a
  * thread keeps on its stack): x, up to 16 KiB, stays in the 32 KiB L1 beside
  * the streamed rows.  With K = 7168 (DeepSeek-V3's hidden size) x is

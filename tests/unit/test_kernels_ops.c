@@ -2,7 +2,7 @@
  * test_kernels_ops.c - unit tests of kernels/cpu that conformance does not
  * cover: the thread pool (coverage, nesting, concurrent callers, resizing),
  * thread-count independence of the matmul, its one-row decode path against
- * the reference, rope / silu_mul / softmax / axpy
+ * the reference, several one-row products as one job, rope / silu_mul / softmax / axpy
  * against hand-computed values, the backend's argument checks, matmul with
  * K = 0, and the bandwidth probe's contract.
  */
@@ -195,16 +195,18 @@ static void rand_finite_weights(enum kb_dtype dt, unsigned char *w, unsigned cha
 	}
 }
 
-/* Decode with one x row over whole contiguous rows (the AVX-512 kernels'
- * kc_mm_rows path): K with tails after the 64- and 32-element groups, N that
+/* Decode with one x row over whole contiguous rows (kc_mm_rows, AVX2 and
+ * AVX-512), and over rows longer than KC_MM_ROWS_MAXK (the tiles with x
+ * permuted): K with tails after the 64- and 32-element groups, N that
  * crosses FP8 scale-block rows inside a thread's share, y written and added
  * to.  Each result within 1e-5 of sum |x| |W| of the scalar reference, and
  * the same bits for 1 to 4 threads. */
 TEST(matmul_decode_rows_match_reference_and_thread_count)
 {
-	static const int64_t shapes[][3] = {{300, 1000, 128}, {131, 2085, 64}, {77, 64, 128}, {1030, 520, 128}};
+	static const int64_t shapes[][3] = {{300, 1000, 128}, {131, 2085, 64}, {77, 64, 128}, {1030, 520, 128},
+					    {45, 4500, 128}};
 	static const enum kb_dtype dts[] = {KB_BF16, KB_F8_E4M3};
-	for (size_t s = 0; s < 4; s++) {
+	for (size_t s = 0; s < 5; s++) {
 		for (size_t d = 0; d < 2; d++) {
 			const int64_t N = shapes[s][0], K = shapes[s][1], block = shapes[s][2];
 			const enum kb_dtype dt = dts[d];
@@ -376,6 +378,100 @@ TEST(matmul_batched_one_row_equals_each_product_alone)
 		}
 	}
 	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+}
+
+/* Several BF16 and FP8 products of one x row each (a MoE layer's gate and
+ * up with one x, downs each with its own x; row counts not multiples of 16;
+ * K with tails; one product adding into y) as one job: on every ISA with
+ * the one-row kernels and 1-3 threads, the bits of one call per product.
+ * A set with a row longer than the one-row kernels take is refused by the
+ * fused form (nothing written) and still right through the backend, and a
+ * bad argument anywhere is refused before anything runs. */
+TEST(matmul_multi_one_row_equals_each_product_alone)
+{
+	enum { P = 6 };
+	static const struct {
+		enum kb_dtype dt;
+		int64_t N, K;
+		int xi, acc; /* which x, y += */
+	} prod[P] = {{KB_F8_E4M3, 300, 640, 0, 0}, {KB_F8_E4M3, 512, 640, 0, 0}, {KB_BF16, 77, 640, 0, 1},
+		     {KB_F8_E4M3, 130, 300, 1, 0}, {KB_F8_E4M3, 130, 300, 2, 1}, {KB_BF16, 45, 4500, 3, 0}};
+	const kb_backend *be = kb_backend_get("cpu", NULL);
+	CHECK(be != NULL && be->ops->matmul_multi != NULL);
+	float *x[4];
+	static const int64_t xk[4] = {640, 300, 300, 4500};
+	for (int i = 0; i < 4; i++) {
+		x[i] = malloc((size_t)xk[i] * sizeof(float));
+		for (int64_t k = 0; k < xk[i]; k++)
+			x[i][k] = ut_rand_float(-1, 1);
+	}
+	kb_matmul_args a[P];
+	unsigned char *w[P], *wa[P];
+	float *sc[P], *y[P], *ref[P], *y0[P];
+	for (int i = 0; i < P; i++) {
+		const int64_t N = prod[i].N, K = prod[i].K, cols = (K + 127) / 128, srows = (N + 127) / 128;
+		w[i] = malloc((size_t)(N * K) * kb_dtype_size(prod[i].dt));
+		wa[i] = malloc((size_t)(N * K) * kb_dtype_size(prod[i].dt));
+		rand_finite_weights(prod[i].dt, w[i], wa[i], N * K);
+		sc[i] = malloc((size_t)(srows * cols) * sizeof(float));
+		for (int64_t q = 0; q < srows * cols; q++)
+			sc[i][q] = ut_rand_float(1e-3f, 1e-1f);
+		y[i] = malloc((size_t)N * sizeof(float));
+		ref[i] = malloc((size_t)N * sizeof(float));
+		y0[i] = malloc((size_t)N * sizeof(float));
+		for (int64_t n = 0; n < N; n++)
+			y0[i][n] = ut_rand_float(-1, 1);
+		a[i] = (kb_matmul_args){.y = y[i], .x = x[prod[i].xi], .w = w[i],
+					.w_scale = prod[i].dt == KB_F8_E4M3 ? sc[i] : NULL, .wtype = prod[i].dt,
+					.M = 1, .N = N, .K = K, .x_stride = K, .y_stride = N, .w_stride = K,
+					.scale_stride = cols, .block = 128, .accumulate = prod[i].acc};
+	}
+	const enum kc_isa prev = kc_isa_active();
+	for (int isa = (int)KC_ISA_AVX2; isa <= (int)kc_isa_detect(); isa++) {
+		kc_isa_force((enum kc_isa)isa);
+		for (int th = 1; th <= 3; th++) {
+			CHECK_EQ(kc_pool_set_threads(th), DS_OK);
+			for (int i = 0; i < P; i++) {
+				memcpy(ref[i], y0[i], (size_t)prod[i].N * sizeof(float));
+				memcpy(y[i], y0[i], (size_t)prod[i].N * sizeof(float));
+				a[i].y = ref[i];
+				CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &a[i]), DS_OK);
+				a[i].y = y[i];
+			}
+			/* the first five fuse; with the sixth (K = 4500) the fused form refuses */
+			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, a, P), DS_EUNSUPPORTED);
+			for (int i = 0; i < P; i++)
+				CHECK(memcmp(y[i], y0[i], (size_t)prod[i].N * sizeof(float)) == 0);
+			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, a, P - 1), DS_OK);
+			for (int i = 0; i < P - 1; i++)
+				if (memcmp(y[i], ref[i], (size_t)prod[i].N * sizeof(float)) != 0)
+					ut_fail(__FILE__, __LINE__, "product %d, isa %s, %d threads: other bits than one call",
+						i, kc_isa_name((enum kc_isa)isa), th);
+			for (int i = 0; i < P; i++)
+				memcpy(y[i], y0[i], (size_t)prod[i].N * sizeof(float));
+			CHECK_EQ(kb_matmul_multi(be, a, P), DS_OK);
+			for (int i = 0; i < P; i++)
+				CHECK(memcmp(y[i], ref[i], (size_t)prod[i].N * sizeof(float)) == 0);
+		}
+	}
+	kc_isa_force(prev);
+	/* a bad argument in the last product: refused, the first y untouched */
+	for (int i = 0; i < P; i++)
+		memcpy(y[i], y0[i], (size_t)prod[i].N * sizeof(float));
+	a[P - 2].w_scale = NULL;
+	CHECK_EQ(kb_matmul_multi(be, a, P), DS_EINVAL);
+	CHECK(memcmp(y[0], y0[0], (size_t)prod[0].N * sizeof(float)) == 0);
+	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
+	for (int i = 0; i < P; i++) {
+		free(w[i]);
+		free(wa[i]);
+		free(sc[i]);
+		free(y[i]);
+		free(ref[i]);
+		free(y0[i]);
+	}
+	for (int i = 0; i < 4; i++)
+		free(x[i]);
 }
 
 TEST(matmul_k0_and_empty)

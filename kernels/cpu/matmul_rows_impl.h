@@ -1,0 +1,61 @@
+/*
+ * matmul_rows_impl.h - the driver of the one-x-row decode kernel
+ * (kc_mm_kernels.rows; kc_mm_rows in matmul_impl.h), included once by
+ * matmul_avx2.c and once by matmul_avx512.c (private to kernels/cpu).
+ *
+ * The includer defines, before the include:
+ *   TGT           its target attribute
+ *   RV            the vector type of one row's partial sums
+ * and the static functions the driver calls:
+ *   RV   row_bf16(t, pf_end, x, w)   one BF16 row against the permuted x
+ *   RV   row_fp8(t, pf_end, w)       one FP8 row against t->xs
+ *   void rows_fp8_scale_x(t, x, s)   t->xs = x times scale row s, times FP8_SC
+ *   void rows_write(t, v, nd, y)     y[0 .. nd) = (or +=) the sums of v[0 .. nd)
+ * (after them) and defines rows from them; it undefines RV at its end.
+ *
+ * Invariants: a thread's share [n0, n1) is read row by row in memory order
+ * (one sequential stream); rows are written four at a time by one tree of
+ * sums whatever the share's start, so a row's result does not depend on the
+ * thread split; FP8 x is rescaled whenever a row enters another scale-block
+ * row or product.
+ */
+
+TGT static void rows(const kc_mm_rows *t)
+{
+	const size_t rb = (size_t)t->K * (t->dt == KB_BF16 ? 2 : 1);
+	const char *w = (const char *)t->w + (size_t)t->n0 * rb, *pf_end = t->pf_end;
+	/* the share's first pf_bytes: nothing ran ahead of them */
+	for (const char *p = w; p < w + t->pf_bytes && p < pf_end; p += 64)
+		__builtin_prefetch(p, 0, 1);
+	/* product i, its row r, its x, y and scales (no division per row: with
+	 * K = 128 a row is only two steps) */
+	int64_t i = t->n0 / t->per_item, r = t->n0 - i * t->per_item;
+	const float *x = t->x + i * t->K, *s = t->scale ? t->scale + i * t->s_bstride : NULL;
+	float *y = t->y + i * t->y_bstride;
+	int64_t sb_end = r; /* FP8: the first row of the next scale block row */
+	RV v[4];
+	int nd = 0;
+	for (int64_t n = t->n0; n < t->n1; n++, r++, w += rb) {
+		if (r == t->per_item) {
+			r = 0, sb_end = 0;
+			x += t->K, y += t->y_bstride;
+			if (s)
+				s += t->s_bstride;
+		}
+		if (t->dt == KB_BF16) {
+			v[nd++] = row_bf16(t, pf_end, x, (const uint16_t *)w);
+		} else {
+			if (r == sb_end) {
+				rows_fp8_scale_x(t, x, s + r / t->block * t->scale_stride);
+				sb_end = (r / t->block + 1) * t->block;
+			}
+			v[nd++] = row_fp8(t, pf_end, (const uint8_t *)w);
+		}
+		if (nd == 4 || n + 1 == t->n1 || r + 1 == t->per_item) {
+			rows_write(t, v, nd, y + r - nd + 1);
+			nd = 0;
+		}
+	}
+}
+
+#undef RV
