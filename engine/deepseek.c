@@ -137,9 +137,11 @@ typedef struct deepseek_model {
 	float *qa, *qlat, *qpe, *u, *oa;    /* absorbed subset */
 	float *nlat, *nkv, *nk, *nv;        /* naive: [ctx] rows */
 	float *nq, *no;                     /* naive: [bt] rows */
-	float *g, *up, *act;                /* [bt][max inter] */
+	float *g, *up, *act;                /* [max(bt, K + 1)][islot] */
+	int64_t islot;                      /* the largest intermediate size here */
 	float *rlog;                        /* [bt][E] router logits */
-	float *xe, *ye;                     /* one expert's tokens, gathered */
+	float *xe, *ye;                     /* one expert's tokens, gathered ([bt][D]);
+					     * ye [max(bt, K)][D] */
 	float *part;                        /* [bt][D] partial sums before an all-reduce (plan) */
 	float *lgp, *lgg;                   /* last stage under a plan: [bt][vpad] this rank's
 					     * vocab slice, [sn][bt][vpad] gathered */
@@ -735,12 +737,16 @@ static int alloc_buffers(deepseek_model *m, ds_err *err)
 	m->nv = model_act_alloc(be, xb, ctx * H * vd, 4);
 	m->nq = model_act_alloc(be, xb, bt * H * qk, 4);
 	m->no = model_act_alloc(be, xb, bt * H * vd, 4);
-	m->g = model_act_alloc(be, xb, bt * inter, 4);
-	m->up = model_act_alloc(be, xb, bt * inter, 4);
-	m->act = model_act_alloc(be, xb, bt * inter, 4);
+	/* one token's MoE (moe_token) keeps the shared expert and each chosen
+	 * expert in its own row */
+	const size_t grows = bt > K + 1 ? bt : K + 1;
+	m->islot = (int64_t)inter;
+	m->g = model_act_alloc(be, xb, grows * inter, 4);
+	m->up = model_act_alloc(be, xb, grows * inter, 4);
+	m->act = model_act_alloc(be, xb, grows * inter, 4);
 	m->rlog = model_act_alloc(be, xb, bt * (E ? E : 1), 4);
 	m->xe = model_act_alloc(be, xb, bt * D, 4);
-	m->ye = model_act_alloc(be, xb, bt * D, 4);
+	m->ye = model_act_alloc(be, xb, (bt > K ? bt : K) * D, 4);
 	int split = m->sn > 1, last = m->base.end_layer == m->base.n_layers;
 	if (split && !(m->part = model_act_alloc(be, xb, bt * D, 4)))
 		return bad_alloc(err);
@@ -1144,8 +1150,16 @@ static int attention(deepseek_model *m, const eng_batch *b, int L, float *x, ds_
 	const int64_t n = b->n_tok, H = m->H, qk = m->qk, lora = m->lora, rope = m->rope;
 	const int64_t kvw = lora + rope;
 	int rc;
-	if ((rc = linear(m, &ly->kv_a, m->h, m->D, m->kva, kvw, n, 0)) ||
-	    (rc = rmsnorm(m, m->kva, m->kva, ly->kv_a_norm, n, lora, kvw, kvw)))
+	/* kv_a and q_a read the same h: one job (kb_matmul_multi) */
+	const int q_with_kv = H > 0 && c->q_lora_rank > 0;
+	if (q_with_kv) {
+		kb_matmul_args a[2] = {model_matmul_args(&ly->kv_a, m->h, m->D, m->kva, kvw, n, 0),
+				       model_matmul_args(&ly->q_a, m->h, m->D, m->cq, c->q_lora_rank, n, 0)};
+		rc = kb_matmul_multi(m->be, a, 2);
+	} else {
+		rc = linear(m, &ly->kv_a, m->h, m->D, m->kva, kvw, n, 0);
+	}
+	if (rc || (rc = rmsnorm(m, m->kva, m->kva, ly->kv_a_norm, n, lora, kvw, kvw)))
 		return rc;
 	kb_rope_args rk = {.x = m->kva + lora, .n_tok = n, .n_heads = 1, .tok_stride = kvw,
 				.head_stride = kvw, .rot_dim = rope, .pos = b->pos,
@@ -1159,8 +1173,7 @@ static int attention(deepseek_model *m, const eng_batch *b, int L, float *x, ds_
 		return reduce_add(m, m->base.rank.stage_grp, x, n, err);
 	}
 	if (c->q_lora_rank > 0) {
-		if ((rc = linear(m, &ly->q_a, m->h, m->D, m->cq, c->q_lora_rank, n, 0)) ||
-		    (rc = rmsnorm(m, m->cq, m->cq, ly->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
+		if ((rc = rmsnorm(m, m->cq, m->cq, ly->q_a_norm, n, c->q_lora_rank, c->q_lora_rank,
 				  c->q_lora_rank)) ||
 		    (rc = linear(m, &ly->q_b, m->cq, c->q_lora_rank, m->q, H * qk, n, 0)))
 			return rc;
@@ -1217,8 +1230,9 @@ static int mlp(deepseek_model *m, const wmat *g, const wmat *u, const wmat *d, c
 			memset(y, 0, (size_t)(rows * m->D) * sizeof(float));
 		return DS_OK;
 	}
-	if ((rc = linear(m, g, x, m->D, m->g, I, rows, 0)) ||
-	    (rc = linear(m, u, x, m->D, m->up, I, rows, 0)))
+	kb_matmul_args gu[2] = {model_matmul_args(g, x, m->D, m->g, I, rows, 0),
+				model_matmul_args(u, x, m->D, m->up, I, rows, 0)};
+	if ((rc = kb_matmul_multi(m->be, gu, 2)))
 		return rc;
 	kb_silu_mul_args s = {.out = m->act, .gate = m->g, .up = m->up, .rows = rows, .dim = I,
 				.out_stride = I, .gate_stride = I, .up_stride = I};
@@ -1245,15 +1259,83 @@ static int dense(deepseek_model *m, const deepseek_layer *ly, int64_t n, float *
  * adds them all: the dispatch needs no communication (the tokens are on
  * every rank already) and the all-reduce is the combine
  * (docs/distributed.md). */
+/* The routed experts of one token (a decode step of one sequence) after
+ * routing, the shared expert's gate and up already in slot 0 of g/up: the
+ * chosen experts' gates and ups as one job, then every down as one job
+ * (kb_matmul_multi), instead of three jobs per expert.  Slot s of g, up and
+ * act is m->islot floats from the last; ye holds one row per expert.  The
+ * same products, additions and order as the general path of moe. */
+#define MOE_TOKEN_PRODUCTS 32 /* the CPU backend fuses up to 32 (kc_matmul_multi_isa) */
+
+static int moe_token(deepseek_model *m, const deepseek_layer *ly, float *y, int split)
+{
+	const mcfg *c = &m->cfg;
+	const int64_t D = m->D, S = m->islot;
+	kb_matmul_args a[MOE_TOKEN_PRODUCTS];
+	int32_t ex[MOE_TOKEN_PRODUCTS / 2];
+	int np = 0, ne = 0, rc;
+	for (int64_t e = m->e0; e < m->e0 + m->ec; e++) {
+		if (m->eoff[e + 1] == m->eoff[e] || ly->eg[e].n == 0)
+			continue;
+		const int64_t s = 1 + ne;
+		a[np++] = model_matmul_args(&ly->eg[e], m->h, D, m->g + s * S, ly->eg[e].n, 1, 0);
+		a[np++] = model_matmul_args(&ly->eu[e], m->h, D, m->up + s * S, ly->eu[e].n, 1, 0);
+		ex[ne++] = (int32_t)e;
+	}
+	if (np && (rc = kb_matmul_multi(m->be, a, np)))
+		return rc;
+	const int shared = c->n_shared_experts > 0 && ly->sg.n > 0;
+	np = 0;
+	for (int i = shared ? 0 : 1; i <= ne; i++) {
+		const wmat *dn = i == 0 ? &ly->sd : &ly->ed[ex[i - 1]];
+		const int64_t I = i == 0 ? ly->sg.n : ly->eg[ex[i - 1]].n;
+		kb_silu_mul_args sm = {.out = m->act + i * S, .gate = m->g + i * S, .up = m->up + i * S,
+				       .rows = 1, .dim = I, .out_stride = I, .gate_stride = I, .up_stride = I};
+		if ((rc = kb_silu_mul(m->be, &sm)))
+			return rc;
+		a[np++] = i == 0 ? model_matmul_args(dn, m->act, I, y, D, 1, !split)
+				 : model_matmul_args(dn, m->act + i * S, I, m->ye + (i - 1) * D, D, 1, 0);
+	}
+	if (!shared && split) /* as moe: the partial sum starts at 0 */
+		memset(y, 0, (size_t)D * sizeof(float));
+	if (np && (rc = kb_matmul_multi(m->be, a, np)))
+		return rc;
+	for (int i = 0; i < ne; i++) {
+		kb_axpy_args ax = {.y = y, .x = m->ye + i * D, .n = D, .alpha = m->ew[m->eoff[ex[i]]]};
+		if ((rc = kb_axpy(m->be, &ax)))
+			return rc;
+	}
+	return DS_OK;
+}
+
+/* DeepSeekMoE of layer L on h; adds its output to x [n][D].  Every rank of
+ * the stage routes every token (the router is replicated) and runs its tp
+ * slice (rows [j0, j0 + jc)) of its ep group's experts [e0, e0 + ec) on the
+ * tokens that chose them, and its 1/sn slice of the shared experts.  Under
+ * a plan these partial sums go to part, and one all-reduce over the stage
+ * adds them all: the dispatch needs no communication (the tokens are on
+ * every rank already) and the all-reduce is the combine
+ * (docs/distributed.md).  One token goes through moe_token, its router
+ * and shared gate and up one job. */
 static int moe(deepseek_model *m, const eng_batch *b, int L, float *x, ds_err *err)
 {
 	deepseek_layer *ly = &m->layers[L];
 	const mcfg *c = &m->cfg;
 	const int64_t n = b->n_tok, E = c->n_routed_experts, K = c->num_experts_per_tok, D = m->D;
 	const int split = m->sn > 1;
+	const int one = n == 1 && 2 * (K + 1) <= MOE_TOKEN_PRODUCTS;
+	const int shared = c->n_shared_experts > 0;
 	float *y = split ? m->part : x; /* where the outputs add up */
 	int rc;
-	if ((rc = linear(m, &ly->router, m->h, D, m->rlog, E, n, 0)))
+	if (one && shared && ly->sg.n > 0) {
+		kb_matmul_args a[3] = {model_matmul_args(&ly->router, m->h, D, m->rlog, E, 1, 0),
+				       model_matmul_args(&ly->sg, m->h, D, m->g, ly->sg.n, 1, 0),
+				       model_matmul_args(&ly->su, m->h, D, m->up, ly->su.n, 1, 0)};
+		rc = kb_matmul_multi(m->be, a, 3);
+	} else {
+		rc = linear(m, &ly->router, m->h, D, m->rlog, E, n, 0);
+	}
+	if (rc)
 		return rc;
 	kb_moe_route_args r = {.idx = m->ridx, .weight = m->rw, .logits = m->rlog, .bias = ly->bias,
 				.n_tok = n, .n_experts = E, .top_k = K, .n_group = c->n_group,
@@ -1278,7 +1360,12 @@ static int moe(deepseek_model *m, const eng_batch *b, int L, float *x, ds_err *e
 		m->etok[at] = (int32_t)(i / K);
 		m->ew[at] = m->rw[i];
 	}
-	if (c->n_shared_experts > 0) {
+	if (one) {
+		if ((rc = moe_token(m, ly, y, split)))
+			return rc;
+		return split ? reduce_add(m, m->base.rank.stage_grp, x, n, err) : DS_OK;
+	}
+	if (shared) {
 		if ((rc = mlp(m, &ly->sg, &ly->su, &ly->sd, m->h, y, n, !split)))
 			return rc;
 	} else if (split) {

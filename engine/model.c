@@ -668,14 +668,20 @@ int model_check_batch(const model *m, const eng_batch *b, ds_err *err)
 	return DS_OK;
 }
 
-int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
-		 float *y, int64_t y_stride, int64_t M, int accumulate)
+kb_matmul_args model_matmul_args(const model_weight *w, const float *x, int64_t x_stride, float *y,
+				 int64_t y_stride, int64_t M, int accumulate)
 {
-	kb_matmul_args a = {.y = y, .x = x, .w = w->w, .w_scale = w->scale, .wtype = w->type,
+	return (kb_matmul_args){.y = y, .x = x, .w = w->w, .w_scale = w->scale, .wtype = w->type,
 				.M = M, .N = w->n, .K = w->k, .x_stride = x_stride,
 				.y_stride = y_stride, .w_stride = w->k,
 				.scale_stride = w->scale_stride, .block = w->block,
 				.accumulate = accumulate};
+}
+
+int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
+		 float *y, int64_t y_stride, int64_t M, int accumulate)
+{
+	kb_matmul_args a = model_matmul_args(w, x, x_stride, y, y_stride, M, accumulate);
 	return M ? kb_matmul(be, &a) : DS_OK;
 }
 
@@ -686,10 +692,7 @@ int model_linear_multi(const kb_backend *be, const model_weight *const *w, int n
 	if (n > 8)
 		return DS_EINVAL;
 	for (int i = 0; i < n; i++)
-		a[i] = (kb_matmul_args){.y = y[i], .x = x, .w = w[i]->w, .w_scale = w[i]->scale,
-					.wtype = w[i]->type, .M = M, .N = w[i]->n, .K = w[i]->k,
-					.x_stride = x_stride, .y_stride = y_stride[i], .w_stride = w[i]->k,
-					.scale_stride = w[i]->scale_stride, .block = w[i]->block};
+		a[i] = model_matmul_args(w[i], x, x_stride, y[i], y_stride[i], M, 0);
 	return M ? kb_matmul_multi(be, a, n) : DS_OK;
 }
 

@@ -65,6 +65,10 @@ typedef struct model_weight {
 	int64_t n, k, scale_stride, block;
 } model_weight;
 
+/* The kb_matmul_args of y[M][n] (+)= x[M][k] W^T (for kb_matmul_multi
+ * with products of other x). */
+kb_matmul_args model_matmul_args(const model_weight *w, const float *x, int64_t x_stride, float *y,
+				 int64_t y_stride, int64_t M, int accumulate);
 /* y[M][n] (+)= x[M][k] W^T through be->matmul; M = 0 is a no-op. */
 int model_linear(const kb_backend *be, const model_weight *w, const float *x, int64_t x_stride,
 		 float *y, int64_t y_stride, int64_t M, int accumulate);

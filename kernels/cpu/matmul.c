@@ -445,27 +445,29 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 	const kc_mm_kernels *kn = kernels_for(isa);
 	if (!kn || !kn->xperm)
 		return DS_EUNSUPPORTED;
-	int g[MM_MULTI_MAX];
+	/* x permuted once per distinct (x, K, group): same[i] is the first
+	 * product with product i's, xfloats their floats */
+	int g[MM_MULTI_MAX], same[MM_MULTI_MAX];
 	int64_t xfloats = 0;
 	for (int i = 0; i < n; i++) {
 		g[i] = kn->xperm(a[i].wtype, a[i].block, 1);
 		if (a[i].M != 1 || a[i].N < 1 || a[i].K < 1 || a[i].batch > 1 || !rows_fit(&a[i], kn, g[i]))
 			return DS_EUNSUPPORTED;
-		xfloats += a[i].K;
+		same[i] = i;
+		for (int q = 0; q < i && same[i] == i; q++)
+			if (a[q].x == a[i].x && a[q].K == a[i].K && g[q] == g[i])
+				same[i] = q;
+		xfloats += same[i] == i ? a[i].K : 0;
 	}
 	if (xfloats > XPERM_STACK)
 		return DS_EUNSUPPORTED;
-	/* x permuted once per distinct (x, K, group) */
 	_Alignas(64) float xp[XPERM_STACK];
 	multi_rows_job j = {.n = n, .kn = kn};
 	int64_t used = 0;
 	double macs = 0.0;
 	for (int i = 0; i < n; i++) {
-		const float *px = NULL;
-		for (int q = 0; q < i && !px; q++)
-			if (a[q].x == a[i].x && a[q].K == a[i].K && g[q] == g[i])
-				px = j.proto[q].x;
-		if (!px) {
+		const float *px = j.proto[same[i]].x;
+		if (same[i] == i) {
 			kn->permute_x(xp + used, a[i].x, a[i].K, g[i]);
 			px = xp + used;
 			used += a[i].K;

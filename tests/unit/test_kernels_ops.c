@@ -455,6 +455,37 @@ TEST(matmul_multi_one_row_equals_each_product_alone)
 		}
 	}
 	kc_isa_force(prev);
+	/* 16 products of one x (a MoE layer's gates and ups): x is permuted
+	 * once, so they fuse although 16 copies would not fit the stack */
+	{
+		enum { Q = 16, QN = 20, QK = 1100 };
+		kb_matmul_args q[Q];
+		float *xq = malloc(QK * sizeof(float)), *yq = malloc(Q * QN * sizeof(float));
+		float *rq = malloc(Q * QN * sizeof(float));
+		unsigned char *wq = malloc(Q * QN * QK), *wqa = malloc(Q * QN * QK);
+		rand_finite_weights(KB_F8_E4M3, wq, wqa, Q * QN * QK);
+		for (int64_t k = 0; k < QK; k++)
+			xq[k] = ut_rand_float(-1, 1);
+		for (int i = 0; i < Q; i++) {
+			q[i] = a[0];
+			q[i].x = xq;
+			q[i].K = QK;
+			q[i].x_stride = q[i].w_stride = QK;
+			q[i].N = q[i].y_stride = QN;
+			q[i].w = wq + (size_t)i * QN * QK;
+			q[i].scale_stride = (QK + 127) / 128;
+			q[i].y = rq + i * QN;
+			CHECK_EQ(kc_matmul_isa(kc_isa_active(), &q[i]), DS_OK);
+			q[i].y = yq + i * QN;
+		}
+		CHECK_EQ(kc_matmul_multi_isa(kc_isa_active(), q, Q), DS_OK);
+		CHECK(memcmp(yq, rq, Q * QN * sizeof(float)) == 0);
+		free(xq);
+		free(yq);
+		free(rq);
+		free(wq);
+		free(wqa);
+	}
 	/* a bad argument in the last product: refused, the first y untouched */
 	for (int i = 0; i < P; i++)
 		memcpy(y[i], y0[i], (size_t)prod[i].N * sizeof(float));
