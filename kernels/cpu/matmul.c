@@ -12,11 +12,14 @@
  *             items to threads, each writes a disjoint block of y.
  *   panel   = nr rows of W (8 when M <= m_wide: 1 on AVX2, 3 on AVX-512;
  *             else 4): more rows in flight, more memory streams per tile.
- *   M = 1 with whole contiguous BF16 or FP8 rows (AVX-512, kc_mm_rows):
- *             each thread reads its share of W row by row in memory order,
- *             one sequential stream with a software prefetch 8 KiB ahead;
- *             no tiles, no panels.  A batch of such products whose W
- *             matrices lie back to back streams as one (kc_matmul_batch_isa).
+ *   M = 1 with whole contiguous BF16 or FP8 rows (kc_mm_rows): the rows
+ *             cut into ROWS_SHARES shares per thread, which the threads
+ *             claim in turn; each share is read row by row in memory
+ *             order, one sequential stream with a software prefetch 8 KiB
+ *             ahead; no tiles, no panels.  A batch of such products whose
+ *             W matrices lie back to back streams as one
+ *             (kc_matmul_batch_isa), and so do several products of any
+ *             placement (kc_matmul_multi_isa).
  *   M <= mr_max (other decode): one tile of x rows; each panel is streamed once,
  *             K chunk by K chunk (KC_MM_KC elements), converted in registers,
  *             the vector accumulators parked between chunks: every W byte
@@ -251,11 +254,16 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
 	}
 }
 
-/* Decode with one x row through kc_mm_kernels.rows: each thread one share
- * of whole rows, starting on a 16-row boundary so that no two threads write
- * one cache line of y.  (Letting a thread that is done take the back half
- * of another's share made no difference: a thread left alone on the memory
- * streams faster.) */
+/* Decode with one x row through kc_mm_kernels.rows: shares of whole rows,
+ * each starting on a 16-row boundary so that no two threads write one cache
+ * line of y, ROWS_SHARES per thread, claimed in turn (the pool's chunks), so
+ * that a thread the host slows down or a stream that starts late leaves
+ * less for the others to wait on.  With one share per thread the threads
+ * waited for each other 5-9% of a V3-shaped decode step; with 8 about half
+ * of that (a pool instrumented per job, DS_CPU_ISA=avx2, 2 threads).  A
+ * share's first 8 KiB start cold, which 8 shares per thread did not show. */
+#define ROWS_SHARES 8
+
 typedef struct rows_job {
 	kc_mm_rows proto; /* all but n0, n1, xs, pf_end */
 	const kc_mm_kernels *kn;
@@ -295,7 +303,7 @@ static void rows_run(const kb_matmul_args *a, const kc_mm_kernels *kn, const flo
 		.scale = a->w_scale, .scale_stride = a->scale_stride, .block = a->block,
 		.per_item = a->N, .y_bstride = a->y_bstride, .s_bstride = a->s_bstride, .pf_bytes = PF_BYTES,
 	};
-	j.per = (j.N + threads - 1) / threads;
+	j.per = (j.N + threads * ROWS_SHARES - 1) / (threads * ROWS_SHARES);
 	j.per = (j.per + 15) / 16 * 16;
 	const int64_t items = (j.N + j.per - 1) / j.per;
 	if (items == 1)
@@ -407,7 +415,7 @@ int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a)
 
 /* The rows of all products as one range, product i from first[i] (each
  * start rounded up to 16 so that a share boundary never splits a cache
- * line of y), one contiguous share per thread. */
+ * line of y), cut into shares as for one product (rows_run). */
 typedef struct multi_rows_job {
 	kc_mm_rows proto[MM_MULTI_MAX]; /* per product: all but n0, n1, xs, pf_end */
 	int64_t first[MM_MULTI_MAX + 1];
@@ -481,7 +489,7 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 		macs += (double)a[i].N * (double)a[i].K;
 	}
 	const int64_t threads = threads_for(macs), total = j.first[n];
-	j.per = ((total + threads - 1) / threads + 15) / 16 * 16;
+	j.per = ((total + threads * ROWS_SHARES - 1) / (threads * ROWS_SHARES) + 15) / 16 * 16;
 	const int64_t items = (total + j.per - 1) / j.per;
 	if (items == 1)
 		multi_rows_item(&j, 0, 1);
