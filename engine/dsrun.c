@@ -274,8 +274,10 @@ static void greedy_next(const runner *r, int B, int32_t *next)
 	for (int b = 0; b < B; b++) {
 		const float *lg = r->logits + (int64_t)b * V;
 		int32_t best = 0;
+		float bv = lg[0]; /* kept in a register: the loop is timed with the decode */
 		for (int v = 1; v < V; v++)
-			best = lg[v] > lg[best] ? v : best;
+			if (lg[v] > bv)
+				bv = lg[v], best = v;
 		next[b] = best;
 	}
 }
