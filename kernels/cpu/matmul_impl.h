@@ -109,11 +109,14 @@ static inline void kc_mm_rows_prefetch(const kc_mm_rows *t, const char *pf_end, 
 }
 
 /* The longest rows that take kc_mm_kernels.rows (and the floats of xs a
- * thread keeps on its stack): x, up to 16 KiB, stays in the 32 KiB L1 beside
+ * thread keeps on its stack): x, up to 24 KiB, stays in the 32 KiB L1 beside
  * the streamed rows.  With K = 7168 (DeepSeek-V3's hidden size) x is
  * re-read from L2 for every row and the tile order, which holds a 4 KiB
- * chunk of x, was 1.2-1.7x faster; at K = 4096 and 5632 the two were even. */
-#define KC_MM_ROWS_MAXK 4096
+ * chunk of x, was 1.2-1.7x faster (2048 x 7168 FP8, 2 threads, this
+ * session: tiles 28-30 GB/s, rows 19-22 on AVX-512; even on AVX2); at
+ * K = 5632 (the benchmark model's dense down projection) the rows were
+ * 14% faster on AVX-512 and 25% on AVX2 (same process, alternating). */
+#define KC_MM_ROWS_MAXK 6144
 
 #define KC_MM_ACC_R 16                          /* floats per (m, r) slot */
 #define KC_MM_ACC_M (KC_MM_NR_MAX * KC_MM_ACC_R) /* floats per x row */

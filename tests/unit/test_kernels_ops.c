@@ -204,9 +204,9 @@ static void rand_finite_weights(enum kb_dtype dt, unsigned char *w, unsigned cha
 TEST(matmul_decode_rows_match_reference_and_thread_count)
 {
 	static const int64_t shapes[][3] = {{300, 1000, 128}, {131, 2085, 64}, {77, 64, 128}, {1030, 520, 128},
-					    {45, 4500, 128}};
+					    {45, 4500, 128}, {45, 6500, 128}};
 	static const enum kb_dtype dts[] = {KB_BF16, KB_F8_E4M3};
-	for (size_t s = 0; s < 5; s++) {
+	for (size_t s = 0; s < 6; s++) {
 		for (size_t d = 0; d < 2; d++) {
 			const int64_t N = shapes[s][0], K = shapes[s][1], block = shapes[s][2];
 			const enum kb_dtype dt = dts[d];
@@ -395,11 +395,11 @@ TEST(matmul_multi_one_row_equals_each_product_alone)
 		int64_t N, K;
 		int xi, acc; /* which x, y += */
 	} prod[P] = {{KB_F8_E4M3, 300, 640, 0, 0}, {KB_F8_E4M3, 512, 640, 0, 0}, {KB_BF16, 77, 640, 0, 1},
-		     {KB_F8_E4M3, 130, 300, 1, 0}, {KB_F8_E4M3, 130, 300, 2, 1}, {KB_BF16, 45, 4500, 3, 0}};
+		     {KB_F8_E4M3, 130, 300, 1, 0}, {KB_F8_E4M3, 130, 300, 2, 1}, {KB_BF16, 45, 6500, 3, 0}};
 	const kb_backend *be = kb_backend_get("cpu", NULL);
 	CHECK(be != NULL && be->ops->matmul_multi != NULL);
 	float *x[4];
-	static const int64_t xk[4] = {640, 300, 300, 4500};
+	static const int64_t xk[4] = {640, 300, 300, 6500};
 	for (int i = 0; i < 4; i++) {
 		x[i] = malloc((size_t)xk[i] * sizeof(float));
 		for (int64_t k = 0; k < xk[i]; k++)
@@ -438,7 +438,7 @@ TEST(matmul_multi_one_row_equals_each_product_alone)
 				CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &a[i]), DS_OK);
 				a[i].y = y[i];
 			}
-			/* the first five fuse; with the sixth (K = 4500) the fused form refuses */
+			/* the first five fuse; with the sixth (K = 6500) the fused form refuses */
 			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, a, P), DS_EUNSUPPORTED);
 			for (int i = 0; i < P; i++)
 				CHECK(memcmp(y[i], y0[i], (size_t)prod[i].N * sizeof(float)) == 0);
