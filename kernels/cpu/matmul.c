@@ -258,10 +258,11 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
  * each starting on a 16-row boundary so that no two threads write one cache
  * line of y, ROWS_SHARES per thread, claimed in turn (the pool's chunks), so
  * that a thread the host slows down or a stream that starts late leaves
- * less for the others to wait on.  With one share per thread the threads
- * waited for each other 5-9% of a V3-shaped decode step; with 8 about half
- * of that (a pool instrumented per job, DS_CPU_ISA=avx2, 2 threads).  A
- * share's first 8 KiB start cold, which 8 shares per thread did not show. */
+ * less for the others to wait on.  With one share per thread the caller
+ * waited for the other thread 5-16% of the time it worked in these jobs on
+ * a V3-shaped decode; with 8, 2.5-4.3% (a pool instrumented per job,
+ * DS_CPU_ISA=avx2, 2 threads).  A share's first 8 KiB start cold, which 8
+ * shares per thread did not show. */
 #define ROWS_SHARES 8
 
 typedef struct rows_job {

@@ -129,32 +129,47 @@ def bench_default(threads):
           f"{r['peak_rss_bytes'] / 2**20:.1f} MiB", flush=True)
 
 
+def probe_cols(r, per_tok):
+    """The columns of a --membw run: decode tok/s over the probe's stretch,
+    the read probe's GB/s and the fraction of its bound, the same for Triad."""
+    m = r["membw"]
+    tok = m["decode_tok_s"]
+    return (f" |{'':15}{tok:>11.2f}{m['read_bytes_s'] / 1e9:>11.1f}"
+            f"{tok / (m['read_bytes_s'] / per_tok):>9.2f}"
+            f"{m['triad_bytes_s'] / 1e9:>12.1f}"
+            f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}")
+
+
 def bench_load_memory(shape, tag, threads, prompt_len, n):
     """Rows of the FP8 model at batch 1 as other machines run it: with the
-    kernels capped at AVX2 (DS_CPU_ISA=avx2) where this CPU has AVX-512, and
-    with the file mapping kept as on a kernel without transparent huge pages
-    (DS_THP=never).  Peak RSS must stay about (checkpoint + KV) x 1.1 in each
-    (docs/engine.md, Memory)."""
+    kernels capped at AVX2 (DS_CPU_ISA=avx2) where this CPU has AVX-512 (three
+    runs with the probe, as the native rows), and with the file mapping kept
+    as on a kernel without transparent huge pages (DS_THP=never).  Peak RSS
+    must stay about (checkpoint + KV) x 1.1 in each (docs/engine.md,
+    Memory)."""
     d = model_dir("v3-fp8", shape, tag)
     per_tok, ckpt = bytes_per_token(d)
     cfg = json.loads((d / "config.json").read_text())
     kv = (cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
           * (prompt_len + n))
     flags = pathlib.Path("/proc/cpuinfo").read_text().split()
-    runs = [("fp8 avx2", {"DS_CPU_ISA": "avx2"})] if "avx512f" in flags else []
-    runs.append(("fp8 noTHP", {"DS_THP": "never"}))
-    for label, env in runs:
+    runs = [("fp8 avx2", {"DS_CPU_ISA": "avx2"}, True)] * 3 if "avx512f" in flags else []
+    runs.append(("fp8 noTHP", {"DS_THP": "never"}, False))
+    for label, env, membw in runs:
         cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
                "-n", str(n), "--batch", "1", "--threads", str(threads), "--json"]
+        if membw:
+            cmd.append("--membw")
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                            env={**os.environ, **env})
         if r.returncode != 0:
             sys.exit(f"bench: {env} {' '.join(cmd)} failed: {r.stderr}")
         r = json.loads(r.stdout.strip().splitlines()[-1])
+        kv_bytes = kv * (prompt_len + n * 2) / (prompt_len + n) if membw else kv
         print(f"{label:<10}{ckpt / 1e9:>9.2f}{per_tok / 1e6:>10.1f}{1:>6}"
               f"{r['prefill_tok_s']:>13.1f}{r['decode_tok_s']:>12.2f}"
-              f"{r['peak_rss_bytes'] / 1e9:>13.2f}{r['peak_rss_bytes'] / (ckpt + kv):>9.3f}",
-              flush=True)
+              f"{r['peak_rss_bytes'] / 1e9:>13.2f}{r['peak_rss_bytes'] / (ckpt + kv_bytes):>9.3f}"
+              f"{probe_cols(r, per_tok) if membw else ''}", flush=True)
 
 
 def main():
@@ -182,14 +197,7 @@ def main():
             r = run_bench(d, batch, a.threads, prompt_len, n, membw=batch == 1)
             # --membw decodes n more steps: the cache holds prompt + 2n then
             kv_bytes = kv * (prompt_len + n * (2 if batch == 1 else 1)) * batch
-            cols = ""
-            if batch == 1:
-                m = r["membw"]
-                tok = m["decode_tok_s"]
-                cols = (f" |{'':15}{tok:>11.2f}{m['read_bytes_s'] / 1e9:>11.1f}"
-                        f"{tok / (m['read_bytes_s'] / per_tok):>9.2f}"
-                        f"{m['triad_bytes_s'] / 1e9:>12.1f}"
-                        f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}")
+            cols = probe_cols(r, per_tok) if batch == 1 else ""
             print(f"{'fp8' if kind == 'v3-fp8' else 'bf16':<10}{ckpt / 1e9:>9.2f}"
                   f"{per_tok / 1e6:>10.1f}{batch:>6}{r['prefill_tok_s']:>13.1f}"
                   f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"
