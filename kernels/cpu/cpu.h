@@ -67,12 +67,13 @@ int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a);
  * element is what kc_matmul_isa gives for its product alone. */
 int kc_matmul_batch_isa(enum kc_isa isa, const kb_matmul_args *a);
 /* n <= 32 products of one x row each (their own x, W, y; arguments checked
- * by the caller) as one pool job: the rows of all of them split into one
- * contiguous share per thread, each x permuted once however many products
- * share it.  Each y element is what kc_matmul_isa gives for its product
- * alone.  DS_EUNSUPPORTED (nothing computed) unless every product goes
- * through the one-row kernels (BF16 or FP8, whole contiguous rows of at
- * most KC_MM_ROWS_MAXK, an instruction set that has them). */
+ * by the caller) as one pool job: the rows of all of them cut into shares
+ * the threads claim, each x permuted once however many products share it;
+ * a product goes through the one-row kernels when they take its rows, else
+ * through the decode tiles.  Each y element is what kc_matmul_isa gives for
+ * its product alone.  DS_EUNSUPPORTED (nothing computed) for a product of
+ * more x rows, a batched or block-quantized one, or an instruction set
+ * without the SIMD kernels. */
 int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n);
 
 /* --- embed, rope, silu_mul, axpy, softmax --- */

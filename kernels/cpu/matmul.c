@@ -416,9 +416,17 @@ int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a)
 
 /* The rows of all products as one range, product i from first[i] (each
  * start rounded up to 16 so that a share boundary never splits a cache
- * line of y), cut into shares as for one product (rows_run). */
+ * line of y), cut into shares as for one product (rows_run).  A product
+ * whose rows the one-row kernels take (rows_fit) runs them on its part of
+ * a share; any other (rows longer than KC_MM_ROWS_MAXK: DeepSeek-V3's
+ * hidden size) runs the decode tiles on it (mm_block_decode), which give
+ * each row the same bits whatever the range. */
 typedef struct multi_rows_job {
-	kc_mm_rows proto[MM_MULTI_MAX]; /* per product: all but n0, n1, xs, pf_end */
+	kc_mm_rows proto[MM_MULTI_MAX]; /* one-row products: all but n0, n1, xs, pf_end */
+	kb_matmul_args ta[MM_MULTI_MAX]; /* tile products: the arguments, x permuted ... */
+	mm_job tj[MM_MULTI_MAX];         /* ... and their decode job (tj[i].a = &ta[i]) */
+	int tile[MM_MULTI_MAX];
+	int64_t N[MM_MULTI_MAX];
 	int64_t first[MM_MULTI_MAX + 1];
 	int n;
 	const kc_mm_kernels *kn;
@@ -432,12 +440,15 @@ static void multi_rows_item(void *ctx, int64_t b, int64_t e)
 	for (int64_t it = b; it < e; it++) {
 		const int64_t r0 = it * j->per, r1 = r0 + j->per;
 		for (int i = 0; i < j->n; i++) {
-			const kc_mm_rows *p = &j->proto[i];
 			int64_t lo = r0 > j->first[i] ? r0 - j->first[i] : 0;
-			int64_t hi = r1 - j->first[i] < p->per_item ? r1 - j->first[i] : p->per_item;
+			int64_t hi = r1 - j->first[i] < j->N[i] ? r1 - j->first[i] : j->N[i];
 			if (lo >= hi)
 				continue;
-			kc_mm_rows t = *p;
+			if (j->tile[i]) {
+				mm_block_decode(&j->tj[i], lo, hi);
+				continue;
+			}
+			kc_mm_rows t = j->proto[i];
 			t.n0 = lo;
 			t.n1 = hi;
 			t.xs = xs;
@@ -455,37 +466,48 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 	if (!kn || !kn->xperm)
 		return DS_EUNSUPPORTED;
 	/* x permuted once per distinct (x, K, group): same[i] is the first
-	 * product with product i's, xfloats their floats */
+	 * product with product i's, xfloats their floats (none for a product
+	 * whose dtype the kernels read with x as it is) */
 	int g[MM_MULTI_MAX], same[MM_MULTI_MAX];
 	int64_t xfloats = 0;
 	for (int i = 0; i < n; i++) {
-		g[i] = kn->xperm(a[i].wtype, a[i].block, 1);
-		if (a[i].M != 1 || a[i].N < 1 || a[i].K < 1 || a[i].batch > 1 || !rows_fit(&a[i], kn, g[i]))
+		if (a[i].M != 1 || a[i].N < 1 || a[i].K < 1 || a[i].batch > 1 || kb_dtype_is_quant(a[i].wtype))
 			return DS_EUNSUPPORTED;
+		g[i] = kn->xperm(a[i].wtype, a[i].block, 1);
 		same[i] = i;
 		for (int q = 0; q < i && same[i] == i; q++)
 			if (a[q].x == a[i].x && a[q].K == a[i].K && g[q] == g[i])
 				same[i] = q;
-		xfloats += same[i] == i ? a[i].K : 0;
+		xfloats += same[i] == i && g[i] ? a[i].K : 0;
 	}
 	if (xfloats > XPERM_STACK)
 		return DS_EUNSUPPORTED;
 	_Alignas(64) float xp[XPERM_STACK];
+	const float *px[MM_MULTI_MAX];
 	multi_rows_job j = {.n = n, .kn = kn};
 	int64_t used = 0;
 	double macs = 0.0;
 	for (int i = 0; i < n; i++) {
-		const float *px = j.proto[same[i]].x;
-		if (same[i] == i) {
+		px[i] = same[i] < i ? px[same[i]] : a[i].x;
+		if (same[i] == i && g[i]) {
 			kn->permute_x(xp + used, a[i].x, a[i].K, g[i]);
-			px = xp + used;
+			px[i] = xp + used;
 			used += a[i].K;
 		}
-		j.proto[i] = (kc_mm_rows){
-			.dt = a[i].wtype, .x = px, .w = a[i].w, .K = a[i].K, .y = a[i].y,
-			.store = !a[i].accumulate, .scale = a[i].w_scale, .scale_stride = a[i].scale_stride,
-			.block = a[i].block, .per_item = a[i].N, .pf_bytes = PF_BYTES,
-		};
+		j.tile[i] = !rows_fit(&a[i], kn, g[i]);
+		if (j.tile[i]) {
+			j.ta[i] = a[i];
+			j.ta[i].x = px[i];
+			j.ta[i].x_stride = a[i].K;
+			j.tj[i] = (mm_job){.a = &j.ta[i], .kn = kn, .mc = 1, .nr = kn->nr_m1, .xperm = g[i] != 0};
+		} else {
+			j.proto[i] = (kc_mm_rows){
+				.dt = a[i].wtype, .x = px[i], .w = a[i].w, .K = a[i].K, .y = a[i].y,
+				.store = !a[i].accumulate, .scale = a[i].w_scale, .scale_stride = a[i].scale_stride,
+				.block = a[i].block, .per_item = a[i].N, .pf_bytes = PF_BYTES,
+			};
+		}
+		j.N[i] = a[i].N;
 		j.first[i + 1] = j.first[i] + (a[i].N + 15) / 16 * 16;
 		macs += (double)a[i].N * (double)a[i].K;
 	}

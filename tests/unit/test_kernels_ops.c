@@ -382,27 +382,29 @@ TEST(matmul_batched_one_row_equals_each_product_alone)
 
 /* Several BF16 and FP8 products of one x row each (a MoE layer's gate and
  * up with one x, downs each with its own x; row counts not multiples of 16;
- * K with tails; one product adding into y) as one job: on every ISA with
- * the one-row kernels and 1-3 threads, the bits of one call per product.
- * A set with a row longer than the one-row kernels take is refused by the
- * fused form (nothing written) and still right through the backend, and a
- * bad argument anywhere is refused before anything runs. */
+ * K with tails; products adding into y; two with rows longer than the
+ * one-row kernels take, which run the decode tiles inside the same job) as
+ * one job: on every ISA and 1-3 threads, the bits of one call per product,
+ * directly and through the backend.  A set with a product of two x rows is
+ * refused by the fused form (nothing written), and a bad argument anywhere
+ * is refused before anything runs. */
 TEST(matmul_multi_one_row_equals_each_product_alone)
 {
-	enum { P = 6 };
+	enum { P = 7 };
 	static const struct {
 		enum kb_dtype dt;
 		int64_t N, K;
 		int xi, acc; /* which x, y += */
 	} prod[P] = {{KB_F8_E4M3, 300, 640, 0, 0}, {KB_F8_E4M3, 512, 640, 0, 0}, {KB_BF16, 77, 640, 0, 1},
-		     {KB_F8_E4M3, 130, 300, 1, 0}, {KB_F8_E4M3, 130, 300, 2, 1}, {KB_BF16, 45, 6500, 3, 0}};
+		     {KB_F8_E4M3, 130, 300, 1, 0}, {KB_F8_E4M3, 130, 300, 2, 1}, {KB_BF16, 45, 6500, 3, 0},
+		     {KB_F8_E4M3, 70, 6500, 3, 1}};
 	const kb_backend *be = kb_backend_get("cpu", NULL);
 	CHECK(be != NULL && be->ops->matmul_multi != NULL);
 	float *x[4];
 	static const int64_t xk[4] = {640, 300, 300, 6500};
 	for (int i = 0; i < 4; i++) {
-		x[i] = malloc((size_t)xk[i] * sizeof(float));
-		for (int64_t k = 0; k < xk[i]; k++)
+		x[i] = malloc((size_t)(2 * xk[i]) * sizeof(float)); /* room for two rows (the refused set) */
+		for (int64_t k = 0; k < 2 * xk[i]; k++)
 			x[i][k] = ut_rand_float(-1, 1);
 	}
 	kb_matmul_args a[P];
@@ -416,10 +418,10 @@ TEST(matmul_multi_one_row_equals_each_product_alone)
 		sc[i] = malloc((size_t)(srows * cols) * sizeof(float));
 		for (int64_t q = 0; q < srows * cols; q++)
 			sc[i][q] = ut_rand_float(1e-3f, 1e-1f);
-		y[i] = malloc((size_t)N * sizeof(float));
-		ref[i] = malloc((size_t)N * sizeof(float));
-		y0[i] = malloc((size_t)N * sizeof(float));
-		for (int64_t n = 0; n < N; n++)
+		y[i] = malloc((size_t)(2 * N) * sizeof(float));
+		ref[i] = malloc((size_t)(2 * N) * sizeof(float));
+		y0[i] = malloc((size_t)(2 * N) * sizeof(float));
+		for (int64_t n = 0; n < 2 * N; n++)
 			y0[i][n] = ut_rand_float(-1, 1);
 		a[i] = (kb_matmul_args){.y = y[i], .x = x[prod[i].xi], .w = w[i],
 					.w_scale = prod[i].dt == KB_F8_E4M3 ? sc[i] : NULL, .wtype = prod[i].dt,
@@ -438,12 +440,15 @@ TEST(matmul_multi_one_row_equals_each_product_alone)
 				CHECK_EQ(kc_matmul_isa((enum kc_isa)isa, &a[i]), DS_OK);
 				a[i].y = y[i];
 			}
-			/* the first five fuse; with the sixth (K = 6500) the fused form refuses */
-			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, a, P), DS_EUNSUPPORTED);
+			/* with two x rows in the last product the fused form refuses */
+			kb_matmul_args m2[P];
+			memcpy(m2, a, sizeof m2);
+			m2[P - 1].M = 2;
+			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, m2, P), DS_EUNSUPPORTED);
 			for (int i = 0; i < P; i++)
 				CHECK(memcmp(y[i], y0[i], (size_t)prod[i].N * sizeof(float)) == 0);
-			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, a, P - 1), DS_OK);
-			for (int i = 0; i < P - 1; i++)
+			CHECK_EQ(kc_matmul_multi_isa((enum kc_isa)isa, a, P), DS_OK);
+			for (int i = 0; i < P; i++)
 				if (memcmp(y[i], ref[i], (size_t)prod[i].N * sizeof(float)) != 0)
 					ut_fail(__FILE__, __LINE__, "product %d, isa %s, %d threads: other bits than one call",
 						i, kc_isa_name((enum kc_isa)isa), th);
@@ -489,7 +494,7 @@ TEST(matmul_multi_one_row_equals_each_product_alone)
 	/* a bad argument in the last product: refused, the first y untouched */
 	for (int i = 0; i < P; i++)
 		memcpy(y[i], y0[i], (size_t)prod[i].N * sizeof(float));
-	a[P - 2].w_scale = NULL;
+	a[P - 1].w_scale = NULL; /* FP8 without scales */
 	CHECK_EQ(kb_matmul_multi(be, a, P), DS_EINVAL);
 	CHECK(memcmp(y[0], y0[0], (size_t)prod[0].N * sizeof(float)) == 0);
 	CHECK_EQ(kc_pool_set_threads(0), DS_OK);
