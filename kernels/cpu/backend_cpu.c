@@ -88,16 +88,21 @@ static int matmul_check(const kb_matmul_args *a)
 	return DS_OK;
 }
 
-/* Block-quantized weights: batched items run one after another, each
- * threaded (quant.c). */
+/* A product matmul_check passed.  Block-quantized weights: batched items
+ * run one after another, each threaded (quant.c). */
+static int matmul_run(const kb_matmul_args *a)
+{
+	if (kb_dtype_is_quant(a->wtype))
+		return kc_qmatmul_isa(kc_isa_active(), a);
+	return kc_matmul_batch_isa(kc_isa_active(), a);
+}
+
 static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
 {
 	int rc = matmul_check(a);
 	if (rc)
 		return rc > 0 ? DS_OK : rc;
-	if (kb_dtype_is_quant(a->wtype))
-		return kc_qmatmul_isa(kc_isa_active(), a);
-	return kc_matmul_batch_isa(kc_isa_active(), a);
+	return matmul_run(a);
 }
 
 /* A decode step's products of one x row (q, k, v; gate, up; a MoE layer's
@@ -122,7 +127,7 @@ static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n
 			return rc;
 	}
 	for (int i = 0; i < n; i++) {
-		int rc = cpu_matmul(be, &a[i]);
+		int rc = a[i].M == 0 || a[i].N == 0 ? DS_OK : matmul_run(&a[i]); /* checked above */
 		if (rc)
 			return rc;
 	}

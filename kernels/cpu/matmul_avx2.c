@@ -400,13 +400,35 @@ INL __m256 sum8v(const __m256 a[8])
 			     _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
 }
 
+/* Half q (0 or 1) of the BF16 group of 32 at element g against permuted x:
+ * its evens into *ev, its odds into *od. */
+INL void bf16_half(const uint16_t *w, const float *x, int64_t g, int q, __m256 *ev, __m256 *od)
+{
+	const int64_t h = 8 * q;
+	__m256i b = _mm256_loadu_si256((const __m256i *)(w + g + 2 * h));
+	*ev = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), _mm256_loadu_ps(x + g + h), *ev);
+	*od = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000))),
+			      _mm256_loadu_ps(x + g + 16 + h), *od);
+}
+
+/* The elements [k, K) of a row in natural order (the tail after its whole
+ * groups): the 8-element steps into *a8, the last < 8 into *ap. */
+INL void row_tail(const int DT, const void *w, const float *x, int64_t k, int64_t K, __m256 *a8, __m256 *ap)
+{
+	for (; k + 8 <= K; k += 8)
+		*a8 = _mm256_fmadd_ps(w_load(DT, w, k), _mm256_loadu_ps(x + k), *a8);
+	if (k < K) {
+		const int n = (int)(K - k);
+		*ap = _mm256_fmadd_ps(w_load_part(DT, w, k, n), _mm256_maskload_ps(x + k, lane_mask(n)), *ap);
+	}
+}
+
 /* One BF16 row against permuted x: 128 bytes a step in four loads (group
  * q / 2, half q % 2), eight accumulators (load and phase: an FMA's latency
  * is longer than a step); the tail (K % 32, x in natural order) 8 at a
  * time. */
 INL __m256 row_bf16(const kc_mm_rows *t, const char *pf_end, const float *x, const uint16_t *w)
 {
-	const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000);
 	__m256 a[8];
 #pragma GCC unroll 8
 	for (int i = 0; i < 8; i++)
@@ -416,34 +438,17 @@ INL __m256 row_bf16(const kc_mm_rows *t, const char *pf_end, const float *x, con
 		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k));
 		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k + 32));
 #pragma GCC unroll 4
-		for (int q = 0; q < 4; q++) {
-			const int64_t g = k + 32 * (q >> 1), h = 8 * (q & 1);
-			__m256i b = _mm256_loadu_si256((const __m256i *)(w + g + 2 * h));
-			a[2 * q] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)),
-						   _mm256_loadu_ps(x + g + h), a[2 * q]);
-			a[2 * q + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, hi16)),
-						       _mm256_loadu_ps(x + g + 16 + h), a[2 * q + 1]);
-		}
+		for (int q = 0; q < 4; q++)
+			bf16_half(w, x, k + 32 * (q >> 1), q & 1, &a[2 * q], &a[2 * q + 1]);
 	}
 	if (k + 32 <= t->K) {
 		kc_mm_rows_prefetch(t, pf_end, (const char *)(w + k));
 #pragma GCC unroll 2
-		for (int q = 0; q < 2; q++) {
-			const int64_t h = 8 * q;
-			__m256i b = _mm256_loadu_si256((const __m256i *)(w + k + 2 * h));
-			a[2 * q] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)),
-						   _mm256_loadu_ps(x + k + h), a[2 * q]);
-			a[2 * q + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, hi16)),
-						       _mm256_loadu_ps(x + k + 16 + h), a[2 * q + 1]);
-		}
+		for (int q = 0; q < 2; q++)
+			bf16_half(w, x, k, q, &a[2 * q], &a[2 * q + 1]);
 		k += 32;
 	}
-	for (; k + 8 <= t->K; k += 8)
-		a[4] = _mm256_fmadd_ps(w_load(KB_BF16, w, k), _mm256_loadu_ps(x + k), a[4]);
-	if (k < t->K) {
-		const int n = (int)(t->K - k);
-		a[5] = _mm256_fmadd_ps(w_load_part(KB_BF16, w, k, n), _mm256_maskload_ps(x + k, lane_mask(n)), a[5]);
-	}
+	row_tail(KB_BF16, w, x, k, t->K, &a[4], &a[5]);
 	return sum8v(a);
 }
 
@@ -470,12 +475,7 @@ INL __m256 row_fp8(const kc_mm_rows *t, const char *pf_end, const uint8_t *w)
 				a[4 * h + j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + k + 16 * j + 8 * h), a[4 * h + j]);
 		}
 	}
-	for (; k + 8 <= t->K; k += 8)
-		a[0] = _mm256_fmadd_ps(w_load(KB_F8_E4M3, w, k), _mm256_loadu_ps(x + k), a[0]);
-	if (k < t->K) {
-		const int n = (int)(t->K - k);
-		a[1] = _mm256_fmadd_ps(w_load_part(KB_F8_E4M3, w, k, n), _mm256_maskload_ps(x + k, lane_mask(n)), a[1]);
-	}
+	row_tail(KB_F8_E4M3, w, x, k, t->K, &a[0], &a[1]);
 	return sum8v(a);
 }
 
@@ -493,22 +493,8 @@ INL void rows_fp8_scale_x(const kc_mm_rows *t, const float *x, const float *s)
 	}
 }
 
-/* y[0 .. nd) = (or +=) the sums of the nd <= 4 vectors in v, each by the
- * same tree whatever the others hold (matmul_rows_impl.h). */
-INL void rows_write(const kc_mm_rows *t, __m256 v[4], int nd, float *y)
-{
-	for (int i = nd; i < 4; i++)
-		v[i] = _mm256_setzero_ps();
-	__m128 s = sum4(v[0], v[1], v[2], v[3]);
-	if (t->dt == KB_F8_E4M3)
-		s = _mm_mul_ps(s, _mm_set1_ps(FP8_UNDO));
-	_Alignas(16) float r[4];
-	_mm_store_ps(r, s);
-	for (int i = 0; i < nd; i++)
-		y[i] = t->store ? r[i] : y[i] + r[i];
-}
-
 #define RV __m256
+#define RZERO _mm256_setzero_ps
 #include "kernels/cpu/matmul_rows_impl.h"
 
 /* BF16: groups of 32, FP8: groups of 64 when scale blocks hold whole groups,

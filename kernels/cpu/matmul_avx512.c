@@ -492,23 +492,8 @@ INL void rows_fp8_scale_x(const kc_mm_rows *t, const float *x, const float *s)
 	}
 }
 
-/* y[0 .. nd) = (or +=) the sums of the nd <= 4 vectors in v.  sum4 sums
- * each vector by the same tree whatever the others hold, so a row's result
- * does not depend on where a thread's share or a group of four starts. */
-INL void rows_write(const kc_mm_rows *t, __m512 v[4], int nd, float *y)
-{
-	for (int i = nd; i < 4; i++)
-		v[i] = _mm512_setzero_ps();
-	__m128 s = sum4(v[0], v[1], v[2], v[3]);
-	if (t->dt == KB_F8_E4M3)
-		s = _mm_mul_ps(s, _mm_set1_ps(FP8_UNDO));
-	_Alignas(16) float r[4];
-	_mm_store_ps(r, s);
-	for (int i = 0; i < nd; i++)
-		y[i] = t->store ? r[i] : y[i] + r[i];
-}
-
 #define RV __m512
+#define RZERO _mm512_setzero_ps
 #include "kernels/cpu/matmul_rows_impl.h"
 
 /* BF16: groups of 32 for any decode M.  FP8: groups of 64 for one x row

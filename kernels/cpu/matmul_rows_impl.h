@@ -4,14 +4,16 @@
  * matmul_avx2.c and once by matmul_avx512.c (private to kernels/cpu).
  *
  * The includer defines, before the include:
- *   TGT           its target attribute
- *   RV            the vector type of one row's partial sums
+ *   TGT, INL      its target attribute (and the always-inline form of it)
+ *   RV, RZERO()   the vector type of one row's partial sums, a zero one
+ *   FP8_UNDO      what FP8 sums are multiplied by when y is written
  * and the static functions the driver calls:
  *   RV   row_bf16(t, pf_end, x, w)   one BF16 row against the permuted x
  *   RV   row_fp8(t, pf_end, w)       one FP8 row against t->xs
  *   void rows_fp8_scale_x(t, x, s)   t->xs = x times scale row s, times FP8_SC
- *   void rows_write(t, v, nd, y)     y[0 .. nd) = (or +=) the sums of v[0 .. nd)
- * (after them) and defines rows from them; it undefines RV at its end.
+ *   __m128 sum4(a, b, c, d)          the four vectors' sums, each by one tree
+ * (after them) and defines rows from them; it undefines RV and RZERO at its
+ * end.
  *
  * Invariants: a thread's share [n0, n1) is read row by row in memory order
  * (one sequential stream); rows are written four at a time by one tree of
@@ -19,6 +21,22 @@
  * thread split; FP8 x is rescaled whenever a row enters another scale-block
  * row or product.
  */
+
+/* y[0 .. nd) = (or +=) the sums of the nd <= 4 vectors in v.  sum4 sums
+ * each vector by the same tree whatever the others hold, so a row's result
+ * does not depend on where a thread's share or a group of four starts. */
+INL void rows_write(const kc_mm_rows *t, RV v[4], int nd, float *y)
+{
+	for (int i = nd; i < 4; i++)
+		v[i] = RZERO();
+	__m128 s = sum4(v[0], v[1], v[2], v[3]);
+	if (t->dt == KB_F8_E4M3)
+		s = _mm_mul_ps(s, _mm_set1_ps(FP8_UNDO));
+	_Alignas(16) float r[4];
+	_mm_store_ps(r, s);
+	for (int i = 0; i < nd; i++)
+		y[i] = t->store ? r[i] : y[i] + r[i];
+}
 
 TGT static void rows(const kc_mm_rows *t)
 {
@@ -59,3 +77,4 @@ TGT static void rows(const kc_mm_rows *t)
 }
 
 #undef RV
+#undef RZERO

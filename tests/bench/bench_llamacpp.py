@@ -373,18 +373,16 @@ def main():
     print(f"bench_llamacpp ({tag}): {time.strftime('%Y-%m-%d %H:%M %Z')}, {cpu_line()}; "
           f"model {MODEL.relative_to(ROOT)}, {a.threads} threads", flush=True)
     res = {}
-    if want_engine:
-        if bench_exe:
-            print(f"llama-bench: {bench_exe}: {exe_isa(bench_exe)}")
-            res.update(bench_engine(bench_exe, a.rounds, a.threads))
+    for part, want, exe, name, var, run in (
+            ("engine", want_engine, bench_exe, "llama-bench", "LLAMA_BENCH", bench_engine),
+            ("serving", want_serving, server_exe, "llama-server", "LLAMA_SERVER", bench_serving)):
+        if not want:
+            continue
+        if exe:
+            print(f"{name}: {exe}: {exe_isa(exe)}")
+            res.update(run(exe, a.rounds, a.threads))
         else:
-            print(f"bench_llamacpp engine: skipped (set LLAMA_BENCH{suffix})")
-    if want_serving:
-        if server_exe:
-            print(f"llama-server: {server_exe}: {exe_isa(server_exe)}")
-            res.update(bench_serving(server_exe, a.rounds, a.threads))
-        else:
-            print(f"bench_llamacpp serving: skipped (set LLAMA_SERVER{suffix})")
+            print(f"bench_llamacpp {part}: skipped (set {var}{suffix})")
     summary(tag, res)
     print(f"  ({load()} at the end)")
     return 0
