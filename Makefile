@@ -222,6 +222,8 @@ bench: all $(BENCH_BINS)
 	@$(MAKE) --no-print-directory deps
 	$(BUILD)/tests/bench_kernels
 	$(BUILD)/tests/bench_kernels --attn
+	$(BUILD)/tests/bench_kernels --decode
+	DS_CPU_ISA=avx2 $(BUILD)/tests/bench_kernels --decode
 	$(BUILD)/tests/bench_comm
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_engine.py
 	DS_BUILD=$(BUILD) $(VENV)/bin/python tests/bench/bench_llamacpp.py

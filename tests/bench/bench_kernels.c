@@ -21,7 +21,7 @@
  * Weights are cycled through enough copies (>= 4x a 64 MiB last-level cache)
  * that decode timings come from memory, not cache.
  *   decode    (--decode, alone) the decode shapes of the v3shape bench model,
- *             M = 1..4: us per call and fraction of the read bandwidth;
+ *             M = 1..4, 8, 16: us per call and fraction of the read bandwidth;
  *             --decode-hot: the same with N cut down until two copies fit
  *             in L2 (the kernels' compute bound).
  *   attn      (--attn, alone) paged GQA attention: decode at depth 512 /
@@ -308,7 +308,8 @@ static void bench_matmul(int quick, const char *only)
 }
 
 /* --decode: the decode shapes of the v3shape bench model (FP8 attention,
- * dense MLP and expert projections, the BF16 lm_head), M = 1..4, on the
+ * dense MLP and expert projections, the BF16 lm_head), M = 1..4, 8 and 16
+ * (batched decode), on the
  * active ISA (DS_CPU_ISA=avx2 caps it; avx512bf16 runs the avx512 kernels).  Each figure is the mean over a run of back-to-back
  * calls, each on a different copy of the weights (as the engine calls one
  * expert after another), best of 5 runs: per-call overheads count. */
@@ -347,13 +348,15 @@ static void bench_decode(int hot, const char *only)
 		b.scale = malloc(n_sc * 4);
 		for (size_t i = 0; i < n_sc; i++)
 			b.scale[i] = 1e-3f * (float)(1 + i % 7);
-		b.x = malloc((size_t)(4 * b.K) * 4);
-		b.y = malloc((size_t)(4 * b.N) * 4);
-		for (int64_t i = 0; i < 4 * b.K; i++)
+		b.x = malloc((size_t)(16 * b.K) * 4);
+		b.y = malloc((size_t)(16 * b.N) * 4);
+		for (int64_t i = 0; i < 16 * b.K; i++)
 			b.x[i] = (float)((int64_t)(fill_next() >> 41) - (1 << 22)) * 0x1p-22f;
 		printf("%-4s N=%-5lld K=%-5lld (%6.2f MB)", dt_name(b.dt), (long long)b.N, (long long)b.K,
 		       (double)b.w_bytes / 1e6);
-		for (int64_t M = 1; M <= 4; M++) {
+		static const int64_t Ms[] = {1, 2, 3, 4, 8, 16};
+		for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
+			const int64_t M = Ms[mi];
 			kb_matmul_args a = {
 				.y = b.y, .x = b.x, .w_scale = b.scale, .wtype = b.dt, .M = M, .N = b.N,
 				.K = b.K, .x_stride = b.K, .y_stride = b.N, .w_stride = b.K,
