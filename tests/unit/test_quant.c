@@ -159,11 +159,13 @@ TEST(quant_dequant_q6_k_block)
 
 /* ---- random blocks ---- */
 
-static void rand_blocks(enum kb_dtype t, uint8_t *w, size_t bytes)
+/* Random blocks; with `full` every quant byte 0xFF instead (each value the
+ * type's largest), only the f16 scales random. */
+static void rand_blocks_as(enum kb_dtype t, uint8_t *w, size_t bytes, int full)
 {
 	const size_t bb = kb_dtype_block_bytes(t);
 	for (size_t i = 0; i < bytes; i++)
-		w[i] = (uint8_t)ut_rand_u64();
+		w[i] = full ? 0xFF : (uint8_t)ut_rand_u64();
 	for (size_t o = 0; o < bytes; o += bb) {
 		/* f16 scales 2^-9 .. 2^-3 of either sign */
 		uint16_t h = (uint16_t)((ut_rand_u64() & 1) << 15 | (6 + ut_rand_u64() % 7) << 10 |
@@ -177,6 +179,11 @@ static void rand_blocks(enum kb_dtype t, uint8_t *w, size_t bytes)
 				put16(w + o + 2, h2);
 		}
 	}
+}
+
+static void rand_blocks(enum kb_dtype t, uint8_t *w, size_t bytes)
+{
+	rand_blocks_as(t, w, bytes, 0);
 }
 
 static const enum kb_dtype qtypes[] = {KB_Q8_0, KB_Q4_0, KB_Q4_1, KB_Q4_K, KB_Q5_K, KB_Q6_K};
@@ -212,21 +219,26 @@ static int check_vs_f32(enum kb_dtype t, const float *x, int64_t M, int64_t K, c
 	return bad;
 }
 
+/* Random blocks and x, then (full = 1) every weight the type's largest value
+ * and each x row one constant of either sign: every integer dot is as large
+ * as it gets, which catches an overflow of the AVX2 tile's i16 sums. */
 TEST(quant_matmul_matches_f32_product_within_two_level_bound)
 {
 	static const int64_t ms[] = {1, 2, 5, 33};
-	for (size_t ti = 0; ti < sizeof qtypes / sizeof qtypes[0]; ti++) {
-		const enum kb_dtype t = qtypes[ti];
+	for (size_t tf = 0; tf < 2 * sizeof qtypes / sizeof qtypes[0]; tf++) {
+		const enum kb_dtype t = qtypes[tf / 2];
+		const int full = (int)(tf % 2);
 		const int64_t K = kb_dtype_block(t) == 32 ? 160 : 512, N = 37;
 		const size_t wbytes = (size_t)N * kb_dtype_bytes(t, K);
 		uint8_t *w = malloc(wbytes);
 		float *wf = malloc((size_t)(N * K) * sizeof(float));
 		float *x = malloc((size_t)(33 * K) * sizeof(float));
 		float *y = malloc((size_t)(33 * N) * sizeof(float));
-		rand_blocks(t, w, wbytes);
+		rand_blocks_as(t, w, wbytes, full);
 		kc_dequant_row_ref(t, w, wf, N * K); /* rows are consecutive blocks */
 		for (int64_t i = 0; i < 33 * K; i++)
-			x[i] = ut_rand_float(-1.0f, 1.0f) * (i % 7 == 0 ? 4.0f : 1.0f);
+			x[i] = full ? ((i / K) % 2 ? -1.0f : 1.0f) * (float)(1 + (i / K) % 3)
+				    : ut_rand_float(-1.0f, 1.0f) * (i % 7 == 0 ? 4.0f : 1.0f);
 		for (int isa = 0; isa <= (int)kc_isa_detect(); isa++) {
 			for (int vnni = 0; vnni < (isa >= KC_ISA_AVX512 ? 2 : 1); vnni++) {
 				int prev = kc_quant_allow_vnni(vnni);
@@ -237,13 +249,13 @@ TEST(quant_matmul_matches_f32_product_within_two_level_bound)
 					double worst = 0;
 					int bad = check_vs_f32(t, x, ms[mi], K, wf, N, y, &worst);
 					if (bad)
-						ut_fail(__FILE__, __LINE__, "type %d isa %d vnni %d M %lld: %d outside the bound",
-							(int)t, isa, vnni, (long long)ms[mi], bad);
+						ut_fail(__FILE__, __LINE__, "type %d%s isa %d vnni %d M %lld: %d outside the bound",
+							(int)t, full ? " full" : "", isa, vnni, (long long)ms[mi], bad);
 					/* and the bound is not vacuous: the worst error relative
 					 * to sum |x W| stays under 1e-4 (8-bit activations: ~1e-2) */
 					if (!(worst < 1e-4))
-						ut_fail(__FILE__, __LINE__, "type %d isa %d vnni %d M %lld: worst %.3g",
-							(int)t, isa, vnni, (long long)ms[mi], worst);
+						ut_fail(__FILE__, __LINE__, "type %d%s isa %d vnni %d M %lld: worst %.3g",
+							(int)t, full ? " full" : "", isa, vnni, (long long)ms[mi], worst);
 				}
 				kc_quant_allow_vnni(prev);
 			}
