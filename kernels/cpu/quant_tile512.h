@@ -20,9 +20,11 @@
 #define QT_MR 8
 #define QT_INL QT_TGT __attribute__((always_inline)) static inline
 
-/* S: sub-block, XB: x block, has_min: Q4_1/Q4_K/Q5_K, sgn: Q8_0 without VNNI. */
+/* S: sub-block, XB: x block, has_min: Q4_1/Q4_K/Q5_K, sgn: Q8_0 without VNNI.
+ * GA (without VNNI): vpmaddubsw results added in i16, GA at a time, before
+ * one vpmaddwd widens them (the bounds are quant_avx2.c's: exact). */
 QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, const int XB, const int has_min,
-			     const int sgn)
+			     const int sgn, const int GA)
 {
 	const int nsub = XB / S, RX = MR_ / 2; /* x rows: act rows 2r (level 1), 2r + 1 */
 	__m512 facc[QT_MR / 2], sub[QT_MR / 2];
@@ -39,6 +41,9 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 				ia[r] = _mm512_set1_epi32(t->ioff[r * t->ldsub + s]);
 			const uint8_t *wq = t->wp + s * S * QT_NR;
 			const int8_t *xq = t->xq + xb * XB + j * S;
+#if !QT_VNNI
+			__m512i h[QT_MR];
+#endif
 			_Pragma("GCC unroll 8")
 			for (int g = 0; g < S / 4; g++) {
 				const __m512i w = _mm512_load_si512((const void *)(wq + 64 * g));
@@ -59,8 +64,10 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 					__m512i xv = _mm512_set1_epi32(x4);
 					if (sgn)
 						xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-					ia[r] = _mm512_add_epi32(ia[r], _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xv),
-											_mm512_set1_epi16(1)));
+					const __m512i p = _mm512_maddubs_epi16(aw, xv);
+					h[r] = g % GA == 0 ? p : _mm512_add_epi16(h[r], p);
+					if (g % GA == GA - 1)
+						ia[r] = _mm512_add_epi32(ia[r], _mm512_madd_epi16(h[r], _mm512_set1_epi16(1)));
 				}
 #endif
 			}
@@ -91,23 +98,23 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 	}
 }
 
-#define QT_ROWS(S, XB, MIN, SGN)                                          \
+#define QT_ROWS(S, XB, MIN, SGN, GA)                                      \
 	switch (t->mr) {                                                  \
-	case 2: QT_FN(tile_impl)(t, 2, S, XB, MIN, SGN); break;            \
-	case 4: QT_FN(tile_impl)(t, 4, S, XB, MIN, SGN); break;            \
-	case 6: QT_FN(tile_impl)(t, 6, S, XB, MIN, SGN); break;            \
-	default: QT_FN(tile_impl)(t, 8, S, XB, MIN, SGN); break;           \
+	case 2: QT_FN(tile_impl)(t, 2, S, XB, MIN, SGN, GA); break;        \
+	case 4: QT_FN(tile_impl)(t, 4, S, XB, MIN, SGN, GA); break;        \
+	case 6: QT_FN(tile_impl)(t, 6, S, XB, MIN, SGN, GA); break;        \
+	default: QT_FN(tile_impl)(t, 8, S, XB, MIN, SGN, GA); break;       \
 	}
 
 static QT_TGT void QT_FN(tile)(const kc_qtile *t)
 {
 	switch (t->wt) {
-	case KB_Q4_0: QT_ROWS(32, 32, 0, 0) break;
-	case KB_Q4_1: QT_ROWS(32, 32, 1, 0) break;
-	case KB_Q8_0: QT_ROWS(32, 32, 0, !QT_VNNI) break;
-	case KB_Q4_K:
-	case KB_Q5_K: QT_ROWS(32, 256, 1, 0) break;
-	case KB_Q6_K: QT_ROWS(16, 256, 0, 0) break;
+	case KB_Q4_0: QT_ROWS(32, 32, 0, 0, 8) break;
+	case KB_Q4_1: QT_ROWS(32, 32, 1, 0, 8) break;
+	case KB_Q8_0: QT_ROWS(32, 32, 0, !QT_VNNI, 1) break;
+	case KB_Q4_K: QT_ROWS(32, 256, 1, 0, 8) break;
+	case KB_Q5_K: QT_ROWS(32, 256, 1, 0, 4) break;
+	case KB_Q6_K: QT_ROWS(16, 256, 0, 0, 2) break;
 	default: break;
 	}
 }
