@@ -36,7 +36,7 @@
  * (|x| <= 127, so a pair is at most 2 * 127 * wmax): 8 for 4-bit weights
  * (30480), 4 for 5-bit (31496), 2 for 6-bit (32004), 1 for Q8_0.  The
  * integer sums are exact either way, so the results are the same bits;
- * the tile alone ran 1.2-1.3x faster in L1 (Q4_1, K = 576, one core). */
+ * the tile alone ran 1.2-1.3x faster in cache (Q4_1, K = 576, one core). */
 INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, const int has_min,
 		   const int sgn, const int GA)
 {
