@@ -248,7 +248,7 @@ static void mm_block_prefill(const mm_job *j, int64_t m0, int64_t m1, int64_t n0
  * AVX-512): W is widened in registers once per tile of rows, which beat
  * dequantizing each panel chunk into f32 once and reading it back for so
  * few rows.  FP8 2048 x 2048, 2 threads, one process alternating the two
- * orders: 2.0-2.4x faster at M = 4-5, 1.6-2.3x at 6-8, 1.2-1.8x at 9-14 on
+ * orders: 2.0-2.4x faster at M = 4-5, 1.6-2.4x at 6-8, 1.2-1.9x at 9-14 on
  * either ISA; at 16-24 even on AVX2, 1.1-1.7x on AVX-512. */
 #define DECODE_TILES 6
 
