@@ -112,7 +112,7 @@ typedef struct mm_job {
 	int64_t nr;       /* W rows per panel */
 	int64_t ppc;      /* panels per chunk */
 	int64_t n_chunks; /* chunks per m-block */
-	int pack;         /* dequantize panels into the f32 buffer */
+	int pack;         /* prefill order, panels dequantized into the f32 buffer; 0: decode order */
 	int xperm;        /* decode: a->x is permuted (kc_mm_permute_x) */
 } mm_job;
 
@@ -267,7 +267,7 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
 		int64_t n0 = ch * j->ppc * j->nr, n1 = n0 + j->ppc * j->nr;
 		if (n1 > a->N)
 			n1 = a->N;
-		if (decode_order(a, j->kn))
+		if (!j->pack)
 			mm_block_decode(j, n0, n1);
 		else
 			mm_block_prefill(j, m0, m1, n0, n1);

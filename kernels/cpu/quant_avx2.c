@@ -31,12 +31,9 @@
 
 /* One tile: MR_ act rows (MR_ / 2 x rows) by the 8-column panel over one K chunk.
  * S: sub-block, XB: x block, has_min: Q4_1/Q4_K/Q5_K, sgn: Q8_0 (signed).
- * GA: pmaddubsw results added in i16, GA at a time, before one pmaddwd
- * widens them: as many as the weights' range allows without overflow
- * (|x| <= 127, so a pair is at most 2 * 127 * wmax): 8 for 4-bit weights
- * (30480), 4 for 5-bit (31496), 2 for 6-bit (32004), 1 for Q8_0.  The
- * integer sums are exact either way, so the results are the same bits;
- * the tile alone ran 1.2-1.3x faster in cache (Q4_1, K = 576, one core). */
+ * GA: pmaddubsw results added in i16, GA at a time (kc_q_i16_sums), before
+ * one pmaddwd widens them; exact, so the bits of widening each; the tile
+ * alone ran 1.2-1.3x faster in cache (Q4_1, K = 576, one core). */
 INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, const int has_min,
 		   const int sgn, const int GA)
 {
@@ -102,21 +99,21 @@ INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, 
 	}
 }
 
-#define TILE_ROWS(S, XB, MIN, SGN, GA)                             \
-	switch (t->mr) {                                           \
-	case 2: tile_impl(t, 2, S, XB, MIN, SGN, GA); break;        \
-	default: tile_impl(t, 4, S, XB, MIN, SGN, GA); break;       \
+#define TILE_ROWS(WT, S, XB, MIN, SGN)                                      \
+	switch (t->mr) {                                                    \
+	case 2: tile_impl(t, 2, S, XB, MIN, SGN, kc_q_i16_sums(WT)); break;  \
+	default: tile_impl(t, 4, S, XB, MIN, SGN, kc_q_i16_sums(WT)); break; \
 	}
 
 static QS_TGT void tile(const kc_qtile *t)
 {
 	switch (t->wt) {
-	case KB_Q4_0: TILE_ROWS(32, 32, 0, 0, 8) break;
-	case KB_Q4_1: TILE_ROWS(32, 32, 1, 0, 8) break;
-	case KB_Q8_0: TILE_ROWS(32, 32, 0, 1, 1) break;
-	case KB_Q4_K: TILE_ROWS(32, 256, 1, 0, 8) break;
-	case KB_Q5_K: TILE_ROWS(32, 256, 1, 0, 4) break;
-	case KB_Q6_K: TILE_ROWS(16, 256, 0, 0, 2) break;
+	case KB_Q4_0: TILE_ROWS(KB_Q4_0, 32, 32, 0, 0) break;
+	case KB_Q4_1: TILE_ROWS(KB_Q4_1, 32, 32, 1, 0) break;
+	case KB_Q8_0: TILE_ROWS(KB_Q8_0, 32, 32, 0, 1) break;
+	case KB_Q4_K: TILE_ROWS(KB_Q4_K, 32, 256, 1, 0) break;
+	case KB_Q5_K: TILE_ROWS(KB_Q5_K, 32, 256, 1, 0) break;
+	case KB_Q6_K: TILE_ROWS(KB_Q6_K, 16, 256, 0, 0) break;
 	default: break;
 	}
 }

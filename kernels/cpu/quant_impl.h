@@ -141,5 +141,21 @@ static inline int kc_q_xblock(enum kb_dtype wt)
 {
 	return (int)kb_dtype_block(wt);
 }
+/* pmaddubsw tiles (no VNNI): how many pair sums of one act row may be added
+ * in i16 before pmaddwd widens them.  |x| <= 127 and a pair is at most
+ * 2 * 127 * wmax (the largest packed weight value), so 8 for 4-bit weights
+ * (30480), 4 for 5-bit (31496), 2 for 6-bit (32004), 1 for Q8_0 (|w| up to
+ * 128).  Exact: the i16 sums never wrap. */
+static inline int kc_q_i16_sums(enum kb_dtype wt)
+{
+	switch (wt) {
+	case KB_Q4_0:
+	case KB_Q4_1:
+	case KB_Q4_K: return 8;
+	case KB_Q5_K: return 4;
+	case KB_Q6_K: return 2;
+	default: return 1;
+	}
+}
 
 #endif

@@ -21,8 +21,8 @@
 #define QT_INL QT_TGT __attribute__((always_inline)) static inline
 
 /* S: sub-block, XB: x block, has_min: Q4_1/Q4_K/Q5_K, sgn: Q8_0 without VNNI.
- * GA (without VNNI): vpmaddubsw results added in i16, GA at a time, before
- * one vpmaddwd widens them (the bounds are quant_avx2.c's: exact). */
+ * GA (without VNNI): vpmaddubsw results added in i16, GA at a time
+ * (kc_q_i16_sums), before one vpmaddwd widens them: exact. */
 QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, const int XB, const int has_min,
 			     const int sgn, const int GA)
 {
@@ -98,23 +98,23 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 	}
 }
 
-#define QT_ROWS(S, XB, MIN, SGN, GA)                                      \
-	switch (t->mr) {                                                  \
-	case 2: QT_FN(tile_impl)(t, 2, S, XB, MIN, SGN, GA); break;        \
-	case 4: QT_FN(tile_impl)(t, 4, S, XB, MIN, SGN, GA); break;        \
-	case 6: QT_FN(tile_impl)(t, 6, S, XB, MIN, SGN, GA); break;        \
-	default: QT_FN(tile_impl)(t, 8, S, XB, MIN, SGN, GA); break;       \
+#define QT_ROWS(WT, S, XB, MIN, SGN)                                                 \
+	switch (t->mr) {                                                             \
+	case 2: QT_FN(tile_impl)(t, 2, S, XB, MIN, SGN, kc_q_i16_sums(WT)); break;    \
+	case 4: QT_FN(tile_impl)(t, 4, S, XB, MIN, SGN, kc_q_i16_sums(WT)); break;    \
+	case 6: QT_FN(tile_impl)(t, 6, S, XB, MIN, SGN, kc_q_i16_sums(WT)); break;    \
+	default: QT_FN(tile_impl)(t, 8, S, XB, MIN, SGN, kc_q_i16_sums(WT)); break;   \
 	}
 
 static QT_TGT void QT_FN(tile)(const kc_qtile *t)
 {
 	switch (t->wt) {
-	case KB_Q4_0: QT_ROWS(32, 32, 0, 0, 8) break;
-	case KB_Q4_1: QT_ROWS(32, 32, 1, 0, 8) break;
-	case KB_Q8_0: QT_ROWS(32, 32, 0, !QT_VNNI, 1) break;
-	case KB_Q4_K: QT_ROWS(32, 256, 1, 0, 8) break;
-	case KB_Q5_K: QT_ROWS(32, 256, 1, 0, 4) break;
-	case KB_Q6_K: QT_ROWS(16, 256, 0, 0, 2) break;
+	case KB_Q4_0: QT_ROWS(KB_Q4_0, 32, 32, 0, 0) break;
+	case KB_Q4_1: QT_ROWS(KB_Q4_1, 32, 32, 1, 0) break;
+	case KB_Q8_0: QT_ROWS(KB_Q8_0, 32, 32, 0, !QT_VNNI) break;
+	case KB_Q4_K: QT_ROWS(KB_Q4_K, 32, 256, 1, 0) break;
+	case KB_Q5_K: QT_ROWS(KB_Q5_K, 32, 256, 1, 0) break;
+	case KB_Q6_K: QT_ROWS(KB_Q6_K, 16, 256, 0, 0) break;
 	default: break;
 	}
 }
