@@ -51,28 +51,50 @@ TGT static void rows(const kc_mm_rows *t)
 	const float *x = t->x + i * t->K, *s = t->scale ? t->scale + i * t->s_bstride : NULL;
 	float *y = t->y + i * t->y_bstride;
 	int64_t sb_end = r; /* FP8: the first row of the next scale block row */
-	RV v[4];
-	int nd = 0;
-	for (int64_t n = t->n0; n < t->n1; n++, r++, w += rb) {
+	const int fp8 = t->dt == KB_F8_E4M3;
+	for (int64_t n = t->n0; n < t->n1;) {
 		if (r == t->per_item) {
 			r = 0, sb_end = 0;
 			x += t->K, y += t->y_bstride;
 			if (s)
 				s += t->s_bstride;
 		}
-		if (t->dt == KB_BF16) {
-			v[nd++] = row_bf16(t, pf_end, x, (const uint16_t *)w);
-		} else {
-			if (r == sb_end) {
-				rows_fp8_scale_x(t, x, s + r / t->block * t->scale_stride);
-				sb_end = (r / t->block + 1) * t->block;
+		if (fp8 && r == sb_end) {
+			rows_fp8_scale_x(t, x, s + r / t->block * t->scale_stride);
+			sb_end = (r / t->block + 1) * t->block;
+		}
+		/* the next q <= 4 rows: of this call, this product and (FP8) this
+		 * scale block row.  Four at a time into four named vectors: when each
+		 * row's sums went into an array at a running index they went through
+		 * the stack, which cost short rows 10% (K = 128, two steps a row) and
+		 * 3-5% (K = 512), same bits (docs/benchmarks.md). */
+		int64_t q = t->n1 - n;
+		if (t->per_item - r < q)
+			q = t->per_item - r;
+		if (fp8 && sb_end - r < q)
+			q = sb_end - r;
+		RV v[4];
+		if (q >= 4) {
+			q = 4;
+			if (fp8) {
+				v[0] = row_fp8(t, pf_end, (const uint8_t *)w);
+				v[1] = row_fp8(t, pf_end, (const uint8_t *)(w + rb));
+				v[2] = row_fp8(t, pf_end, (const uint8_t *)(w + 2 * rb));
+				v[3] = row_fp8(t, pf_end, (const uint8_t *)(w + 3 * rb));
+			} else {
+				v[0] = row_bf16(t, pf_end, x, (const uint16_t *)w);
+				v[1] = row_bf16(t, pf_end, x, (const uint16_t *)(w + rb));
+				v[2] = row_bf16(t, pf_end, x, (const uint16_t *)(w + 2 * rb));
+				v[3] = row_bf16(t, pf_end, x, (const uint16_t *)(w + 3 * rb));
 			}
-			v[nd++] = row_fp8(t, pf_end, (const uint8_t *)w);
+		} else {
+			v[0] = v[1] = v[2] = v[3] = RZERO(); /* rows_write ignores v[q..4) */
+			for (int j = 0; j < q; j++)
+				v[j] = fp8 ? row_fp8(t, pf_end, (const uint8_t *)(w + j * rb))
+					   : row_bf16(t, pf_end, x, (const uint16_t *)(w + j * rb));
 		}
-		if (nd == 4 || n + 1 == t->n1 || r + 1 == t->per_item) {
-			rows_write(t, v, nd, y + r - nd + 1);
-			nd = 0;
-		}
+		rows_write(t, v, (int)q, y + r);
+		n += q, r += q, w += (size_t)q * rb;
 	}
 }
 

@@ -277,15 +277,16 @@ TEST(matmul_decode_rows_match_reference_and_thread_count)
 
 /* The batched form with one x row per product and the W matrices back to
  * back (the absorbed-MLA per-head matrices): products of 37 rows (groups of
- * four and thread shares straddle them), K with tails, FP8 scale grids per
- * product; the same bits as each product alone, for 1 to 4 threads, and
+ * four and thread shares straddle them), of 150 rows in FP8 blocks of 64
+ * (a share starting inside a product puts groups of four across a scale
+ * block row), K with tails, FP8 scale grids per product; the same bits as each product alone, for 1 to 4 threads, and
  * within 1e-5 of sum |x| |W| of the scalar reference. */
 TEST(matmul_batched_one_row_equals_each_product_alone)
 {
-	static const int64_t shapes[][3] = {{37, 130, 128}, {512, 128, 128}, {128, 512, 64}};
+	static const int64_t shapes[][3] = {{37, 130, 128}, {512, 128, 128}, {128, 512, 64}, {150, 128, 64}};
 	static const enum kb_dtype dts[] = {KB_BF16, KB_F8_E4M3};
 	enum { B = 16 };
-	for (size_t si = 0; si < 3; si++) {
+	for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
 		for (size_t d = 0; d < 2; d++) {
 			const int64_t N = shapes[si][0], K = shapes[si][1], block = shapes[si][2];
 			const enum kb_dtype dt = dts[d];
