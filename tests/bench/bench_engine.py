@@ -11,14 +11,15 @@ speed at batch 1 as a fraction of the memory-bandwidth bound:
 
     bound tok/s = bandwidth / weight bytes read per token
 
-with the bandwidth measured in the same seconds as the decode: the batch-1
-runs add --membw, which decodes another n steps with one pass of a read probe
-(pure loads, 2 streams per thread) and one pass of STREAM's Triad after each
-step, and reports the three rates over that stretch (the host's bandwidth
-moves by a third from one second to the next on a shared VM, so a probe run
-before or after the decode measures another machine).  Both ratios are
-printed; the higher bandwidth gives the stricter one.  Batch 1 runs three
-times.
+(the "+KV" column: bandwidth / (weight bytes + the latent-cache bytes a step
+of the stretch reads on average), with the bandwidth measured in the same
+seconds as the decode: the batch-1 runs add --membw, which decodes another n
+steps with one pass of a read probe (pure loads, 2 streams per thread) and
+one pass of STREAM's Triad after each step, and reports the three rates over
+that stretch (the host's bandwidth moves by a third from one second to the
+next on a shared VM, so a probe run before or after the decode measures
+another machine).  Both ratios are printed; the higher bandwidth gives the
+stricter one.  Batch 1 runs three times.
 
 where the bytes per token are counted from the checkpoint itself: every tensor
 that one token touches (attention, dense MLP, router, shared expert, the
@@ -129,13 +130,25 @@ def bench_default(threads):
           f"{r['peak_rss_bytes'] / 2**20:.1f} MiB", flush=True)
 
 
-def probe_cols(r, per_tok):
+def kv_read_per_token(cfg, prompt_len, n):
+    """Bytes of latent cache a decode step of the --membw stretch reads, on
+    average: every layer's rows (kv_lora + rope floats) of all the positions
+    up to the token's own.  The stretch decodes positions prompt_len + n ..
+    prompt_len + 2n - 1 (after the bench's own n steps)."""
+    row = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    return row * (prompt_len + n + (n + 1) / 2)
+
+
+def probe_cols(r, per_tok, kv_tok):
     """The columns of a --membw run: decode tok/s over the probe's stretch,
-    the read probe's GB/s and the fraction of its bound, the same for Triad."""
+    the read probe's GB/s and the fraction of its bound (the weights a token
+    reads, per_tok), the same with the latent cache it reads (kv_tok) added
+    to the bytes, then Triad's GB/s and the fraction of its bound (weights)."""
     m = r["membw"]
     tok = m["decode_tok_s"]
     return (f" |{'':15}{tok:>11.2f}{m['read_bytes_s'] / 1e9:>11.1f}"
             f"{tok / (m['read_bytes_s'] / per_tok):>9.2f}"
+            f"{tok / (m['read_bytes_s'] / (per_tok + kv_tok)):>8.2f}"
             f"{m['triad_bytes_s'] / 1e9:>12.1f}"
             f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}")
 
@@ -169,7 +182,8 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
         print(f"{label:<10}{ckpt / 1e9:>9.2f}{per_tok / 1e6:>10.1f}{1:>6}"
               f"{r['prefill_tok_s']:>13.1f}{r['decode_tok_s']:>12.2f}"
               f"{r['peak_rss_bytes'] / 1e9:>13.2f}{r['peak_rss_bytes'] / (ckpt + kv_bytes):>9.3f}"
-              f"{probe_cols(r, per_tok) if membw else ''}", flush=True)
+              f"{probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n)) if membw else ''}",
+              flush=True)
 
 
 def main():
@@ -186,7 +200,7 @@ def main():
     prompt_len, n = (128, 32) if a.quick else (512, 128)
     print(f"{'model':<10}{'ckpt GB':>9}{'B/tok MB':>10}{'batch':>6}{'prefill t/s':>13}"
           f"{'decode t/s':>12}{'peak RSS GB':>13}{'RSS/ckpt':>9}"
-          f" | with the probe:{'decode t/s':>11}{'read GB/s':>11}{'of bound':>9}"
+          f" | with the probe:{'decode t/s':>11}{'read GB/s':>11}{'of bound':>9}{'+KV':>8}"
           f"{'triad GB/s':>12}{'of bound':>9}")
     for kind in ("v3-fp8", "v3"):
         d = model_dir(kind, shape, tag)
@@ -197,7 +211,7 @@ def main():
             r = run_bench(d, batch, a.threads, prompt_len, n, membw=batch == 1)
             # --membw decodes n more steps: the cache holds prompt + 2n then
             kv_bytes = kv * (prompt_len + n * (2 if batch == 1 else 1)) * batch
-            cols = probe_cols(r, per_tok) if batch == 1 else ""
+            cols = probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n)) if batch == 1 else ""
             print(f"{'fp8' if kind == 'v3-fp8' else 'bf16':<10}{ckpt / 1e9:>9.2f}"
                   f"{per_tok / 1e6:>10.1f}{batch:>6}{r['prefill_tok_s']:>13.1f}"
                   f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"
