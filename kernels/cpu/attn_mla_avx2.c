@@ -33,6 +33,27 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+/* acc[r][g] += lanes of q[g][0..len) * rows[i + r][off..off+len), each q
+ * slice loaded once for the R rows */
+__attribute__((always_inline)) static inline void dot_part(const int G, const int R, __m256 acc[3][MLA_SUB],
+							  const float *const *q, const float *const *rows, int64_t i,
+							  int64_t off, int64_t len)
+{
+	for (int64_t d = 0; d < len; d += 8) {
+		__m256 c[3];
+#pragma GCC unroll 3
+		for (int r = 0; r < R; r++)
+			c[r] = _mm256_loadu_ps(rows[i + r] + off + d);
+#pragma GCC unroll 4
+		for (int g = 0; g < G; g++) {
+			const __m256 qv = _mm256_loadu_ps(q[g] + d);
+#pragma GCC unroll 3
+			for (int r = 0; r < R; r++)
+				acc[r][g] = _mm256_fmadd_ps(qv, c[r], acc[r][g]);
+		}
+	}
+}
+
 /* sc[g][i + r] = scale * (ql[g] . row_{i+r}[0..lora) + qp[g] . row_{i+r}[lora..lora+rope))
  * for R <= 3 rows and G <= MLA_SUB heads: one lane accumulator per head and
  * row (over the row's 8-float slices, lora part then rope part), each q
@@ -55,32 +76,8 @@ __attribute__((always_inline)) static inline void scores_fixed(const int G, cons
 #pragma GCC unroll 3
 		for (int r = 0; r < R; r++)
 			acc[r][g] = _mm256_setzero_ps();
-	for (int64_t d = 0; d < lora; d += 8) {
-		__m256 c[3];
-#pragma GCC unroll 3
-		for (int r = 0; r < R; r++)
-			c[r] = _mm256_loadu_ps(rows[i + r] + d);
-#pragma GCC unroll 4
-		for (int g = 0; g < G; g++) {
-			const __m256 q = _mm256_loadu_ps(ql[g] + d);
-#pragma GCC unroll 3
-			for (int r = 0; r < R; r++)
-				acc[r][g] = _mm256_fmadd_ps(q, c[r], acc[r][g]);
-		}
-	}
-	for (int64_t d = 0; d < rope; d += 8) {
-		__m256 c[3];
-#pragma GCC unroll 3
-		for (int r = 0; r < R; r++)
-			c[r] = _mm256_loadu_ps(rows[i + r] + lora + d);
-#pragma GCC unroll 4
-		for (int g = 0; g < G; g++) {
-			const __m256 q = _mm256_loadu_ps(qp[g] + d);
-#pragma GCC unroll 3
-			for (int r = 0; r < R; r++)
-				acc[r][g] = _mm256_fmadd_ps(q, c[r], acc[r][g]);
-		}
-	}
+	dot_part(G, R, acc, ql, rows, i, 0, lora);
+	dot_part(G, R, acc, qp, rows, i, lora, rope);
 #pragma GCC unroll 4
 	for (int g = 0; g < G; g++)
 #pragma GCC unroll 3
