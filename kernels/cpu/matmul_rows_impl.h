@@ -38,6 +38,12 @@ INL void rows_write(const kc_mm_rows *t, RV v[4], int nd, float *y)
 		y[i] = t->store ? r[i] : y[i] + r[i];
 }
 
+/* One row at w: FP8 against t->xs, or BF16 against x. */
+INL RV row_any(const kc_mm_rows *t, const char *pf_end, int fp8, const float *x, const char *w)
+{
+	return fp8 ? row_fp8(t, pf_end, (const uint8_t *)w) : row_bf16(t, pf_end, x, (const uint16_t *)w);
+}
+
 TGT static void rows(const kc_mm_rows *t)
 {
 	const size_t rb = (size_t)t->K * (t->dt == KB_BF16 ? 2 : 1);
@@ -76,22 +82,14 @@ TGT static void rows(const kc_mm_rows *t)
 		RV v[4];
 		if (q >= 4) {
 			q = 4;
-			if (fp8) {
-				v[0] = row_fp8(t, pf_end, (const uint8_t *)w);
-				v[1] = row_fp8(t, pf_end, (const uint8_t *)(w + rb));
-				v[2] = row_fp8(t, pf_end, (const uint8_t *)(w + 2 * rb));
-				v[3] = row_fp8(t, pf_end, (const uint8_t *)(w + 3 * rb));
-			} else {
-				v[0] = row_bf16(t, pf_end, x, (const uint16_t *)w);
-				v[1] = row_bf16(t, pf_end, x, (const uint16_t *)(w + rb));
-				v[2] = row_bf16(t, pf_end, x, (const uint16_t *)(w + 2 * rb));
-				v[3] = row_bf16(t, pf_end, x, (const uint16_t *)(w + 3 * rb));
-			}
+			v[0] = row_any(t, pf_end, fp8, x, w);
+			v[1] = row_any(t, pf_end, fp8, x, w + rb);
+			v[2] = row_any(t, pf_end, fp8, x, w + 2 * rb);
+			v[3] = row_any(t, pf_end, fp8, x, w + 3 * rb);
 		} else {
 			v[0] = v[1] = v[2] = v[3] = RZERO(); /* rows_write ignores v[q..4) */
 			for (int j = 0; j < q; j++)
-				v[j] = fp8 ? row_fp8(t, pf_end, (const uint8_t *)(w + j * rb))
-					   : row_bf16(t, pf_end, x, (const uint16_t *)(w + j * rb));
+				v[j] = row_any(t, pf_end, fp8, x, w + j * rb);
 		}
 		rows_write(t, v, (int)q, y + r);
 		n += q, r += q, w += (size_t)q * rb;

@@ -130,13 +130,17 @@ def bench_default(threads):
           f"{r['peak_rss_bytes'] / 2**20:.1f} MiB", flush=True)
 
 
+def kv_bytes_per_position(cfg):
+    """The latent cache of one position, all layers: kv_lora + rope floats each."""
+    return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+
+
 def kv_read_per_token(cfg, prompt_len, n):
     """Bytes of latent cache a decode step of the --membw stretch reads, on
-    average: every layer's rows (kv_lora + rope floats) of all the positions
-    up to the token's own.  The stretch decodes positions prompt_len + n ..
-    prompt_len + 2n - 1 (after the bench's own n steps)."""
-    row = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-    return row * (prompt_len + n + (n + 1) / 2)
+    average: every layer's rows of all the positions up to the token's own.
+    The stretch decodes positions prompt_len + n .. prompt_len + 2n - 1
+    (after the bench's own n steps)."""
+    return kv_bytes_per_position(cfg) * (prompt_len + n + (n + 1) / 2)
 
 
 def probe_cols(r, per_tok, kv_tok):
@@ -163,8 +167,7 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
     d = model_dir("v3-fp8", shape, tag)
     per_tok, ckpt = bytes_per_token(d)
     cfg = json.loads((d / "config.json").read_text())
-    kv = (cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-          * (prompt_len + n))
+    kv = kv_bytes_per_position(cfg) * (prompt_len + n)
     flags = pathlib.Path("/proc/cpuinfo").read_text().split()
     runs = [("fp8 avx2", {"DS_CPU_ISA": "avx2"}, True)] * 3 if "avx512f" in flags else []
     runs.append(("fp8 noTHP", {"DS_THP": "never"}, False))
@@ -206,7 +209,7 @@ def main():
         d = model_dir(kind, shape, tag)
         per_tok, ckpt = bytes_per_token(d)
         cfg = json.loads((d / "config.json").read_text())
-        kv = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+        kv = kv_bytes_per_position(cfg)
         for batch in (1, 1, 1, 16):
             r = run_bench(d, batch, a.threads, prompt_len, n, membw=batch == 1)
             # --membw decodes n more steps: the cache holds prompt + 2n then
