@@ -100,12 +100,25 @@ typedef struct kc_mm_rows {
 	const char *pf_end;  /* ... never at or past this byte (end of the share) */
 } kc_mm_rows;
 
-/* Asks for the line pf_bytes past p unless that is past pf_end (the end of
- * the share): the row kernels call it once per 64 bytes they read. */
+/* Bytes ahead of the read position that kc_mm_rows_prefetch asks to move
+ * from L2 into L1. */
+#define KC_MM_ROWS_PF_NEAR 4096
+
+/* The row kernels call it once per 64 bytes they read, at p.  Two requests
+ * while the line pf_bytes on is inside the share (before pf_end): that line
+ * into L2 (prefetcht2), and the one KC_MM_ROWS_PF_NEAR on, which the first
+ * request brought into L2 a while ago, into L1 (prefetcht0).  On the Zen 5
+ * host of 2026-12-04 the hardware prefetchers alone streamed a row at less
+ * than half the rate; with the L2 request only, every row load still waited
+ * on an L1 miss.  V3-shaped FP8 decode, one process alternating the two
+ * forms step by step: 1.06-1.13x native, 1.02-1.04x on AVX2
+ * (docs/benchmarks.md, "2026-12-04"). */
 static inline void kc_mm_rows_prefetch(const kc_mm_rows *t, const char *pf_end, const char *p)
 {
-	if (p + t->pf_bytes < pf_end)
+	if (p + t->pf_bytes < pf_end) {
 		__builtin_prefetch(p + t->pf_bytes, 0, 1);
+		__builtin_prefetch(p + KC_MM_ROWS_PF_NEAR, 0, 3);
+	}
 }
 
 /* The longest rows that take kc_mm_kernels.rows (and the floats of xs a
