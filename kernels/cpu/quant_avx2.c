@@ -47,10 +47,10 @@ INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, 
 		_Pragma("GCC unroll 8")
 		for (int j = 0; j < nsub; j++) {
 			const int64_t s = xb * nsub + j;
-			/* the i32 sums start at the first widening and take the
-			 * offset after the loop: live through it, a fifth set of
-			 * registers went to the stack (same sums: integers) */
 			__m256i ia[MR];
+			_Pragma("GCC unroll 8")
+			for (int r = 0; r < MR_; r++)
+				ia[r] = _mm256_set1_epi32(t->ioff[r * t->ldsub + s]);
 			const uint8_t *wq = t->wp + s * S * NR;
 			const int8_t *xq = t->xq + xb * XB + j * S;
 			__m256i h[MR];
@@ -67,19 +67,11 @@ INL void tile_impl(const kc_qtile *t, const int MR_, const int S, const int XB, 
 						xv = _mm256_sign_epi8(xv, w);
 					const __m256i p = _mm256_maddubs_epi16(aw, xv);
 					h[r] = g % GA == 0 ? p : _mm256_add_epi16(h[r], p);
-					/* one running sum per row: left free, GCC summed the
-					 * unrolled group's products as a tree and kept them
-					 * all live, on the stack (same sums: integers) */
-					__asm__("" : "+x"(h[r]));
-					if (g % GA == GA - 1) {
-						const __m256i d = _mm256_madd_epi16(h[r], ones);
-						ia[r] = g == GA - 1 ? d : _mm256_add_epi32(ia[r], d);
-					}
+					KC_Q_RUNNING_SUM(h[r]);
+					if (g % GA == GA - 1)
+						ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(h[r], ones));
 				}
 			}
-			_Pragma("GCC unroll 8")
-			for (int r = 0; r < MR_; r++)
-				ia[r] = _mm256_add_epi32(ia[r], _mm256_set1_epi32(t->ioff[r * t->ldsub + s]));
 			const __m256 scv = _mm256_load_ps(t->sc + s * NR);
 			const __m256 mnv = has_min ? _mm256_load_ps(t->mn + s * NR) : _mm256_setzero_ps();
 			_Pragma("GCC unroll 8")

@@ -66,8 +66,7 @@ QT_INL void QT_FN(tile_impl)(const kc_qtile *t, const int MR_, const int S, cons
 						xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
 					const __m512i p = _mm512_maddubs_epi16(aw, xv);
 					h[r] = g % GA == 0 ? p : _mm512_add_epi16(h[r], p);
-					/* one running sum per row, as in quant_avx2.c's tile */
-					__asm__("" : "+v"(h[r]));
+					KC_Q_RUNNING_SUM(h[r]);
 					if (g % GA == GA - 1)
 						ia[r] = _mm512_add_epi32(ia[r], _mm512_madd_epi16(h[r], _mm512_set1_epi16(1)));
 				}
