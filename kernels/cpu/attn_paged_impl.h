@@ -62,10 +62,24 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
 	}
 }
 
-/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled).  With
- * R4 (when 4 rows x G heads of accumulators fit the registers) four rows at
- * a time share each load of q, and each head's four sums are reduced
- * together (VHSUM4) instead of one horizontal sum per row. */
+/* s[g] += q_g . k over [d, d + VW) for the G heads, with only k's vector
+ * live: q is read again for every row (dec_qk's R4 = 2). */
+__attribute__((always_inline)) static inline void SFX(qk_lean)(const int G, VF *s, const float *q, int64_t hd,
+							     const float *k, int64_t d)
+{
+	VF x = VLOAD(k + d);
+#pragma GCC unroll 8
+	for (int g = 0; g < G; g++)
+		s[g] = VFMA(VLOAD(q + g * hd + d), x, s[g]);
+}
+
+/* sc[g][i] = q_g . K_i for the n rows from k0 (q already scaled).  R4 = 1
+ * (when 4 rows x G heads of accumulators, the 4 rows' vectors and q fit the
+ * registers): four rows at a time share each load of q; R4 = 2 (when only
+ * the accumulators and one row's vector fit, e.g. G = 3 on AVX2): four rows
+ * at a time, one row's vector live at once, q read again for each row (an
+ * L1 hit, folded into the FMA).  Either way each head's four sums are
+ * reduced together (VHSUM4) instead of one horizontal sum per row. */
 __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const int R4, float *sc,
 							    int64_t sstride, const float *q, int64_t hd,
 							    const float *const *rows, int64_t off, int64_t n)
@@ -80,6 +94,13 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const
 			for (int g = 0; g < G; g++)
 				s0[g] = s1[g] = s2[g] = s3[g] = VZERO();
 			for (int64_t d = 0; d < hd; d += VW) {
+				if (R4 == 2) {
+					SFX(qk_lean)(G, s0, q, hd, k, d);
+					SFX(qk_lean)(G, s1, q, hd, k1, d);
+					SFX(qk_lean)(G, s2, q, hd, k2, d);
+					SFX(qk_lean)(G, s3, q, hd, k3, d);
+					continue;
+				}
 				VF x0 = VLOAD(k + d), x1 = VLOAD(k1 + d);
 				VF x2 = VLOAD(k2 + d), x3 = VLOAD(k3 + d);
 #pragma GCC unroll 8
@@ -122,7 +143,10 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 {
 	const int64_t hd = a->head_dim;
 	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
-	SFX(dec_qk)(G, 4 * G + 5 <= VNREG, &sc[0][0], BLK + VW, q, hd, rows, a->k_off + kh * hd, n);
+	/* R4 = 2 on AVX2 only, where it was measured (G = 3: 10% faster in
+	 * bench_kernels --attn, docs/benchmarks.md) */
+	const int r4 = 4 * G + 5 <= VNREG ? 1 : VNREG == 16 && 4 * G + 1 <= VNREG ? 2 : 0;
+	SFX(dec_qk)(G, r4, &sc[0][0], BLK + VW, q, hd, rows, a->k_off + kh * hd, n);
 	for (int g = 0; g < G; g++) {
 		float *s = sc[g];
 		VF vm = VSET1(-INFINITY);
@@ -152,7 +176,9 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 		l[g] += ls;
 	}
 	const int64_t v0 = a->v_off + kh * hd;
-	if (hd % (4 * VW) == 0 && G <= 4)
+	/* CB = 4 only when G x 4 accumulators, 4 row vectors and the weight fit
+	 * the registers (on AVX2 G = 3 would need 17, and spilled) */
+	if (hd % (4 * VW) == 0 && G <= 4 && 4 * G + 5 <= VNREG)
 		SFX(dec_pv)(G, 4, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 	else if (hd % (2 * VW) == 0)
 		SFX(dec_pv)(G, 2, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
