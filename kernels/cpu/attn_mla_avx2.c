@@ -34,12 +34,21 @@
 #pragma GCC target("avx2,fma")
 
 /* acc[r][g] += lanes of q[g][0..len) * rows[i + r][off..off+len), each q
- * slice loaded once for the R rows */
+ * slice loaded once for the R rows; the same stretch of the rows pf[r]
+ * (NULL: none) asked for into L2 one line per 16 floats, spread over the
+ * loop.  Asked for all at once before the rows were scored, the 108 lines
+ * of three rows waited in the miss buffers: a layer from memory took 30-40
+ * us more than from cache, now 16-28 (docs/benchmarks.md). */
 __attribute__((always_inline)) static inline void dot_part(const int G, const int R, __m256 acc[3][MLA_SUB],
 							  const float *const *q, const float *const *rows, int64_t i,
-							  int64_t off, int64_t len)
+							  int64_t off, int64_t len, const float *const *pf)
 {
 	for (int64_t d = 0; d < len; d += 8) {
+		if ((d & 15) == 0)
+#pragma GCC unroll 3
+			for (int r = 0; r < R; r++)
+				if (pf[r])
+					_mm_prefetch((const char *)(pf[r] + off + d), _MM_HINT_T1);
 		__m256 c[3];
 #pragma GCC unroll 3
 		for (int r = 0; r < R; r++)
@@ -60,24 +69,20 @@ __attribute__((always_inline)) static inline void dot_part(const int G, const in
  * slice loaded once for the R rows.  4 heads x 3 rows keep 12 FMA chains in
  * flight; one row against 8 heads kept 8, exactly what hides the FMA
  * latency on paper, and ran at 2/3 of the AVX-512 path.  pf: rows MLA_PF on
- * (or NULL), asked for line by line. */
+ * (or NULL), asked for line by line as dot_part goes. */
 __attribute__((always_inline)) static inline void scores_fixed(const int G, const int R, float sc[][MLA_CHUNK],
 							      const float *const *ql, const float *const *qp,
 							      const float *const *rows, int64_t i, const float *const *pf,
 							      int64_t lora, int64_t rope, float scale)
 {
-	for (int r = 0; r < R; r++)
-		if (pf[r])
-			for (int64_t d = 0; d < lora + rope; d += 16)
-				_mm_prefetch((const char *)(pf[r] + d), _MM_HINT_T1);
 	__m256 acc[3][MLA_SUB];
 #pragma GCC unroll 4
 	for (int g = 0; g < G; g++)
 #pragma GCC unroll 3
 		for (int r = 0; r < R; r++)
 			acc[r][g] = _mm256_setzero_ps();
-	dot_part(G, R, acc, ql, rows, i, 0, lora);
-	dot_part(G, R, acc, qp, rows, i, lora, rope);
+	dot_part(G, R, acc, ql, rows, i, 0, lora, pf);
+	dot_part(G, R, acc, qp, rows, i, lora, rope, pf);
 #pragma GCC unroll 4
 	for (int g = 0; g < G; g++)
 #pragma GCC unroll 3
