@@ -143,9 +143,12 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 {
 	const int64_t hd = a->head_dim;
 	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
-	/* R4 = 2 on AVX2 only, where it was measured (G = 3: 10% faster in
-	 * bench_kernels --attn, docs/benchmarks.md) */
-	const int r4 = 4 * G + 5 <= VNREG ? 1 : VNREG == 16 && 4 * G + 1 <= VNREG ? 2 : 0;
+	/* G heads x 4 accumulators, 4 row vectors and one more (q or the
+	 * weight) fit the registers: the four-row scores and the 4-vector V
+	 * pass.  R4 = 2 on AVX2 only, where it was measured (G = 3: 10% faster
+	 * in bench_kernels --attn, docs/benchmarks.md). */
+	const int fit4 = 4 * G + 5 <= VNREG;
+	const int r4 = fit4 ? 1 : VNREG == 16 && 4 * G + 1 <= VNREG ? 2 : 0;
 	SFX(dec_qk)(G, r4, &sc[0][0], BLK + VW, q, hd, rows, a->k_off + kh * hd, n);
 	for (int g = 0; g < G; g++) {
 		float *s = sc[g];
@@ -176,9 +179,8 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 		l[g] += ls;
 	}
 	const int64_t v0 = a->v_off + kh * hd;
-	/* CB = 4 only when G x 4 accumulators, 4 row vectors and the weight fit
-	 * the registers (on AVX2 G = 3 would need 17, and spilled) */
-	if (hd % (4 * VW) == 0 && G <= 4 && 4 * G + 5 <= VNREG)
+	/* CB = 4 only when it fits (fit4; on AVX2 G = 3 would need 17, and spilled) */
+	if (hd % (4 * VW) == 0 && G <= 4 && fit4)
 		SFX(dec_pv)(G, 4, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 	else if (hd % (2 * VW) == 0)
 		SFX(dec_pv)(G, 2, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);

@@ -156,6 +156,8 @@ static inline int kc_q_i16_sums(enum kb_dtype wt)
 	case KB_Q6_K: return 2;
 	default: return 1;
 	}
+}
+
 /* After each i16 addition of a tile's act row: one running sum per row.
  * Left free, GCC summed a fully unrolled group's products as a tree with all
  * of them live and spilled them to the stack (603 stack accesses in the AVX2
@@ -163,6 +165,5 @@ static inline int kc_q_i16_sums(enum kb_dtype wt)
  * sums).  An empty asm with the register as operand; "v" is any vector
  * register the target has. */
 #define KC_Q_RUNNING_SUM(v) __asm__("" : "+v"(v))
-}
 
 #endif
