@@ -285,6 +285,7 @@ static void greedy_next(const runner *r, int B, int32_t *next)
 /* Rates over the stretch of --bench --membw. */
 typedef struct bw_stretch {
 	double decode_tok_s, read_bytes_s, triad_bytes_s;
+	double hot_bytes_s[2]; /* the hot-product probe: FP8, BF16 */
 } bw_stretch;
 
 #define MEMBW_READ_BYTES ((size_t)128 << 20) /* 4x the L3 of the machines we measure on */
@@ -297,7 +298,10 @@ typedef struct bw_stretch {
  * moves by tens of percent from one second to the next, and a probe taken
  * before or after the decode does not see the bandwidth the decode had.
  * The probe also empties the caches before every step, which can only
- * slow the decode. */
+ * slow the decode.  Last after each step, one pass of the hot-product probe
+ * for FP8 and for BF16 weights (membw.h): how fast the decode kernels
+ * consume weights in cache over the same stretch, the ceiling they put on
+ * a step when the memory is faster than they are. */
 static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *next, bw_stretch *out,
 		       ds_err *err)
 {
@@ -306,7 +310,12 @@ static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *n
 	int rc = kc_membw_open(&p, MEMBW_READ_BYTES, MEMBW_TRIAD_ELEMENTS);
 	if (rc)
 		return ds_err_set(err, rc, "--membw: cannot allocate the probe's buffers");
-	double t_dec = 0.0, t_rd = 0.0, t_tr = 0.0, b_rd = 0.0, b_tr = 0.0;
+	static const enum kb_dtype hot_dt[2] = {KB_F8_E4M3, KB_BF16};
+	kc_hotmm *hot[2] = {NULL, NULL};
+	for (int i = 0; i < 2 && !rc; i++)
+		if ((rc = kc_hotmm_open(&hot[i], hot_dt[i])))
+			ds_err_set(err, rc, "--membw: cannot allocate the hot-product probe");
+	double t_dec = 0.0, t_rd = 0.0, t_tr = 0.0, b_rd = 0.0, b_tr = 0.0, t_hot[2] = {0}, b_hot[2] = {0};
 	for (int step = 0; step < c->n_predict && !rc; step++) {
 		double t0 = ds_now_s();
 		if ((rc = decode_step(r, ss, next, B, err)))
@@ -318,15 +327,27 @@ static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *n
 		b_rd += nb;
 		t_tr += kc_membw_triad_pass(p, &nb);
 		b_tr += nb;
+		for (int i = 0; i < 2; i++) {
+			t_hot[i] += kc_hotmm_pass(hot[i], &nb);
+			b_hot[i] += nb;
+		}
 	}
 	if (!rc && (rc = kc_membw_triad_check(p)))
 		ds_err_set(err, rc, "--membw: the Triad pass did not compute a = b + s * c");
+	for (int i = 0; i < 2 && !rc; i++)
+		if ((rc = kc_hotmm_check(hot[i])))
+			ds_err_set(err, rc, "--membw: the hot-product probe's %s product is not the reference's",
+				   i ? "BF16" : "FP8");
+	for (int i = 0; i < 2; i++)
+		kc_hotmm_close(hot[i]);
 	kc_membw_close(p);
 	if (rc)
 		return rc;
 	out->decode_tok_s = (double)c->n_predict * B / t_dec;
 	out->read_bytes_s = b_rd / t_rd;
 	out->triad_bytes_s = b_tr / t_tr;
+	for (int i = 0; i < 2; i++)
+		out->hot_bytes_s[i] = b_hot[i] / t_hot[i];
 	return DS_OK;
 }
 
@@ -393,8 +414,9 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	} else if (c->json && c->membw)
 		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld,"
 		       "\"membw\":{\"steps\":%d,\"decode_tok_s\":%.3f,\"read_bytes_s\":%.0f,"
-		       "\"triad_bytes_s\":%.0f}}\n",
-		       pf, dc, rss, c->n_predict, bw.decode_tok_s, bw.read_bytes_s, bw.triad_bytes_s);
+		       "\"triad_bytes_s\":%.0f,\"fp8_hot_bytes_s\":%.0f,\"bf16_hot_bytes_s\":%.0f}}\n",
+		       pf, dc, rss, c->n_predict, bw.decode_tok_s, bw.read_bytes_s, bw.triad_bytes_s,
+		       bw.hot_bytes_s[0], bw.hot_bytes_s[1]);
 	else if (c->json)
 		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld}\n", pf, dc, rss);
 	else
@@ -409,8 +431,9 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 		       (double)kv_cache_bytes(model_kv(m)) / (1 << 20));
 	if (!c->json && c->membw)
 		printf("with the memory probe between steps: decode %.2f tok/s, read %.2f GB/s, "
-		       "Triad %.2f GB/s\n",
-		       bw.decode_tok_s, bw.read_bytes_s / 1e9, bw.triad_bytes_s / 1e9);
+		       "Triad %.2f GB/s; one-row products in cache: FP8 %.2f GB/s, BF16 %.2f GB/s\n",
+		       bw.decode_tok_s, bw.read_bytes_s / 1e9, bw.triad_bytes_s / 1e9,
+		       bw.hot_bytes_s[0] / 1e9, bw.hot_bytes_s[1] / 1e9);
 out:
 	for (int b = 0; ss && b < B; b++)
 		kv_seq_free(model_kv(m), &ss[b].kv);

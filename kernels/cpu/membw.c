@@ -7,6 +7,9 @@
  * loads this CPU has, into
  * accumulators whose combination is published to a global, so the loads
  * cannot be elided.
+ * The hot-product probe (kc_hotmm) times the decode matmul on weights that
+ * stay in L2, for the ceiling the kernels put on a decode step whatever the
+ * memory does.
  * Called by the benchmarks; not used on any serving path.  Thread rule: one
  * caller at a time (the pool's rule).
  */
@@ -18,6 +21,7 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -289,4 +293,130 @@ int kc_measure_triad_bandwidth(size_t elements, int threads, double *bytes_per_s
 	if (elements < ((size_t)1 << 17))
 		return DS_EINVAL;
 	return measure_best(0, elements, threads, bytes_per_s);
+}
+
+/* ---- the hot-product probe ---- */
+
+struct kc_hotmm {
+	kb_matmul_args a;
+	void *w;
+	float *scale, *x, *y;
+	size_t w_bytes;
+};
+
+static uint64_t hot_rand(uint64_t *s)
+{
+	*s ^= *s << 13, *s ^= *s >> 7, *s ^= *s << 17;
+	return *s;
+}
+
+/* Uniform in [-1, 1). */
+static float hot_unit(uint64_t *s)
+{
+	return (float)((double)(hot_rand(s) >> 11) * 0x1p-52 - 1.0);
+}
+
+int kc_hotmm_open(kc_hotmm **out, enum kb_dtype dt)
+{
+	if (!out || (dt != KB_F8_E4M3 && dt != KB_BF16))
+		return DS_EINVAL;
+	*out = NULL;
+	kc_hotmm *h = calloc(1, sizeof *h);
+	if (!h)
+		return DS_ENOMEM;
+	const int64_t K = HOTMM_K, esz = dt == KB_BF16 ? 2 : 1;
+	const int64_t per_thread = (int64_t)(HOTMM_BYTES_PER_THREAD / (size_t)(K * esz)); /* FP8: 128 rows */
+	const int64_t N = per_thread * kc_pool_threads();
+	const int64_t sb = K / 128;
+	h->w_bytes = (size_t)(N * K * esz);
+	h->w = aligned_alloc(64, h->w_bytes);
+	h->x = aligned_alloc(64, (size_t)K * sizeof(float));
+	h->y = aligned_alloc(64, (size_t)N * sizeof(float));
+	h->scale = malloc((size_t)((N + 127) / 128 * sb) * sizeof(float));
+	if (!h->w || !h->x || !h->y || !h->scale) {
+		kc_hotmm_close(h);
+		return DS_ENOMEM;
+	}
+	uint64_t s = 0x9E3779B97F4A7C15ull;
+	for (int64_t k = 0; k < K; k++)
+		h->x[k] = hot_unit(&s);
+	if (dt == KB_F8_E4M3) {
+		uint8_t *w = h->w;
+		for (size_t i = 0; i < h->w_bytes; i++) {
+			uint8_t b = (uint8_t)hot_rand(&s);
+			w[i] = (b & 0x7F) == 0x7F ? (uint8_t)(b - 1) : b; /* no NaN codes */
+		}
+		for (int64_t i = 0; i < (N + 127) / 128 * sb; i++)
+			h->scale[i] = 0.01f * (1.5f + hot_unit(&s));
+	} else {
+		uint16_t *w = h->w;
+		for (int64_t i = 0; i < N * K; i++) {
+			float f = hot_unit(&s);
+			uint32_t u;
+			memcpy(&u, &f, sizeof u);
+			w[i] = (uint16_t)(u >> 16);
+		}
+	}
+	h->a = (kb_matmul_args){.y = h->y, .x = h->x, .w = h->w, .wtype = dt, .M = 1, .N = N, .K = K,
+				.x_stride = K, .y_stride = N, .w_stride = K};
+	if (dt == KB_F8_E4M3) {
+		h->a.w_scale = h->scale;
+		h->a.scale_stride = sb;
+		h->a.block = 128;
+	}
+	*out = h;
+	return DS_OK;
+}
+
+double kc_hotmm_pass(kc_hotmm *h, double *bytes)
+{
+	if (!h)
+		return 0.0;
+	const enum kc_isa isa = kc_isa_active();
+	kc_matmul_isa(isa, &h->a); /* the weights into L2 */
+	double t0 = ds_now_s();
+	for (int i = 0; i < HOTMM_CALLS; i++)
+		kc_matmul_isa(isa, &h->a);
+	double dt = ds_now_s() - t0;
+	if (bytes)
+		*bytes = (double)h->w_bytes * HOTMM_CALLS;
+	return dt;
+}
+
+int kc_hotmm_check(const kc_hotmm *h)
+{
+	if (!h)
+		return DS_OK;
+	float *ref = malloc((size_t)h->a.N * sizeof *ref);
+	if (!ref)
+		return DS_ENOMEM;
+	kb_matmul_args r = h->a;
+	r.y = ref;
+	kc_matmul_ref(&r);
+	float big = 0.0f;
+	for (int64_t n = 0; n < h->a.N; n++)
+		big = fabsf(ref[n]) > big ? fabsf(ref[n]) : big;
+	int rc = big > 0.0f ? DS_OK : DS_EINTERNAL;
+	for (int64_t n = 0; n < h->a.N && !rc; n++)
+		if (!(fabsf(h->y[n] - ref[n]) <= 1e-4f * big))
+			rc = DS_EINTERNAL;
+	free(ref);
+	return rc;
+}
+
+float *kc_hotmm_y(kc_hotmm *h, int64_t *n)
+{
+	*n = h ? h->a.N : 0;
+	return h ? h->y : NULL;
+}
+
+void kc_hotmm_close(kc_hotmm *h)
+{
+	if (!h)
+		return;
+	free(h->w);
+	free(h->scale);
+	free(h->x);
+	free(h->y);
+	free(h);
 }

@@ -10,7 +10,10 @@
 #ifndef DS_KERNELS_CPU_MEMBW_H
 #define DS_KERNELS_CPU_MEMBW_H
 
+#include "kernels/backend.h"
+
 #include <stddef.h>
+#include <stdint.h>
 
 /* Reads a buffer of `bytes` (rounded up to 4 KiB; use several times the
  * last-level cache) with `threads` threads (0 = the pool's current count; the
@@ -41,5 +44,29 @@ double kc_membw_triad_pass(kc_membw *p, double *bytes);
 /* DS_EINTERNAL when the Triad result is not what the loop must compute. */
 int kc_membw_triad_check(const kc_membw *p);
 void kc_membw_close(kc_membw *p);
+
+/* The decode kernels' own ceiling, for the same interleaving: one-row
+ * products (M = 1, K = 2048) through kc_matmul_isa at the active ISA, over
+ * HOTMM_BYTES_PER_THREAD of weights per pool thread, few enough to stay in
+ * each core's L2.  A pass makes one untimed call to bring the weights in,
+ * then HOTMM_CALLS timed ones, so it measures how fast the kernel consumes
+ * weights when memory is not the limit (with the pool's dispatch, as the
+ * engine calls it).  dt: KB_F8_E4M3 (128 x 128 block scales, random bytes
+ * but the NaN codes) or KB_BF16, both random; x random.  DS_EINVAL for other
+ * types, DS_ENOMEM when the buffers cannot be allocated.  Uses the pool at
+ * its count when opened: one caller at a time. */
+#define HOTMM_K 2048
+#define HOTMM_BYTES_PER_THREAD ((size_t)512 << 10)
+#define HOTMM_CALLS 8
+typedef struct kc_hotmm kc_hotmm;
+int kc_hotmm_open(kc_hotmm **out, enum kb_dtype dt);
+/* One pass: its timed seconds, and *bytes = the weight bytes those calls read. */
+double kc_hotmm_pass(kc_hotmm *h, double *bytes);
+/* DS_EINTERNAL when the last pass's y is not the scalar reference's product
+ * (within 1e-4 of the largest |y|): the probe timed the real product. */
+int kc_hotmm_check(const kc_hotmm *h);
+/* The product's output (*n floats), which a pass overwrites; for the tests. */
+float *kc_hotmm_y(kc_hotmm *h, int64_t *n);
+void kc_hotmm_close(kc_hotmm *h);
 
 #endif

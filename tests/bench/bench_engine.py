@@ -21,6 +21,15 @@ next on a shared VM, so a probe run before or after the decode measures
 another machine).  Both ratios are printed; the higher bandwidth gives the
 stricter one.  Batch 1 runs three times.
 
+The same stretch also times the decode kernels on weights in cache (one-row
+FP8 and BF16 products of 512 KiB per thread, "FP8 hot" / "BF16 hot" GB/s,
+kernels/cpu/membw.h): what they consume when memory is not the limit.  "of
+roof" = decode tok/s over the roofline those make with the read probe, each
+dtype's bytes at the lower of its hot rate and the read rate.  A step well
+below its bandwidth bound but near 1 of its roof is held by the kernels'
+arithmetic on this machine at that moment, not by the memory (on shared
+2-vCPU hosts the arithmetic rate itself moves by tens of percent).
+
 where the bytes per token are counted from the checkpoint itself: every tensor
 that one token touches (attention, dense MLP, router, shared expert, the
 num_experts_per_tok routed experts of each MoE layer, final norm, lm_head and
@@ -73,7 +82,7 @@ def model_dir(kind, shape, tag):
 
 
 def tensor_bytes(d):
-    """{name: bytes} from the safetensors headers."""
+    """{name: (bytes, dtype)} from the safetensors headers."""
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -82,24 +91,27 @@ def tensor_bytes(d):
         for k, v in hdr.items():
             if k != "__metadata__":
                 b, e = v["data_offsets"]
-                out[k] = e - b
+                out[k] = (e - b, v["dtype"])
     return out
 
 
-def bytes_per_token(d):
+def bytes_per_token(d, by_dtype=None):
+    """(bytes one token reads, checkpoint bytes); by_dtype, when given, gets
+    the first split by the tensors' dtypes ({"F8_E4M3": ..., "BF16": ...})."""
     cfg = json.loads((d / "config.json").read_text())
     tb = tensor_bytes(d)
     k = cfg["num_experts_per_tok"]
     total = 0
-    for name, b in tb.items():
+    for name, (b, dt) in tb.items():
         m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", name)
         if name == "model.embed_tokens.weight":
-            total += b // cfg["vocab_size"]          # one row
+            b = b // cfg["vocab_size"]          # one row
         elif m:
-            total += b * k / cfg["n_routed_experts"]  # k of E experts per layer
-        else:
-            total += b
-    return total, sum(tb.values())
+            b = b * k / cfg["n_routed_experts"]  # k of E experts per layer
+        total += b
+        if by_dtype is not None:
+            by_dtype[dt] = by_dtype.get(dt, 0) + b
+    return total, sum(b for b, _ in tb.values())
 
 
 def run_bench(d, batch, threads, prompt_len, n, membw=False):
@@ -143,18 +155,26 @@ def kv_read_per_token(cfg, prompt_len, n):
     return kv_bytes_per_position(cfg) * (prompt_len + n + (n + 1) / 2)
 
 
-def probe_cols(r, per_tok, kv_tok):
+def probe_cols(r, per_tok, kv_tok, by_dtype):
     """The columns of a --membw run: decode tok/s over the probe's stretch,
     the read probe's GB/s and the fraction of its bound (the weights a token
     reads, per_tok), the same with the latent cache it reads (kv_tok) added
-    to the bytes, then Triad's GB/s and the fraction of its bound (weights)."""
+    to the bytes, then Triad's GB/s and the fraction of its bound (weights);
+    last the hot-product probe's FP8 and BF16 GB/s (one-row products in
+    cache) and the fraction of the roofline they make with the read probe:
+    each dtype's bytes at the lower of the read rate and its hot rate, the
+    rest at the read rate."""
     m = r["membw"]
     tok = m["decode_tok_s"]
-    return (f" |{'':15}{tok:>11.2f}{m['read_bytes_s'] / 1e9:>11.1f}"
-            f"{tok / (m['read_bytes_s'] / per_tok):>9.2f}"
-            f"{tok / (m['read_bytes_s'] / (per_tok + kv_tok)):>8.2f}"
+    rd = m["read_bytes_s"]
+    hot = {"F8_E4M3": m["fp8_hot_bytes_s"], "BF16": m["bf16_hot_bytes_s"]}
+    roof_s = sum(b / min(rd, hot.get(dt, rd)) for dt, b in by_dtype.items())
+    return (f" |{'':15}{tok:>11.2f}{rd / 1e9:>11.1f}"
+            f"{tok / (rd / per_tok):>9.2f}"
+            f"{tok / (rd / (per_tok + kv_tok)):>8.2f}"
             f"{m['triad_bytes_s'] / 1e9:>12.1f}"
-            f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}")
+            f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}"
+            f"{hot['F8_E4M3'] / 1e9:>9.1f}{hot['BF16'] / 1e9:>9.1f}{tok * roof_s:>9.2f}")
 
 
 def bench_load_memory(shape, tag, threads, prompt_len, n):
@@ -165,7 +185,8 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
     must stay about (checkpoint + KV) x 1.1 in each (docs/engine.md,
     Memory)."""
     d = model_dir("v3-fp8", shape, tag)
-    per_tok, ckpt = bytes_per_token(d)
+    by_dtype = {}
+    per_tok, ckpt = bytes_per_token(d, by_dtype)
     cfg = json.loads((d / "config.json").read_text())
     kv = kv_bytes_per_position(cfg) * (prompt_len + n)
     flags = pathlib.Path("/proc/cpuinfo").read_text().split()
@@ -185,7 +206,7 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
         print(f"{label:<10}{ckpt / 1e9:>9.2f}{per_tok / 1e6:>10.1f}{1:>6}"
               f"{r['prefill_tok_s']:>13.1f}{r['decode_tok_s']:>12.2f}"
               f"{r['peak_rss_bytes'] / 1e9:>13.2f}{r['peak_rss_bytes'] / (ckpt + kv_bytes):>9.3f}"
-              f"{probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n)) if membw else ''}",
+              f"{probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n), by_dtype) if membw else ''}",
               flush=True)
 
 
@@ -204,17 +225,19 @@ def main():
     print(f"{'model':<10}{'ckpt GB':>9}{'B/tok MB':>10}{'batch':>6}{'prefill t/s':>13}"
           f"{'decode t/s':>12}{'peak RSS GB':>13}{'RSS/ckpt':>9}"
           f" | with the probe:{'decode t/s':>11}{'read GB/s':>11}{'of bound':>9}{'+KV':>8}"
-          f"{'triad GB/s':>12}{'of bound':>9}")
+          f"{'triad GB/s':>12}{'of bound':>9}{'FP8 hot':>9}{'BF16 hot':>9}{'of roof':>9}")
     for kind in ("v3-fp8", "v3"):
         d = model_dir(kind, shape, tag)
-        per_tok, ckpt = bytes_per_token(d)
+        by_dtype = {}
+        per_tok, ckpt = bytes_per_token(d, by_dtype)
         cfg = json.loads((d / "config.json").read_text())
         kv = kv_bytes_per_position(cfg)
         for batch in (1, 1, 1, 16):
             r = run_bench(d, batch, a.threads, prompt_len, n, membw=batch == 1)
             # --membw decodes n more steps: the cache holds prompt + 2n then
             kv_bytes = kv * (prompt_len + n * (2 if batch == 1 else 1)) * batch
-            cols = probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n)) if batch == 1 else ""
+            cols = (probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n), by_dtype)
+                    if batch == 1 else "")
             print(f"{'fp8' if kind == 'v3-fp8' else 'bf16':<10}{ckpt / 1e9:>9.2f}"
                   f"{per_tok / 1e6:>10.1f}{batch:>6}{r['prefill_tok_s']:>13.1f}"
                   f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"

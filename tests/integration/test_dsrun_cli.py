@@ -127,11 +127,13 @@ def test_bench_json_and_the_interleaved_memory_probe(tmp_path):
     out = json.loads(r.stdout)
     assert set(out) == {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "membw"}
     bw = out["membw"]
-    assert set(bw) == {"steps", "decode_tok_s", "read_bytes_s", "triad_bytes_s"}
+    assert set(bw) == {"steps", "decode_tok_s", "read_bytes_s", "triad_bytes_s",
+                       "fp8_hot_bytes_s", "bf16_hot_bytes_s"}
     assert bw["steps"] == 4 and bw["decode_tok_s"] > 0
     # any machine moves more than 100 MB/s; the probe's own buffers (224 MB)
     # are not in the reported peak
     assert bw["read_bytes_s"] > 1e8 and bw["triad_bytes_s"] > 1e8
+    assert bw["fp8_hot_bytes_s"] > 1e8 and bw["bf16_hot_bytes_s"] > 1e8
     assert out["peak_rss_bytes"] < plain["peak_rss_bytes"] + (64 << 20)
     r = dsrun("-m", d, "--tokens", "1,2", "--membw")
     assert r.returncode != 0 and "--membw is a --bench option" in r.stderr

@@ -706,4 +706,27 @@ TEST(membw_probe_contract)
 	CHECK(kc_membw_triad_pass(p, &bytes) > 0.0 && bytes == 24.0 * (double)((size_t)1 << 17));
 	CHECK_EQ(kc_membw_triad_check(p), DS_OK);
 	kc_membw_close(p);
+	/* the hot-product probe: FP8 and BF16 only; a pass times HOTMM_CALLS
+	 * products of a few hundred KiB per thread and computes the reference's
+	 * product, and the check sees a y that is not */
+	kc_hotmm *h = NULL;
+	CHECK_EQ(kc_hotmm_open(&h, KB_F32), DS_EINVAL);
+	CHECK(h == NULL);
+	const enum kb_dtype dts[2] = {KB_F8_E4M3, KB_BF16};
+	for (int i = 0; i < 2; i++) {
+		CHECK_EQ(kc_hotmm_open(&h, dts[i]), DS_OK);
+		bytes = 0;
+		CHECK(kc_hotmm_pass(h, &bytes) > 0.0);
+		const double per_call = bytes / HOTMM_CALLS;
+		CHECK(per_call >= 0.5 * (double)HOTMM_BYTES_PER_THREAD * kc_pool_threads() &&
+		      per_call <= (double)HOTMM_BYTES_PER_THREAD * kc_pool_threads());
+		CHECK_EQ(kc_hotmm_check(h), DS_OK);
+		int64_t n = 0;
+		float *y = kc_hotmm_y(h, &n);
+		CHECK(n >= 64);
+		y[n / 2] += 1.0f;
+		CHECK_EQ(kc_hotmm_check(h), DS_EINTERNAL);
+		kc_hotmm_close(h);
+		h = NULL;
+	}
 }
