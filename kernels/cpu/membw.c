@@ -325,14 +325,14 @@ int kc_hotmm_open(kc_hotmm **out, enum kb_dtype dt)
 	if (!h)
 		return DS_ENOMEM;
 	const int64_t K = HOTMM_K, esz = dt == KB_BF16 ? 2 : 1;
-	const int64_t per_thread = (int64_t)(HOTMM_BYTES_PER_THREAD / (size_t)(K * esz)); /* FP8: 128 rows */
-	const int64_t N = per_thread * kc_pool_threads();
-	const int64_t sb = K / 128;
+	/* FP8: 256 rows a thread, whole 128-row scale blocks */
+	const int64_t N = (int64_t)(HOTMM_BYTES_PER_THREAD / (size_t)(K * esz)) * kc_pool_threads();
+	const int64_t sb = K / 128, n_scales = (N + 127) / 128 * sb;
 	h->w_bytes = (size_t)(N * K * esz);
 	h->w = aligned_alloc(64, h->w_bytes);
 	h->x = aligned_alloc(64, (size_t)K * sizeof(float));
 	h->y = aligned_alloc(64, (size_t)N * sizeof(float));
-	h->scale = malloc((size_t)((N + 127) / 128 * sb) * sizeof(float));
+	h->scale = malloc((size_t)n_scales * sizeof(float));
 	if (!h->w || !h->x || !h->y || !h->scale) {
 		kc_hotmm_close(h);
 		return DS_ENOMEM;
@@ -346,7 +346,7 @@ int kc_hotmm_open(kc_hotmm **out, enum kb_dtype dt)
 			uint8_t b = (uint8_t)hot_rand(&s);
 			w[i] = (b & 0x7F) == 0x7F ? (uint8_t)(b - 1) : b; /* no NaN codes */
 		}
-		for (int64_t i = 0; i < (N + 127) / 128 * sb; i++)
+		for (int64_t i = 0; i < n_scales; i++)
 			h->scale[i] = 0.01f * (1.5f + hot_unit(&s));
 	} else {
 		uint16_t *w = h->w;

@@ -95,13 +95,13 @@ def tensor_bytes(d):
     return out
 
 
-def bytes_per_token(d, by_dtype=None):
-    """(bytes one token reads, checkpoint bytes); by_dtype, when given, gets
-    the first split by the tensors' dtypes ({"F8_E4M3": ..., "BF16": ...})."""
+def bytes_per_token(d):
+    """(bytes one token reads, checkpoint bytes, the first split by the
+    tensors' dtypes: {"F8_E4M3": ..., "BF16": ...})."""
     cfg = json.loads((d / "config.json").read_text())
     tb = tensor_bytes(d)
     k = cfg["num_experts_per_tok"]
-    total = 0
+    total, by_dtype = 0, {}
     for name, (b, dt) in tb.items():
         m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", name)
         if name == "model.embed_tokens.weight":
@@ -109,9 +109,8 @@ def bytes_per_token(d, by_dtype=None):
         elif m:
             b = b * k / cfg["n_routed_experts"]  # k of E experts per layer
         total += b
-        if by_dtype is not None:
-            by_dtype[dt] = by_dtype.get(dt, 0) + b
-    return total, sum(b for b, _ in tb.values())
+        by_dtype[dt] = by_dtype.get(dt, 0) + b
+    return total, sum(b for b, _ in tb.values()), by_dtype
 
 
 def run_bench(d, batch, threads, prompt_len, n, membw=False):
@@ -185,8 +184,7 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
     must stay about (checkpoint + KV) x 1.1 in each (docs/engine.md,
     Memory)."""
     d = model_dir("v3-fp8", shape, tag)
-    by_dtype = {}
-    per_tok, ckpt = bytes_per_token(d, by_dtype)
+    per_tok, ckpt, by_dtype = bytes_per_token(d)
     cfg = json.loads((d / "config.json").read_text())
     kv = kv_bytes_per_position(cfg) * (prompt_len + n)
     flags = pathlib.Path("/proc/cpuinfo").read_text().split()
@@ -228,8 +226,7 @@ def main():
           f"{'triad GB/s':>12}{'of bound':>9}{'FP8 hot':>9}{'BF16 hot':>9}{'of roof':>9}")
     for kind in ("v3-fp8", "v3"):
         d = model_dir(kind, shape, tag)
-        by_dtype = {}
-        per_tok, ckpt = bytes_per_token(d, by_dtype)
+        per_tok, ckpt, by_dtype = bytes_per_token(d)
         cfg = json.loads((d / "config.json").read_text())
         kv = kv_bytes_per_position(cfg)
         for batch in (1, 1, 1, 16):
