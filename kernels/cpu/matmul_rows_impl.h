@@ -24,7 +24,10 @@
 
 /* y[0 .. nd) = (or +=) the sums of the nd <= 4 vectors in v.  sum4 sums
  * each vector by the same tree whatever the others hold, so a row's result
- * does not depend on where a thread's share or a group of four starts. */
+ * does not depend on where a thread's share or a group of four starts.  Four
+ * rows go out as one vector store (or load, add, store): through a stack
+ * array and a scalar loop they cost rows of K = 128 (W_UK^T) 6-11% and rows
+ * of K = 512 2-3% (same bits; docs/benchmarks.md, "2026-12-06, evening"). */
 INL void rows_write(const kc_mm_rows *t, RV v[4], int nd, float *y)
 {
 	for (int i = nd; i < 4; i++)
@@ -32,6 +35,10 @@ INL void rows_write(const kc_mm_rows *t, RV v[4], int nd, float *y)
 	__m128 s = sum4(v[0], v[1], v[2], v[3]);
 	if (t->dt == KB_F8_E4M3)
 		s = _mm_mul_ps(s, _mm_set1_ps(FP8_UNDO));
+	if (nd == 4) { /* every group but a share's, product's or block row's last */
+		_mm_storeu_ps(y, t->store ? s : _mm_add_ps(_mm_loadu_ps(y), s));
+		return;
+	}
 	_Alignas(16) float r[4];
 	_mm_store_ps(r, s);
 	for (int i = 0; i < nd; i++)

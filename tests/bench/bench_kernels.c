@@ -21,6 +21,8 @@
  * Weights are cycled through enough copies (>= 4x a 64 MiB last-level cache)
  * that decode timings come from memory, not cache.
  *   decode    (--decode, alone) the decode shapes of the v3shape bench model,
+ *             the absorbed MLA's per-head products (W_UK^T, W_UV; "x16": the
+ *             16 heads' matrices in one batched call) among them,
  *             M = 1..4, 8, 16: us per call and fraction of the read bandwidth;
  *             --decode-hot: the same with N cut down until two copies fit
  *             in L2 (the kernels' compute bound).
@@ -308,18 +310,22 @@ static void bench_matmul(int quick, const char *only)
 }
 
 /* --decode: the decode shapes of the v3shape bench model (FP8 attention,
+ * the absorbed MLA's per-head W_UK^T and W_UV as the engine calls them,
  * dense MLP and expert projections, the BF16 lm_head), M = 1..4, 8 and 16
- * (batched decode), on the
- * active ISA (DS_CPU_ISA=avx2 caps it; avx512bf16 runs the avx512 kernels).  Each figure is the mean over a run of back-to-back
+ * (batched decode), on the active ISA (DS_CPU_ISA=avx2 caps it; avx512bf16
+ * runs the avx512 kernels).  Each figure is the mean over a run of back-to-back
  * calls, each on a different copy of the weights (as the engine calls one
  * expert after another), best of 5 runs: per-call overheads count. */
 static void bench_decode(int hot, const char *only)
 {
-	static const struct { enum kb_dtype dt; int64_t N, K; } shp[] = {
-		{KB_F8_E4M3, 512, 2048},  {KB_F8_E4M3, 2048, 512},  {KB_F8_E4M3, 768, 2048},
-		{KB_F8_E4M3, 3072, 768},  {KB_F8_E4M3, 576, 2048},  {KB_F8_E4M3, 2048, 2048},
-		{KB_F8_E4M3, 5632, 2048}, {KB_F8_E4M3, 2048, 5632}, {KB_F8_E4M3, 2048, 7168},
-		{KB_F8_E4M3, 7168, 2048}, {KB_BF16, 32000, 2048},
+	/* B > 1: the absorbed MLA's per-head products (W_UK^T, W_UV), B heads'
+	 * matrices back to back in one batched call, x and y per head */
+	static const struct { enum kb_dtype dt; int64_t N, K, B; } shp[] = {
+		{KB_F8_E4M3, 512, 2048, 1},  {KB_F8_E4M3, 2048, 512, 1},  {KB_F8_E4M3, 768, 2048, 1},
+		{KB_F8_E4M3, 3072, 768, 1},  {KB_F8_E4M3, 576, 2048, 1},  {KB_F8_E4M3, 2048, 2048, 1},
+		{KB_F8_E4M3, 5632, 2048, 1}, {KB_F8_E4M3, 2048, 5632, 1}, {KB_F8_E4M3, 2048, 7168, 1},
+		{KB_F8_E4M3, 7168, 2048, 1}, {KB_F8_E4M3, 512, 128, 16}, {KB_F8_E4M3, 128, 512, 16},
+		{KB_BF16, 32000, 2048, 1},
 	};
 	enum kc_isa isa = kc_isa_active();
 	if (isa == KC_ISA_AVX512BF16)
@@ -332,10 +338,16 @@ static void bench_decode(int hot, const char *only)
 		if (only && strcmp(only, dt_name(shp[s].dt)) != 0)
 			continue;
 		mm_bench b = {.dt = shp[s].dt, .N = shp[s].N, .K = shp[s].K};
-		while (hot && b.N > 64 && (size_t)(b.N * b.K) * kb_dtype_size(b.dt) > ((size_t)192 << 10))
-			b.N /= 2; /* two copies in a 1 MiB L2 */
-		size_t es = kb_dtype_size(b.dt), nel = (size_t)(b.N * b.K);
-		size_t n_sc = (size_t)(((b.N + 127) / 128) * ((b.K + 127) / 128));
+		int64_t B = shp[s].B;
+		while (hot && b.N * B > 64 && (size_t)(b.N * B * b.K) * kb_dtype_size(b.dt) > ((size_t)192 << 10)) {
+			if (B > 1)
+				B /= 2; /* two copies in a 1 MiB L2 */
+			else
+				b.N /= 2;
+		}
+		const int64_t s_item = ((b.N + 127) / 128) * ((b.K + 127) / 128); /* scales per matrix */
+		size_t es = kb_dtype_size(b.dt), nel = (size_t)(b.N * b.K * B);
+		size_t n_sc = (size_t)(s_item * B);
 		b.w_bytes = nel * es + (b.dt == KB_F8_E4M3 ? n_sc * 4 : 0);
 		b.copies = hot ? 1 : (int)((((size_t)256 << 20) + b.w_bytes - 1) / b.w_bytes);
 		if (b.copies < 2)
@@ -348,26 +360,31 @@ static void bench_decode(int hot, const char *only)
 		b.scale = malloc(n_sc * 4);
 		for (size_t i = 0; i < n_sc; i++)
 			b.scale[i] = 1e-3f * (float)(1 + i % 7);
-		b.x = malloc((size_t)(16 * b.K) * 4);
-		b.y = malloc((size_t)(16 * b.N) * 4);
-		for (int64_t i = 0; i < 16 * b.K; i++)
+		b.x = malloc((size_t)(16 * b.K * B) * 4);
+		b.y = malloc((size_t)(16 * b.N * B) * 4);
+		for (int64_t i = 0; i < 16 * b.K * B; i++)
 			b.x[i] = (float)((int64_t)(fill_next() >> 41) - (1 << 22)) * 0x1p-22f;
-		printf("%-4s N=%-5lld K=%-5lld (%6.2f MB)", dt_name(b.dt), (long long)b.N, (long long)b.K,
+		char heads[16] = "";
+		if (B > 1)
+			snprintf(heads, sizeof heads, " x%lld", (long long)B);
+		printf("%-4s N=%-5lld K=%-5lld%-4s(%6.2f MB)", dt_name(b.dt), (long long)b.N, (long long)b.K, heads,
 		       (double)b.w_bytes / 1e6);
 		static const int64_t Ms[] = {1, 2, 3, 4, 8, 16};
 		for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
 			const int64_t M = Ms[mi];
 			kb_matmul_args a = {
 				.y = b.y, .x = b.x, .w_scale = b.scale, .wtype = b.dt, .M = M, .N = b.N,
-				.K = b.K, .x_stride = b.K, .y_stride = b.N, .w_stride = b.K,
+				.K = b.K, .x_stride = b.K * B, .y_stride = b.N * B, .w_stride = b.K,
 				.scale_stride = (b.K + 127) / 128, .block = 128, .accumulate = 0,
+				.batch = B, .x_bstride = b.K, .y_bstride = b.N, .w_bstride = b.N * b.K,
+				.s_bstride = s_item,
 			};
 			double best = 1e30;
 			for (int rep = 0; rep < 6; rep++) {
 				double t0 = ds_now_s();
 				for (int c = 0; c < b.copies; c++) {
 					a.w = b.w[c];
-					kc_matmul_isa(isa, &a);
+					kc_matmul_batch_isa(isa, &a);
 				}
 				double dt = (ds_now_s() - t0) / b.copies;
 				if (rep > 0 && dt < best)
