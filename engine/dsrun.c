@@ -9,9 +9,9 @@
  *   dsrun -m DIR --tokens 1,2,3 --dump-logits FILE   (f32 LE [n_tokens][vocab])
  *   dsrun -m DIR --tokens 1,2,3 -n N --temp 0 --ids  (JSON array of the N ids)
  *   dsrun -m DIR --tokenize TEXT | --detokenize 1,2,3
- *   dsrun -m DIR --bench [--prompt-len 512] [-n 128] [--batch B] [--json] [--membw]
+ *   dsrun -m DIR --bench [--prompt-len 512] [-n 128] [--batch B] [--json] [--membw] [--profile]
  *
- * Any of them (but --tokenize, --detokenize and --membw) runs under a
+ * Any of them (but --tokenize, --detokenize, --membw and --profile) runs under a
  * parallel plan with --tp N --pp N --ep N (any > 1, or --driver for the
  * one-rank plan): the model is then engine/driver.c's, whose ranks are
  * `dsagent worker` processes (the dsagent next to this executable, or
@@ -35,6 +35,7 @@
 #include "engine/tok.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/membw.h"
+#include "kernels/cpu/profile.h"
 
 #include <limits.h>
 #include <signal.h>
@@ -49,7 +50,7 @@
 struct run_cfg {
 	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn;
 	char *system, *stop_ids;
-	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos, membw;
+	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos, membw, profile;
 	int mmap_weights, tp, pp, ep, driver;
 	int version, backends, help, show_prompt;
 	double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;
@@ -90,6 +91,9 @@ static const cfg_opt opts[] = {
 	{"membw", CFG_BOOL, O(membw), "false", 1, 0,
 	 "--bench on the cpu backend: then decode N more steps, each followed by one read and one "
 	 "Triad pass of a memory probe, and report both rates over that stretch"},
+	{"profile", CFG_BOOL, O(profile), "false", 1, 0,
+	 "--bench on the cpu backend: then decode N more steps with every backend call timed, "
+	 "and print where a step goes"},
 	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
 	{"backend", CFG_STR, O(backend), "auto", 1, 0, "compute backend: auto, cpu or cuda"},
 	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
@@ -351,6 +355,67 @@ static int bench_membw(const struct run_cfg *c, runner *r, seqst *ss, int32_t *n
 	return DS_OK;
 }
 
+/* The stretch of --bench --profile. */
+typedef struct prof_stretch {
+	int steps, n;
+	double wall;
+	int64_t dropped;
+	kc_prof_row rows[KC_PROF_MAX_ROWS];
+} prof_stretch;
+
+/* Decodes c->n_predict more steps with every backend call timed
+ * (kernels/cpu/profile.h) into *out. */
+static int bench_profile(const struct run_cfg *c, runner *r, seqst *ss, int32_t *next, prof_stretch *out,
+			 ds_err *err)
+{
+	int rc = DS_OK;
+	kc_profile_start();
+	const double t0 = ds_now_s();
+	for (int step = 0; step < c->n_predict && !rc; step++)
+		if (!(rc = decode_step(r, ss, next, c->batch, err)))
+			greedy_next(r, c->batch, next);
+	out->wall = ds_now_s() - t0;
+	kc_profile_stop();
+	out->steps = c->n_predict;
+	out->n = kc_profile_rows(out->rows, KC_PROF_MAX_ROWS);
+	out->dropped = kc_profile_dropped();
+	return rc;
+}
+
+/* ,"profile":{...} of the JSON object */
+static void print_profile_json(const prof_stretch *p)
+{
+	printf(",\"profile\":{\"steps\":%d,\"seconds\":%.6f,\"dropped\":%lld,\"calls\":[", p->steps, p->wall,
+	       (long long)p->dropped);
+	for (int i = 0; i < p->n; i++)
+		printf("%s{\"call\":\"%s\",\"calls\":%lld,\"seconds\":%.6f,\"weight_bytes\":%.0f}", i ? "," : "",
+		       p->rows[i].call, (long long)p->rows[i].calls, p->rows[i].seconds, p->rows[i].weight_bytes);
+	printf("]}");
+}
+
+/* One line per kind of call, the costliest first: its share of the
+ * stretch's wall time, time and calls per step, GB/s of weights. */
+static void print_profile_text(const prof_stretch *p)
+{
+	double inside = 0.0;
+	for (int i = 0; i < p->n; i++)
+		inside += p->rows[i].seconds;
+	printf("profile: %d steps of %.3f ms; %.3f ms (%.1f%%) inside %d kinds of backend call\n"
+	       "   share   ms/step  calls/step    us/call    GB/s  call\n",
+	       p->steps, p->wall / p->steps * 1e3, inside / p->steps * 1e3, 100.0 * inside / p->wall, p->n);
+	for (int i = 0; i < p->n; i++) {
+		const kc_prof_row *w = &p->rows[i];
+		char gbs[16] = "";
+		if (w->weight_bytes > 0 && w->seconds > 0)
+			snprintf(gbs, sizeof gbs, "%.1f", w->weight_bytes / w->seconds / 1e9);
+		printf("  %5.1f%%  %8.3f  %10.2f  %9.1f %7s  %s\n", 100.0 * w->seconds / p->wall,
+		       w->seconds / p->steps * 1e3, (double)w->calls / p->steps, w->seconds / (double)w->calls * 1e6,
+		       gbs, w->call);
+	}
+	if (p->dropped)
+		printf("  (%lld calls of further kinds were not timed)\n", (long long)p->dropped);
+}
+
 static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 {
 	const int V = model_vocab_size(m), B = c->batch;
@@ -359,6 +424,7 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	int32_t *prompt = malloc((size_t)c->prompt_len * sizeof *prompt);
 	int32_t *next = malloc((size_t)B * sizeof *next);
 	float *last = malloc((size_t)V * sizeof *last);
+	prof_stretch *prof = NULL;
 	if (!ss || !prompt || !next || !last) {
 		rc = ds_err_set(err, DS_ENOMEM, "out of memory");
 		goto out;
@@ -391,6 +457,14 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	double pf = (double)c->prompt_len * B / t_prefill;
 	double dc = c->n_predict ? (double)c->n_predict * B / t_decode : 0.0;
 	long rss = (long)ds_peak_rss_bytes(); /* before the probe's buffers exist */
+	if (c->profile) {
+		if (!(prof = calloc(1, sizeof *prof))) {
+			rc = ds_err_set(err, DS_ENOMEM, "out of memory");
+			goto out;
+		}
+		if ((rc = bench_profile(c, r, ss, next, prof, err)))
+			goto out;
+	}
 	bw_stretch bw = {0};
 	if (c->membw && (rc = bench_membw(c, r, ss, next, &bw, err)))
 		goto out;
@@ -411,15 +485,17 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 			       (unsigned long long)st[i].extra_bytes,
 			       (unsigned long long)st[i].peak_rss_bytes, st[i].comm_seconds);
 		printf("]}\n");
-	} else if (c->json && c->membw)
-		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld,"
-		       "\"membw\":{\"steps\":%d,\"decode_tok_s\":%.3f,\"read_bytes_s\":%.0f,"
-		       "\"triad_bytes_s\":%.0f,\"fp8_hot_bytes_s\":%.0f,\"bf16_hot_bytes_s\":%.0f}}\n",
-		       pf, dc, rss, c->n_predict, bw.decode_tok_s, bw.read_bytes_s, bw.triad_bytes_s,
-		       bw.hot_bytes_s[0], bw.hot_bytes_s[1]);
-	else if (c->json)
-		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld}\n", pf, dc, rss);
-	else
+	} else if (c->json) {
+		printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"peak_rss_bytes\":%ld", pf, dc, rss);
+		if (c->membw)
+			printf(",\"membw\":{\"steps\":%d,\"decode_tok_s\":%.3f,\"read_bytes_s\":%.0f,"
+			       "\"triad_bytes_s\":%.0f,\"fp8_hot_bytes_s\":%.0f,\"bf16_hot_bytes_s\":%.0f}",
+			       c->n_predict, bw.decode_tok_s, bw.read_bytes_s, bw.triad_bytes_s,
+			       bw.hot_bytes_s[0], bw.hot_bytes_s[1]);
+		if (prof)
+			print_profile_json(prof);
+		printf("}\n");
+	} else
 		printf("model %s (%s), batch %d, threads %d\n"
 		       "prefill: %d tokens x %d in %.3f s = %.2f tok/s\n"
 		       "decode:  %d steps x %d in %.3f s = %.2f tok/s\n"
@@ -434,7 +510,10 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 		       "Triad %.2f GB/s; one-row products in cache: FP8 %.2f GB/s, BF16 %.2f GB/s\n",
 		       bw.decode_tok_s, bw.read_bytes_s / 1e9, bw.triad_bytes_s / 1e9,
 		       bw.hot_bytes_s[0] / 1e9, bw.hot_bytes_s[1] / 1e9);
+	if (!c->json && prof)
+		print_profile_text(prof);
 out:
+	free(prof);
 	for (int b = 0; ss && b < B; b++)
 		kv_seq_free(model_kv(m), &ss[b].kv);
 	free(ss);
@@ -728,8 +807,16 @@ static int run(const struct run_cfg *c, ds_err *err)
 		rc = ds_err_set(err, DS_EINVAL, "--membw needs -n of at least 1");
 		goto out;
 	}
-	/* --membw decodes n_predict steps twice */
-	int64_t need = c->bench ? (int64_t)c->prompt_len + (int64_t)c->n_predict * (c->membw ? 2 : 1)
+	if (c->profile && !c->bench) {
+		rc = ds_err_set(err, DS_EINVAL, "--profile is a --bench option");
+		goto out;
+	}
+	if (c->profile && c->n_predict < 1) {
+		rc = ds_err_set(err, DS_EINVAL, "--profile needs -n of at least 1");
+		goto out;
+	}
+	/* --membw and --profile each decode n_predict more steps */
+	int64_t need = c->bench ? (int64_t)c->prompt_len + (int64_t)c->n_predict * (1 + c->membw + c->profile)
 				: (int64_t)n_prompt + c->n_predict;
 	mp.max_ctx = c->ctx > 0 ? c->ctx : (int)need;
 	mp.max_seqs = c->bench ? c->batch : 1;
@@ -742,6 +829,11 @@ static int run(const struct run_cfg *c, ds_err *err)
 		if (c->membw) {
 			rc = ds_err_set(err, DS_EINVAL, "--membw probes this process's memory: it does not "
 							"apply under a plan of rank processes");
+			goto out;
+		}
+		if (c->profile) {
+			rc = ds_err_set(err, DS_EINVAL, "--profile times this process's cpu backend: it does "
+							"not apply under a plan of rank processes");
 			goto out;
 		}
 		m = plan_load(c, &mp, err);
@@ -770,6 +862,9 @@ static int run(const struct run_cfg *c, ds_err *err)
 	if (c->bench && c->membw && strcmp(model_backend_name(m), "cpu") != 0) {
 		rc = ds_err_set(err, DS_EINVAL, "--membw probes host memory: it applies to the cpu backend, "
 						"not %s", model_backend_name(m));
+	} else if (c->bench && c->profile && strcmp(model_backend_name(m), "cpu") != 0) {
+		rc = ds_err_set(err, DS_EINVAL, "--profile times the cpu backend's calls, not %s's",
+				model_backend_name(m));
 	} else if (c->bench) {
 		rc = cmd_bench(c, m, &r, err);
 	} else if (c->dump_logits) {

@@ -8,12 +8,14 @@
  * An instance holds no state of its own: every CPU instance shares the
  * process's thread pool (pool.h), which the kernels reach through
  * kc_parallel_for; open with params.threads > 0 and set_threads resize it.
- * Thread rule: stateless apart from the ISA cache in isa.c and the thread
- * pool (pool.h: one caller of the ops at a time).
+ * Every op is timed while the per-call profile is on (profile.h).
+ * Thread rule: stateless apart from the ISA cache in isa.c, the thread
+ * pool and the profile's rows (pool.h: one caller of the ops at a time).
  */
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/profile.h"
 #include "kernels/cpu/quant.h"
 
 #include <stdlib.h>
@@ -47,7 +49,7 @@ static int cpu_sync(const kb_backend *be)
 	return DS_OK;
 }
 
-static int cpu_rmsnorm(const kb_backend *be, const kb_rmsnorm_args *a)
+static int rmsnorm_run(const kb_backend *be, const kb_rmsnorm_args *a)
 {
 	if (!a || a->rows < 0 || a->dim <= 0)
 		return DS_EINVAL;
@@ -97,7 +99,7 @@ static int matmul_run(const kb_matmul_args *a)
 	return kc_matmul_batch_isa(kc_isa_active(), a);
 }
 
-static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
+static int matmul_one(const kb_backend *be, const kb_matmul_args *a)
 {
 	int rc = matmul_check(a);
 	if (rc)
@@ -110,7 +112,7 @@ static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
  * through kc_qmatmul_multi_isa, BF16 and FP8 ones through
  * kc_matmul_multi_isa; otherwise one call each.  Arguments are checked
  * before anything runs. */
-static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n)
+static int matmul_multi_run(const kb_backend *be, const kb_matmul_args *a, int n)
 {
 	int ok = n > 1, quant = 0;
 	for (int i = 0; i < n; i++) {
@@ -134,7 +136,7 @@ static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n
 	return DS_OK;
 }
 
-static int cpu_embed(const kb_backend *be, const kb_embed_args *a)
+static int embed_run(const kb_backend *be, const kb_embed_args *a)
 {
 	if (!a || a->n < 0 || a->dim < 0)
 		return DS_EINVAL;
@@ -152,7 +154,7 @@ static int cpu_embed(const kb_backend *be, const kb_embed_args *a)
 	return kc_embed_isa(kc_isa_active(), a);
 }
 
-static int cpu_rope(const kb_backend *be, const kb_rope_args *a)
+static int rope_run(const kb_backend *be, const kb_rope_args *a)
 {
 	if (!a || a->n_tok < 0 || a->n_heads < 0 || a->rot_dim < 0 || a->rot_dim % 2)
 		return DS_EINVAL;
@@ -164,7 +166,7 @@ static int cpu_rope(const kb_backend *be, const kb_rope_args *a)
 	return kc_rope_isa(kc_isa_active(), a);
 }
 
-static int cpu_silu_mul(const kb_backend *be, const kb_silu_mul_args *a)
+static int silu_mul_run(const kb_backend *be, const kb_silu_mul_args *a)
 {
 	if (!a || a->rows < 0 || a->dim < 0)
 		return DS_EINVAL;
@@ -176,7 +178,7 @@ static int cpu_silu_mul(const kb_backend *be, const kb_silu_mul_args *a)
 	return kc_silu_mul_isa(kc_isa_active(), a);
 }
 
-static int cpu_axpy(const kb_backend *be, const kb_axpy_args *a)
+static int axpy_run(const kb_backend *be, const kb_axpy_args *a)
 {
 	if (!a || a->n < 0)
 		return DS_EINVAL;
@@ -187,7 +189,7 @@ static int cpu_axpy(const kb_backend *be, const kb_axpy_args *a)
 	return kc_axpy_isa(kc_isa_active(), a);
 }
 
-static int cpu_softmax(const kb_backend *be, const kb_softmax_args *a)
+static int softmax_run(const kb_backend *be, const kb_softmax_args *a)
 {
 	if (!a || a->rows < 0 || a->n < 0)
 		return DS_EINVAL;
@@ -204,29 +206,74 @@ static int cpu_set_threads(const kb_backend *be, int n)
 }
 
 /* The ops with one implementation (attn.h) take no instance. */
-static int cpu_dequant(const kb_backend *be, const kb_dequant_args *a)
+static int dequant_run(const kb_backend *be, const kb_dequant_args *a)
 {
 	return kc_dequant(a);
 }
 
-static int cpu_mla_attn(const kb_backend *be, const kb_mla_attn_args *a)
+static int mla_attn_run(const kb_backend *be, const kb_mla_attn_args *a)
 {
 	return kc_mla_attn(a);
 }
 
-static int cpu_attn(const kb_backend *be, const kb_attn_args *a)
+static int attn_run(const kb_backend *be, const kb_attn_args *a)
 {
 	return kc_attn(a);
 }
 
-static int cpu_paged_attn(const kb_backend *be, const kb_paged_attn_args *a)
+static int paged_attn_run(const kb_backend *be, const kb_paged_attn_args *a)
 {
 	return kc_paged_attn(a);
 }
 
-static int cpu_moe_route(const kb_backend *be, const kb_moe_route_args *a)
+static int moe_route_run(const kb_backend *be, const kb_moe_route_args *a)
 {
 	return kc_moe_route(a);
+}
+
+/* ---- the ops table: each op timed while kc_profile_enabled (profile.h) ---- */
+
+#define TIMED_OP(name, argt, op)                                          \
+	static int cpu_##name(const kb_backend *be, const argt *a)        \
+	{                                                                 \
+		if (!kc_profile_enabled)                                  \
+			return name##_run(be, a);                         \
+		const double t0 = kc_profile_now();                       \
+		const int rc = name##_run(be, a);                         \
+		kc_profile_add_op(op, kc_profile_now() - t0);             \
+		return rc;                                                \
+	}
+
+TIMED_OP(rmsnorm, kb_rmsnorm_args, KB_OP_RMSNORM)
+TIMED_OP(embed, kb_embed_args, KB_OP_EMBED)
+TIMED_OP(rope, kb_rope_args, KB_OP_ROPE)
+TIMED_OP(silu_mul, kb_silu_mul_args, KB_OP_SILU_MUL)
+TIMED_OP(axpy, kb_axpy_args, KB_OP_AXPY)
+TIMED_OP(softmax, kb_softmax_args, KB_OP_SOFTMAX)
+TIMED_OP(dequant, kb_dequant_args, KB_OP_DEQUANT)
+TIMED_OP(mla_attn, kb_mla_attn_args, KB_OP_MLA_ATTN)
+TIMED_OP(attn, kb_attn_args, KB_OP_ATTN)
+TIMED_OP(paged_attn, kb_paged_attn_args, KB_OP_PAGED_ATTN)
+TIMED_OP(moe_route, kb_moe_route_args, KB_OP_MOE_ROUTE)
+
+static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
+{
+	if (!kc_profile_enabled || !a)
+		return matmul_one(be, a);
+	const double t0 = kc_profile_now();
+	const int rc = matmul_one(be, a);
+	kc_profile_add_matmul(a, 0, kc_profile_now() - t0);
+	return rc;
+}
+
+static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n)
+{
+	if (!kc_profile_enabled || !a || n < 1)
+		return matmul_multi_run(be, a, n);
+	const double t0 = kc_profile_now();
+	const int rc = matmul_multi_run(be, a, n);
+	kc_profile_add_matmul(a, n, kc_profile_now() - t0);
+	return rc;
 }
 
 static int cpu_open(kb_backend *be, const kb_backend_params *p, ds_err *err)

@@ -141,6 +141,40 @@ def test_bench_json_and_the_interleaved_memory_probe(tmp_path):
     assert r.returncode != 0 and "--membw needs -n" in r.stderr
 
 
+def test_bench_profile_says_where_a_step_goes(tmp_path):
+    """--profile decodes -n more steps with every backend call timed: one
+    row per kind of call, costliest first, inside the stretch's wall time;
+    per step one lm_head product and one absorbed MLA per layer."""
+    d = write_model("v3-fp8", tmp_path / "v3f")
+    cfg = json.loads((d / "config.json").read_text())
+    layers, vocab, hidden = cfg["num_hidden_layers"], cfg["vocab_size"], cfg["hidden_size"]
+    base = ["-m", d, "--bench", "--prompt-len", "9", "-n", "4", "--threads", "2"]
+    r = dsrun(*base, "--profile", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "profile"}
+    p = out["profile"]
+    assert p["steps"] == 4 and p["seconds"] > 0 and p["dropped"] == 0
+    rows = p["calls"]
+    secs = [c["seconds"] for c in rows]
+    assert secs == sorted(secs, reverse=True) and sum(secs) <= p["seconds"]
+    calls = {c["call"]: c for c in rows}
+    assert calls["mla_attn"]["calls"] == 4 * layers
+    assert calls[f"matmul bf16 {vocab}x{hidden}"]["calls"] == 4  # lm_head: BF16 in FP8 checkpoints
+    assert calls[f"matmul bf16 {vocab}x{hidden}"]["weight_bytes"] == 4 * vocab * hidden * 2
+    for c in rows:
+        assert (c["weight_bytes"] > 0) == c["call"].startswith("matmul"), c
+    r = dsrun(*base, "--profile")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout[r.stdout.index("profile: 4 steps of"):].splitlines()
+    assert "share" in text[1] and len(text) == 2 + len(rows)
+    assert any(line.endswith(" mla_attn") for line in text[2:])
+    r = dsrun("-m", d, "--tokens", "1,2", "--profile")
+    assert r.returncode != 0 and "--profile is a --bench option" in r.stderr
+    r = dsrun("-m", d, "--bench", "-n", "0", "--profile")
+    assert r.returncode != 0 and "--profile needs -n" in r.stderr
+
+
 def test_huge_page_copy_and_mmap_give_the_same_logits(tmp_path):
     """The cpu backend copies safetensors weights into huge pages unless
     --mmap; the bytes and so the logits are the same either way."""

@@ -9,6 +9,7 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/membw.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/profile.h"
 #include "tests/unit/unit.h"
 
 #include <pthread.h>
@@ -729,4 +730,84 @@ TEST(membw_probe_contract)
 		kc_hotmm_close(h);
 		h = NULL;
 	}
+}
+
+/* The row of a call named what, or NULL. */
+static const kc_prof_row *prof_find(const kc_prof_row *rows, int n, const char *what)
+{
+	for (int i = 0; i < n; i++)
+		if (strcmp(rows[i].call, what) == 0)
+			return &rows[i];
+	return NULL;
+}
+
+TEST(profile_times_each_kind_of_call_through_the_backend)
+{
+	enum { N = 64, K = 256, N2 = 32 };
+	const kb_backend *b = kb_backend_get("cpu", NULL);
+	uint8_t *w = malloc(N * K);
+	float x[K], y[N], y0[N], y2[N2], sc[2] = {0.5f, 0.25f}, nw[K], nout[K];
+	for (int i = 0; i < N * K; i++)
+		w[i] = (uint8_t)(ut_rand_u64() % 0x7f); /* positive E4M3, no NaN pattern */
+	for (int i = 0; i < K; i++) {
+		x[i] = ut_rand_float(-1, 1);
+		nw[i] = ut_rand_float(0.5f, 1.5f);
+	}
+	kb_matmul_args a = {.y = y, .x = x, .w = w, .w_scale = sc, .wtype = KB_F8_E4M3, .M = 1, .N = N,
+				.K = K, .x_stride = K, .y_stride = N, .w_stride = K, .scale_stride = 2,
+				.block = 128};
+	kb_matmul_args a0 = a;
+	a0.y = y0;
+	CHECK_EQ(kb_matmul(b, &a0), DS_OK); /* before the profile: not counted */
+	kc_profile_start();
+	CHECK_EQ(kb_matmul(b, &a), DS_OK);
+	CHECK(memcmp(y, y0, sizeof y) == 0); /* timing changes nothing */
+	CHECK_EQ(kb_matmul(b, &a), DS_OK);
+	kb_matmul_args m[2] = {a, a};
+	m[1].y = y2;
+	m[1].N = N2;
+	m[1].y_stride = N2;
+	CHECK_EQ(kb_matmul_multi(b, m, 2), DS_OK);
+	kb_rmsnorm_args r = {.out = nout, .x = x, .w = nw, .rows = 1, .dim = K, .x_stride = K,
+				 .out_stride = K, .eps = 1e-6f};
+	CHECK_EQ(kb_rmsnorm(b, &r), DS_OK);
+	kc_profile_stop();
+	CHECK_EQ(kb_matmul(b, &a), DS_OK); /* after: not counted */
+	kc_prof_row rows[KC_PROF_MAX_ROWS];
+	int n = kc_profile_rows(rows, KC_PROF_MAX_ROWS);
+	CHECK_EQ(n, 3);
+	const kc_prof_row *mm = prof_find(rows, n, "matmul f8_e4m3 64x256");
+	const kc_prof_row *mu = prof_find(rows, n, "matmul_multi of 2, first f8_e4m3 64x256");
+	const kc_prof_row *rn = prof_find(rows, n, "rmsnorm");
+	CHECK(mm && mu && rn);
+	if (!mm || !mu || !rn)
+		return;
+	CHECK_EQ(mm->calls, 2);
+	CHECK_EQ(mu->calls, 1);
+	CHECK_EQ(rn->calls, 1);
+	/* W bytes and the FP8 block scales (1 x 2 blocks of 128) */
+	CHECK(mm->weight_bytes == 2.0 * (N * K + 4 * 2));
+	CHECK(mu->weight_bytes == (double)(N * K + 4 * 2) + (double)(N2 * K + 4 * 2));
+	CHECK(rn->weight_bytes == 0.0);
+	CHECK(mm->seconds > 0 && mu->seconds > 0 && rn->seconds > 0);
+	for (int i = 1; i < n; i++) /* largest first */
+		CHECK(rows[i - 1].seconds >= rows[i].seconds);
+	/* a start clears; kinds past the table's size are counted, not kept */
+	kc_profile_start();
+	float xs[8] = {1, 2, 3, 4, 5, 6, 7, 8}, ws[8 * (KC_PROF_MAX_ROWS + 2)], ys[KC_PROF_MAX_ROWS + 2];
+	for (int i = 0; i < 8 * (KC_PROF_MAX_ROWS + 2); i++)
+		ws[i] = 1.0f;
+	for (int nn = 1; nn <= KC_PROF_MAX_ROWS + 2; nn++) {
+		kb_matmul_args f = {.y = ys, .x = xs, .w = ws, .wtype = KB_F32, .M = 1, .N = nn, .K = 8,
+				    .x_stride = 8, .y_stride = nn, .w_stride = 8};
+		CHECK_EQ(kb_matmul(b, &f), DS_OK);
+		CHECK(ys[nn - 1] == 36.0f);
+	}
+	kc_profile_stop();
+	CHECK_EQ(kc_profile_rows(rows, KC_PROF_MAX_ROWS), KC_PROF_MAX_ROWS);
+	CHECK_EQ(kc_profile_dropped(), 2);
+	CHECK(prof_find(rows, KC_PROF_MAX_ROWS, "matmul f32 1x8") != NULL);
+	CHECK(prof_find(rows, KC_PROF_MAX_ROWS, "rmsnorm") == NULL);
+	CHECK_EQ(kc_profile_rows(rows, 5), 5);
+	free(w);
 }
