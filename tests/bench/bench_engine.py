@@ -30,7 +30,11 @@ below its bandwidth bound but near 1 of its roof is held by the kernels'
 arithmetic on this machine at that moment, not by the memory (on shared
 2-vCPU hosts the arithmetic rate itself moves by tens of percent).
 
-where the bytes per token are counted from the checkpoint itself: every tensor
+Last, where a batch-1 FP8 step goes (natively and on AVX2): dsrun --profile
+times every backend call of n more decode steps, and each kind of call that
+holds 1% of the step or more is printed with its share, ms per step and GB/s.
+
+The bytes per token are counted from the checkpoint itself: every tensor
 that one token touches (attention, dense MLP, router, shared expert, the
 num_experts_per_tok routed experts of each MoE layer, final norm, lm_head and
 one embedding row).  Resident memory is compared with the checkpoint's bytes
@@ -208,6 +212,38 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
               flush=True)
 
 
+def bench_profile(shape, tag, threads, prompt_len, n):
+    """Where a batch-1 step of the FP8 model goes, from dsrun --profile (every
+    backend call of n more decode steps timed; docs/engine.md), natively and,
+    where this CPU has AVX-512, with the kernels capped at AVX2: each kind of
+    call holding 1% of the step or more, the rest summed."""
+    d = model_dir("v3-fp8", shape, tag)
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split()
+    runs = [("native", {})] + ([("avx2", {"DS_CPU_ISA": "avx2"})] if "avx512f" in flags else [])
+    for label, env in runs:
+        cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
+               "-n", str(n), "--threads", str(threads), "--json", "--profile"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                           env={**os.environ, **env})
+        if r.returncode != 0:
+            sys.exit(f"bench: {env} {' '.join(cmd)} failed: {r.stderr}")
+        p = json.loads(r.stdout.strip().splitlines()[-1])["profile"]
+        steps, wall = p["steps"], p["seconds"]
+        print(f"\nwhere a batch-1 FP8 step goes ({label}, dsrun --profile, depth {prompt_len + n}-"
+              f"{prompt_len + 2 * n}): {wall / steps * 1e3:.2f} ms a step\n"
+              f"{'share':>7}{'ms/step':>9}{'calls':>7}{'GB/s':>7}  call")
+        rest = wall
+        for c in p["calls"]:
+            if c["seconds"] < 0.01 * wall:
+                continue
+            rest -= c["seconds"]
+            gbs = f"{c['weight_bytes'] / c['seconds'] / 1e9:.1f}" if c["weight_bytes"] else ""
+            print(f"{c['seconds'] / wall:>7.1%}{c['seconds'] / steps * 1e3:>9.3f}"
+                  f"{c['calls'] / steps:>7.1f}{gbs:>7}  {c['call']}")
+        print(f"{rest / wall:>7.1%}{rest / steps * 1e3:>9.3f}{'':>14}  the other calls and the "
+              "engine between them", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -240,6 +276,7 @@ def main():
                   f"{r['decode_tok_s']:>12.2f}{r['peak_rss_bytes'] / 1e9:>13.2f}"
                   f"{r['peak_rss_bytes'] / (ckpt + kv_bytes):>9.3f}{cols}", flush=True)
     bench_load_memory(shape, tag, a.threads, prompt_len, n)
+    bench_profile(shape, tag, a.threads, prompt_len, n)
 
 
 if __name__ == "__main__":
