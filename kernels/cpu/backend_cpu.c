@@ -99,7 +99,7 @@ static int matmul_run(const kb_matmul_args *a)
 	return kc_matmul_batch_isa(kc_isa_active(), a);
 }
 
-static int matmul_one(const kb_backend *be, const kb_matmul_args *a)
+static int matmul_checked(const kb_backend *be, const kb_matmul_args *a)
 {
 	int rc = matmul_check(a);
 	if (rc)
@@ -112,7 +112,7 @@ static int matmul_one(const kb_backend *be, const kb_matmul_args *a)
  * through kc_qmatmul_multi_isa, BF16 and FP8 ones through
  * kc_matmul_multi_isa; otherwise one call each.  Arguments are checked
  * before anything runs. */
-static int matmul_multi_run(const kb_backend *be, const kb_matmul_args *a, int n)
+static int matmul_multi_checked(const kb_backend *be, const kb_matmul_args *a, int n)
 {
 	int ok = n > 1, quant = 0;
 	for (int i = 0; i < n; i++) {
@@ -259,9 +259,9 @@ TIMED_OP(moe_route, kb_moe_route_args, KB_OP_MOE_ROUTE)
 static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
 {
 	if (!kc_profile_enabled || !a)
-		return matmul_one(be, a);
+		return matmul_checked(be, a);
 	const double t0 = kc_profile_now();
-	const int rc = matmul_one(be, a);
+	const int rc = matmul_checked(be, a);
 	kc_profile_add_matmul(a, 0, kc_profile_now() - t0);
 	return rc;
 }
@@ -269,9 +269,9 @@ static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
 static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n)
 {
 	if (!kc_profile_enabled || !a || n < 1)
-		return matmul_multi_run(be, a, n);
+		return matmul_multi_checked(be, a, n);
 	const double t0 = kc_profile_now();
-	const int rc = matmul_multi_run(be, a, n);
+	const int rc = matmul_multi_checked(be, a, n);
 	kc_profile_add_matmul(a, n, kc_profile_now() - t0);
 	return rc;
 }
