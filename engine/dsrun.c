@@ -286,6 +286,17 @@ static void greedy_next(const runner *r, int B, int32_t *next)
 	}
 }
 
+/* n greedy decode steps of the B sequences from next (the bench's timed
+ * decode and the --profile stretch). */
+static int decode_greedy(runner *r, seqst *ss, int32_t *next, int B, int n, ds_err *err)
+{
+	int rc = DS_OK;
+	for (int step = 0; step < n && !rc; step++)
+		if (!(rc = decode_step(r, ss, next, B, err)))
+			greedy_next(r, B, next);
+	return rc;
+}
+
 /* Rates over the stretch of --bench --membw. */
 typedef struct bw_stretch {
 	double decode_tok_s, read_bytes_s, triad_bytes_s;
@@ -368,12 +379,9 @@ typedef struct prof_stretch {
 static int bench_profile(const struct run_cfg *c, runner *r, seqst *ss, int32_t *next, prof_stretch *out,
 			 ds_err *err)
 {
-	int rc = DS_OK;
 	kc_profile_start();
 	const double t0 = ds_now_s();
-	for (int step = 0; step < c->n_predict && !rc; step++)
-		if (!(rc = decode_step(r, ss, next, c->batch, err)))
-			greedy_next(r, c->batch, next);
+	const int rc = decode_greedy(r, ss, next, c->batch, c->n_predict, err);
 	out->wall = ds_now_s() - t0;
 	kc_profile_stop();
 	out->steps = c->n_predict;
@@ -448,11 +456,8 @@ static int cmd_bench(const struct run_cfg *c, model *m, runner *r, ds_err *err)
 	for (int b = 0; b < B; b++)
 		next[b] = (int32_t)((prompt[b % c->prompt_len] + 1) % V);
 	t0 = ds_now_s();
-	for (int step = 0; step < c->n_predict; step++) {
-		if ((rc = decode_step(r, ss, next, B, err)))
-			goto out;
-		greedy_next(r, B, next);
-	}
+	if ((rc = decode_greedy(r, ss, next, B, c->n_predict, err)))
+		goto out;
 	double t_decode = ds_now_s() - t0;
 	double pf = (double)c->prompt_len * B / t_prefill;
 	double dc = c->n_predict ? (double)c->n_predict * B / t_decode : 0.0;

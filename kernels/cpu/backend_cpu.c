@@ -12,6 +12,7 @@
  * Thread rule: stateless apart from the ISA cache in isa.c, the thread
  * pool and the profile's rows (pool.h: one caller of the ops at a time).
  */
+#include "common/strutil.h"
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
@@ -238,9 +239,9 @@ static int moe_route_run(const kb_backend *be, const kb_moe_route_args *a)
 	{                                                                 \
 		if (!kc_profile_enabled)                                  \
 			return name##_run(be, a);                         \
-		const double t0 = kc_profile_now();                       \
+		const double t0 = ds_now_s();                       \
 		const int rc = name##_run(be, a);                         \
-		kc_profile_add_op(op, kc_profile_now() - t0);             \
+		kc_profile_add_op(op, ds_now_s() - t0);             \
 		return rc;                                                \
 	}
 
@@ -260,9 +261,9 @@ static int cpu_matmul(const kb_backend *be, const kb_matmul_args *a)
 {
 	if (!kc_profile_enabled || !a)
 		return matmul_checked(be, a);
-	const double t0 = kc_profile_now();
+	const double t0 = ds_now_s();
 	const int rc = matmul_checked(be, a);
-	kc_profile_add_matmul(a, 0, kc_profile_now() - t0);
+	kc_profile_add_matmul(a, 0, ds_now_s() - t0);
 	return rc;
 }
 
@@ -270,9 +271,9 @@ static int cpu_matmul_multi(const kb_backend *be, const kb_matmul_args *a, int n
 {
 	if (!kc_profile_enabled || !a || n < 1)
 		return matmul_multi_checked(be, a, n);
-	const double t0 = kc_profile_now();
+	const double t0 = ds_now_s();
 	const int rc = matmul_multi_checked(be, a, n);
-	kc_profile_add_matmul(a, n, kc_profile_now() - t0);
+	kc_profile_add_matmul(a, n, ds_now_s() - t0);
 	return rc;
 }
 

@@ -5,8 +5,6 @@
  */
 #include "kernels/cpu/profile.h"
 
-#include "common/strutil.h"
-
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,11 +43,6 @@ void kc_profile_stop(void)
 int64_t kc_profile_dropped(void)
 {
 	return dropped;
-}
-
-double kc_profile_now(void)
-{
-	return ds_now_s();
 }
 
 static void add(const prof_key *k, double seconds, double bytes)

@@ -39,9 +39,8 @@ int kc_profile_rows(kc_prof_row *out, int max);
 /* Calls since the last start that found the table full. */
 int64_t kc_profile_dropped(void);
 
-/* backend_cpu.c's side: on or off, the clock, and one call's time. */
+/* backend_cpu.c's side: on or off, and one call's time (ds_now_s). */
 extern int kc_profile_enabled;
-double kc_profile_now(void);
 void kc_profile_add_op(enum kb_op op, double seconds);
 void kc_profile_add_matmul(const kb_matmul_args *a, int n, double seconds);
 

@@ -117,15 +117,20 @@ def bytes_per_token(d):
     return total, sum(b for b, _ in tb.values()), by_dtype
 
 
-def run_bench(d, batch, threads, prompt_len, n, membw=False):
+def run_bench(d, batch, threads, prompt_len, n, extra=(), env=None):
+    """dsrun --bench --json on d (extra flags such as --membw, env added to
+    this process's): its JSON object."""
     cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
-           "-n", str(n), "--batch", str(batch), "--threads", str(threads), "--json"]
-    if membw:
-        cmd.append("--membw")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+           "-n", str(n), "--batch", str(batch), "--threads", str(threads), "--json", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                       env={**os.environ, **(env or {})})
     if r.returncode != 0:
-        sys.exit(f"bench: {' '.join(cmd)} failed: {r.stderr}")
+        sys.exit(f"bench: {env or ''} {' '.join(cmd)} failed: {r.stderr}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def has_avx512():
+    return "avx512f" in pathlib.Path("/proc/cpuinfo").read_text().split()
 
 
 def bench_default(threads):
@@ -191,19 +196,10 @@ def bench_load_memory(shape, tag, threads, prompt_len, n):
     per_tok, ckpt, by_dtype = bytes_per_token(d)
     cfg = json.loads((d / "config.json").read_text())
     kv = kv_bytes_per_position(cfg) * (prompt_len + n)
-    flags = pathlib.Path("/proc/cpuinfo").read_text().split()
-    runs = [("fp8 avx2", {"DS_CPU_ISA": "avx2"}, True)] * 3 if "avx512f" in flags else []
+    runs = [("fp8 avx2", {"DS_CPU_ISA": "avx2"}, True)] * 3 if has_avx512() else []
     runs.append(("fp8 noTHP", {"DS_THP": "never"}, False))
     for label, env, membw in runs:
-        cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
-               "-n", str(n), "--batch", "1", "--threads", str(threads), "--json"]
-        if membw:
-            cmd.append("--membw")
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                           env={**os.environ, **env})
-        if r.returncode != 0:
-            sys.exit(f"bench: {env} {' '.join(cmd)} failed: {r.stderr}")
-        r = json.loads(r.stdout.strip().splitlines()[-1])
+        r = run_bench(d, 1, threads, prompt_len, n, ["--membw"] if membw else [], env)
         kv_bytes = kv * (prompt_len + n * 2) / (prompt_len + n) if membw else kv
         print(f"{label:<10}{ckpt / 1e9:>9.2f}{per_tok / 1e6:>10.1f}{1:>6}"
               f"{r['prefill_tok_s']:>13.1f}{r['decode_tok_s']:>12.2f}"
@@ -218,16 +214,9 @@ def bench_profile(shape, tag, threads, prompt_len, n):
     where this CPU has AVX-512, with the kernels capped at AVX2: each kind of
     call holding 1% of the step or more, the rest summed."""
     d = model_dir("v3-fp8", shape, tag)
-    flags = pathlib.Path("/proc/cpuinfo").read_text().split()
-    runs = [("native", {})] + ([("avx2", {"DS_CPU_ISA": "avx2"})] if "avx512f" in flags else [])
+    runs = [("native", {})] + ([("avx2", {"DS_CPU_ISA": "avx2"})] if has_avx512() else [])
     for label, env in runs:
-        cmd = [str(BUILD / "dsrun"), "-m", str(d), "--bench", "--prompt-len", str(prompt_len),
-               "-n", str(n), "--threads", str(threads), "--json", "--profile"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                           env={**os.environ, **env})
-        if r.returncode != 0:
-            sys.exit(f"bench: {env} {' '.join(cmd)} failed: {r.stderr}")
-        p = json.loads(r.stdout.strip().splitlines()[-1])["profile"]
+        p = run_bench(d, 1, threads, prompt_len, n, ["--profile"], env)["profile"]
         steps, wall = p["steps"], p["seconds"]
         print(f"\nwhere a batch-1 FP8 step goes ({label}, dsrun --profile, depth {prompt_len + n}-"
               f"{prompt_len + 2 * n}): {wall / steps * 1e3:.2f} ms a step\n"
@@ -266,7 +255,7 @@ def main():
         cfg = json.loads((d / "config.json").read_text())
         kv = kv_bytes_per_position(cfg)
         for batch in (1, 1, 1, 16):
-            r = run_bench(d, batch, a.threads, prompt_len, n, membw=batch == 1)
+            r = run_bench(d, batch, a.threads, prompt_len, n, ["--membw"] if batch == 1 else [])
             # --membw decodes n more steps: the cache holds prompt + 2n then
             kv_bytes = kv * (prompt_len + n * (2 if batch == 1 else 1)) * batch
             cols = (probe_cols(r, per_tok, kv_read_per_token(cfg, prompt_len, n), by_dtype)
