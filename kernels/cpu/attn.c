@@ -271,7 +271,8 @@ static vec_ops pick_ops(void)
 typedef struct mla_job {
 	const kb_mla_attn_args *a;
 	vec_ops v;
-	int64_t group; /* heads per item (AVX-512 path) */
+	int64_t group;    /* AVX-512: heads that share each row load */
+	int64_t per_item; /* AVX-512: heads per item (whole groups) */
 } mla_job;
 
 typedef struct paged_job {
@@ -403,76 +404,111 @@ MLA_INL void mla_wsum(const int G, float *const *out, float w[][ATT_CHUNK], cons
 	}
 }
 
-MLA_INL void mla_group_fixed(const int G, const kb_mla_attn_args *a, int64_t t, int64_t h0)
+/* The running state of up to MLA_G heads [h0, h0 + G) of token t: their
+ * queries, output rows (the unnormalised sums until mla_group_finish) and
+ * running max and normaliser. */
+typedef struct mla_group {
+	const float *ql[MLA_G], *qp[MLA_G];
+	float *out[MLA_G];
+	float m[MLA_G], l[MLA_G];
+	int G;
+} mla_group;
+
+static void mla_group_start(mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
+{
+	s->G = G;
+	for (int g = 0; g < G; g++) {
+		s->ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * a->kv_lora;
+		s->qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * a->rope_dim;
+		s->out[g] = a->out + t * a->out_stride + (h0 + g) * a->kv_lora;
+		memset(s->out[g], 0, (size_t)a->kv_lora * sizeof(float));
+		s->m[g] = -INFINITY;
+		s->l[g] = 0.0f;
+	}
+}
+
+/* One chunk of n rows for the group: scores, the online softmax, the
+ * weighted sum.  Rows MLA_PF ahead, up to rows[npf - 1] (the next chunk's
+ * first ones too), are asked for into L2 while the chunk is scored; npf = 0
+ * for the groups after an item's first, which find the rows in L2. */
+MLA_INL void mla_chunk_fixed(const int G, mla_group *s, const kb_mla_attn_args *a, const float *const *rows,
+			     int64_t n, int64_t npf)
 {
 	const int64_t lora = a->kv_lora, rope = a->rope_dim;
-	const float *ql[MLA_G], *qp[MLA_G];
-	float *out[MLA_G], m[MLA_G], l[MLA_G];
 	_Alignas(64) float sc[MLA_G][ATT_CHUNK];
-	const float *rows[ATT_CHUNK + MLA_PF + 1];
+	int64_t i = 0;
+	for (; i + 2 <= n; i += 2)
+		mla_scores_rows(G, 2, sc, s->ql, s->qp, rows, i, npf, lora, rope, a->scale);
+	if (i < n)
+		mla_scores_rows(G, 1, sc, s->ql, s->qp, rows, i, npf, lora, rope, a->scale);
 	for (int g = 0; g < G; g++) {
-		ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * lora;
-		qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * rope;
-		out[g] = a->out + t * a->out_stride + (h0 + g) * lora;
-		memset(out[g], 0, (size_t)lora * sizeof(float));
-		m[g] = -INFINITY;
-		l[g] = 0.0f;
+		float cmax = -INFINITY;
+		for (i = 0; i < n; i++)
+			cmax = sc[g][i] > cmax ? sc[g][i] : cmax;
+		if (cmax > s->m[g]) { /* the running max grows: rescale what is summed */
+			float c = expf(s->m[g] - cmax);
+			scale_add_avx512(s->out[g], c, 0.0f, s->out[g], lora);
+			s->l[g] *= c;
+			s->m[g] = cmax;
+		}
+		s->l[g] += exp_sub_avx512(sc[g], s->m[g], n);
 	}
+	mla_wsum(G, s->out, sc, rows, n, lora);
+}
+
+AVX512 static void mla_chunk_avx512(mla_group *s, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
+				    int64_t npf)
+{
+	switch (s->G) {
+	case 1: mla_chunk_fixed(1, s, a, rows, n, npf); break;
+	case 2: mla_chunk_fixed(2, s, a, rows, n, npf); break;
+	case 3: mla_chunk_fixed(3, s, a, rows, n, npf); break;
+	case 4: mla_chunk_fixed(4, s, a, rows, n, npf); break;
+	case 5: mla_chunk_fixed(5, s, a, rows, n, npf); break;
+	case 6: mla_chunk_fixed(6, s, a, rows, n, npf); break;
+	case 7: mla_chunk_fixed(7, s, a, rows, n, npf); break;
+	default: mla_chunk_fixed(8, s, a, rows, n, npf); break;
+	}
+}
+
+/* Heads [h0, h1) of token t in groups of `group`, chunk by chunk: every
+ * group works on a chunk before the next chunk, so its rows come from
+ * memory for the first group and from L2 for the others (with 128 heads,
+ * DeepSeek-V3's, one pass over the cache per item instead of one per 8
+ * heads).  Each group's arithmetic is what it would be alone. */
+AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, int64_t group)
+{
+	mla_group st[MLA_ITEM_GROUPS];
+	int ng = 0;
+	for (int64_t h = h0; h < h1; h += group)
+		mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
+	const float *rows[ATT_CHUNK + MLA_PF + 1];
 	for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 		int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 		int64_t npf = a->tok_pos[t] + 1 - j0 < n + MLA_PF + 1 ? a->tok_pos[t] + 1 - j0 : n + MLA_PF + 1;
 		mla_rows(a, t, j0, npf, rows);
-		int64_t i = 0;
-		for (; i + 2 <= n; i += 2)
-			mla_scores_rows(G, 2, sc, ql, qp, rows, i, npf, lora, rope, a->scale);
-		if (i < n)
-			mla_scores_rows(G, 1, sc, ql, qp, rows, i, npf, lora, rope, a->scale);
-		for (int g = 0; g < G; g++) {
-			float cmax = -INFINITY;
-			for (i = 0; i < n; i++)
-				cmax = sc[g][i] > cmax ? sc[g][i] : cmax;
-			if (cmax > m[g]) { /* the running max grows: rescale what is summed */
-				float c = expf(m[g] - cmax);
-				scale_add_avx512(out[g], c, 0.0f, out[g], lora);
-				l[g] *= c;
-				m[g] = cmax;
-			}
-			l[g] += exp_sub_avx512(sc[g], m[g], n);
+		for (int k = 0; k < ng; k++)
+			mla_chunk_avx512(&st[k], a, rows, n, k == 0 ? npf : 0);
+	}
+	for (int k = 0; k < ng; k++)
+		for (int g = 0; g < st[k].G; g++) {
+			float inv = 1.0f / st[k].l[g];
+			for (int64_t d = 0; d < a->kv_lora; d++)
+				st[k].out[g][d] *= inv;
 		}
-		mla_wsum(G, out, sc, rows, n, lora);
-	}
-	for (int g = 0; g < G; g++) {
-		float inv = 1.0f / l[g];
-		for (int64_t k = 0; k < lora; k++)
-			out[g][k] *= inv;
-	}
-}
-
-AVX512 static void mla_group_avx512(const kb_mla_attn_args *a, int64_t t, int64_t h0, int g)
-{
-	switch (g) {
-	case 1: mla_group_fixed(1, a, t, h0); break;
-	case 2: mla_group_fixed(2, a, t, h0); break;
-	case 3: mla_group_fixed(3, a, t, h0); break;
-	case 4: mla_group_fixed(4, a, t, h0); break;
-	case 5: mla_group_fixed(5, a, t, h0); break;
-	case 6: mla_group_fixed(6, a, t, h0); break;
-	case 7: mla_group_fixed(7, a, t, h0); break;
-	default: mla_group_fixed(8, a, t, h0); break;
-	}
 }
 #endif
 
-/* items = (token, group of job->group heads); the last group of a token may
- * be smaller */
-static void mla_groups_range(void *ctx, int64_t begin, int64_t end)
+/* items = (token, stretch of job->per_item heads), the heads in groups of
+ * job->group; the last ones of a token may be smaller */
+static void mla_items_range(void *ctx, int64_t begin, int64_t end)
 {
 #if defined(__x86_64__)
 	const mla_job *j = ctx;
-	const int64_t H = j->a->n_heads, per_tok = (H + j->group - 1) / j->group;
+	const int64_t H = j->a->n_heads, per_tok = (H + j->per_item - 1) / j->per_item;
 	for (int64_t it = begin; it < end; it++) {
-		int64_t t = it / per_tok, h0 = it % per_tok * j->group;
-		mla_group_avx512(j->a, t, h0, (int)(H - h0 < j->group ? H - h0 : j->group));
+		int64_t t = it / per_tok, h0 = it % per_tok * j->per_item;
+		mla_item_avx512(j->a, t, h0, H - h0 < j->per_item ? H : h0 + j->per_item, j->group);
 	}
 #else
 	(void)ctx, (void)begin, (void)end;
@@ -514,21 +550,32 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 	}
 }
 
+void kc_mla_items(int64_t n_tok, int64_t n_heads, int64_t gmax, int64_t *group, int64_t *per_item)
+{
+	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
+	int64_t g = gmax;
+	while (g > 1 && n_tok * ((n_heads + g - 1) / g) < threads)
+		g /= 2;
+	const int64_t groups = (n_heads + g - 1) / g;
+	int64_t items = (threads + n_tok - 1) / n_tok; /* per token, so that every thread has one */
+	items = items < groups ? items : groups;
+	int64_t gpi = (groups + items - 1) / items;
+	gpi = gpi < MLA_ITEM_GROUPS ? gpi : MLA_ITEM_GROUPS;
+	*group = g;
+	*per_item = gpi * g;
+}
+
 int kc_mla_attn(const kb_mla_attn_args *a)
 {
 	if (a->n_tok < 0 || a->n_heads <= 0 || a->kv_lora <= 0 || a->rope_dim < 0 ||
 	    a->page_size <= 0 || a->row_stride < a->kv_lora + a->rope_dim)
 		return DS_EINVAL;
-	mla_job job = {a, pick_ops(), 1};
+	mla_job job = {a, pick_ops(), 1, 1};
 #if defined(__x86_64__)
 	if (kc_isa_active() >= KC_ISA_AVX512) {
-		/* the largest group (at most MLA_G) that still gives every thread an item */
-		const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
-		job.group = MLA_G;
-		while (job.group > 1 && a->n_tok * ((a->n_heads + job.group - 1) / job.group) < threads)
-			job.group /= 2;
-		const int64_t per_tok = (a->n_heads + job.group - 1) / job.group;
-		kc_parallel_for(a->n_tok * per_tok, 1, mla_groups_range, &job);
+		kc_mla_items(a->n_tok, a->n_heads, MLA_G, &job.group, &job.per_item);
+		const int64_t per_tok = (a->n_heads + job.per_item - 1) / job.per_item;
+		kc_parallel_for(a->n_tok * per_tok, 1, mla_items_range, &job);
 		return DS_OK;
 	}
 	if (kc_isa_active() >= KC_ISA_AVX2 && kc_mla_attn_avx2(a) == DS_OK)

@@ -7,6 +7,21 @@
 
 #include "kernels/backend.h"
 
+#include <stdint.h>
+
+/* Groups of heads an item of the SIMD paths holds, at most (256 heads of
+ * 8; DeepSeek-V3 has 128). */
+#define MLA_ITEM_GROUPS 32
+
+/* How the SIMD paths cut a step's heads into pool items.  *group: the heads
+ * that share each cache row load in registers, the largest power-of-two
+ * fraction of gmax that still gives every pool thread an item.  *per_item:
+ * the heads of one item (whole groups, at most MLA_ITEM_GROUPS of them),
+ * the fewest items per token that still give every thread one.  An item
+ * works chunk by chunk, all its groups on a chunk before the next, so its
+ * rows come from memory once for all its heads. */
+void kc_mla_items(int64_t n_tok, int64_t n_heads, int64_t gmax, int64_t *group, int64_t *per_item);
+
 /* kc_mla_attn on AVX2 (arguments already checked): heads in groups of up to
  * 8 share each cache row load.  DS_EUNSUPPORTED when kv_lora or rope_dim is
  * not a multiple of 8 (the caller then runs the per-head path). */

@@ -178,25 +178,83 @@ static void sub_wsum(int g, float *const *out, float w[][MLA_CHUNK], const float
 	}
 }
 
-/* Heads h0 .. h0 + G - 1 (G <= MLA_GMAX) of token t, chunk by chunk with the
- * online softmax; each chunk is scored and summed in passes of MLA_SUB
- * heads, the later passes reading its rows from L2. */
-static void group(const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
+/* The running state of up to MLA_GMAX heads of a token: their queries,
+ * output rows (unnormalised until the item ends), running max and
+ * normaliser. */
+typedef struct group_state {
+	const float *ql[MLA_GMAX], *qp[MLA_GMAX];
+	float *out[MLA_GMAX];
+	float m[MLA_GMAX], l[MLA_GMAX];
+	int G;
+} group_state;
+
+static void group_start(group_state *st, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
+{
+	st->G = G;
+	for (int g = 0; g < G; g++) {
+		st->ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * a->kv_lora;
+		st->qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * a->rope_dim;
+		st->out[g] = a->out + t * a->out_stride + (h0 + g) * a->kv_lora;
+		memset(st->out[g], 0, (size_t)a->kv_lora * sizeof(float));
+		st->m[g] = -INFINITY;
+		st->l[g] = 0.0f;
+	}
+}
+
+/* One chunk of n rows for a group with the online softmax, in passes of
+ * MLA_SUB heads, the later passes reading its rows from L2; the first pass
+ * asks for the rows up to rows[npf - 1] MLA_PF ahead when prefetch (the
+ * item's first group, the one that reads the rows from memory). */
+static void group_chunk(group_state *st, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
+			int64_t npf, int prefetch)
 {
 	const int64_t lora = a->kv_lora, rope = a->rope_dim;
-	const float *ql[MLA_GMAX], *qp[MLA_GMAX];
-	float *out[MLA_GMAX], m[MLA_GMAX], l[MLA_GMAX];
+	const int G = st->G;
 	_Alignas(32) float sc[MLA_GMAX][MLA_CHUNK];
+	for (int s = 0; s < G; s += MLA_SUB)
+		sub_scores(G - s < MLA_SUB ? G - s : MLA_SUB, sc + s, st->ql + s, st->qp + s, rows, n, npf,
+			   prefetch && s == 0, lora, rope, a->scale);
+	for (int g = 0; g < G; g++) {
+		float cmax = -INFINITY;
+		for (int64_t i = 0; i < n; i++)
+			cmax = sc[g][i] > cmax ? sc[g][i] : cmax;
+		if (cmax > st->m[g]) { /* the running max grows: rescale what is summed */
+			const float c = expf(st->m[g] - cmax);
+			const __m256 vc = _mm256_set1_ps(c);
+			for (int64_t d = 0; d < lora; d += 8)
+				_mm256_storeu_ps(st->out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(st->out[g] + d), vc));
+			st->l[g] *= c;
+			st->m[g] = cmax;
+		}
+		const __m256 vm = _mm256_set1_ps(st->m[g]);
+		__m256 sum = _mm256_setzero_ps();
+		int64_t i = 0;
+		for (; i + 8 <= n; i += 8) {
+			__m256 e = kc_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + i), vm));
+			_mm256_storeu_ps(sc[g] + i, e);
+			sum = _mm256_add_ps(sum, e);
+		}
+		float sm = kc_hsum8(sum);
+		for (; i < n; i++)
+			sm += (sc[g][i] = expf(sc[g][i] - st->m[g]));
+		st->l[g] += sm;
+	}
+	for (int s = 0; s < G; s += MLA_SUB)
+		sub_wsum(G - s < MLA_SUB ? G - s : MLA_SUB, st->out + s, sc + s, rows, n, lora);
+}
+
+/* Heads [h0, h1) of token t in groups of `group`, chunk by chunk: every
+ * group works on a chunk before the next chunk, so its rows come from
+ * memory for the first group and from L2 for the others.  Each group's
+ * arithmetic is what it would be alone. */
+static void item(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, int64_t group)
+{
+	group_state st[MLA_ITEM_GROUPS];
+	int ng = 0;
+	for (int64_t h = h0; h < h1; h += group)
+		group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
 	const float *rows[MLA_CHUNK + MLA_PF];
 	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
-	for (int g = 0; g < G; g++) {
-		ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * lora;
-		qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * rope;
-		out[g] = a->out + t * a->out_stride + (h0 + g) * lora;
-		memset(out[g], 0, (size_t)lora * sizeof(float));
-		m[g] = -INFINITY;
-		l[g] = 0.0f;
-	}
 	const int64_t keys = a->tok_pos[t] + 1;
 	for (int64_t j0 = 0; j0 < keys; j0 += MLA_CHUNK) {
 		const int64_t n = keys - j0 < MLA_CHUNK ? keys - j0 : MLA_CHUNK;
@@ -206,57 +264,30 @@ static void group(const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
 			rows[i] = a->cache + ((int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size) *
 						     a->row_stride;
 		}
-		for (int s = 0; s < G; s += MLA_SUB)
-			sub_scores(G - s < MLA_SUB ? G - s : MLA_SUB, sc + s, ql + s, qp + s, rows, n, npf, s == 0,
-				   lora, rope, a->scale);
-		for (int g = 0; g < G; g++) {
-			float cmax = -INFINITY;
-			for (int64_t i = 0; i < n; i++)
-				cmax = sc[g][i] > cmax ? sc[g][i] : cmax;
-			if (cmax > m[g]) { /* the running max grows: rescale what is summed */
-				const float c = expf(m[g] - cmax);
-				const __m256 vc = _mm256_set1_ps(c);
-				for (int64_t d = 0; d < lora; d += 8)
-					_mm256_storeu_ps(out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(out[g] + d), vc));
-				l[g] *= c;
-				m[g] = cmax;
-			}
-			const __m256 vm = _mm256_set1_ps(m[g]);
-			__m256 sum = _mm256_setzero_ps();
-			int64_t i = 0;
-			for (; i + 8 <= n; i += 8) {
-				__m256 e = kc_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + i), vm));
-				_mm256_storeu_ps(sc[g] + i, e);
-				sum = _mm256_add_ps(sum, e);
-			}
-			float sm = kc_hsum8(sum);
-			for (; i < n; i++)
-				sm += (sc[g][i] = expf(sc[g][i] - m[g]));
-			l[g] += sm;
+		for (int k = 0; k < ng; k++)
+			group_chunk(&st[k], a, rows, n, npf, k == 0);
+	}
+	for (int k = 0; k < ng; k++)
+		for (int g = 0; g < st[k].G; g++) {
+			const __m256 inv = _mm256_set1_ps(1.0f / st[k].l[g]);
+			for (int64_t d = 0; d < a->kv_lora; d += 8)
+				_mm256_storeu_ps(st[k].out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(st[k].out[g] + d), inv));
 		}
-		for (int s = 0; s < G; s += MLA_SUB)
-			sub_wsum(G - s < MLA_SUB ? G - s : MLA_SUB, out + s, sc + s, rows, n, lora);
-	}
-	for (int g = 0; g < G; g++) {
-		const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
-		for (int64_t d = 0; d < lora; d += 8)
-			_mm256_storeu_ps(out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(out[g] + d), inv));
-	}
 }
 #pragma GCC pop_options
 
 typedef struct mla2_job {
 	const kb_mla_attn_args *a;
-	int64_t gsize, per_tok;
+	int64_t group, per_item, per_tok;
 } mla2_job;
 
-static void groups_range(void *ctx, int64_t begin, int64_t end)
+static void items_range(void *ctx, int64_t begin, int64_t end)
 {
 	const mla2_job *j = ctx;
 	const int64_t H = j->a->n_heads;
 	for (int64_t it = begin; it < end; it++) {
-		const int64_t t = it / j->per_tok, h0 = it % j->per_tok * j->gsize;
-		group(j->a, t, h0, (int)(H - h0 < j->gsize ? H - h0 : j->gsize));
+		const int64_t t = it / j->per_tok, h0 = it % j->per_tok * j->per_item;
+		item(j->a, t, h0, H - h0 < j->per_item ? H : h0 + j->per_item, j->group);
 	}
 }
 
@@ -264,13 +295,10 @@ int kc_mla_attn_avx2(const kb_mla_attn_args *a)
 {
 	if (a->kv_lora % 8 || a->rope_dim % 8)
 		return DS_EUNSUPPORTED;
-	/* the largest group (at most MLA_GMAX) that still gives every thread an item */
-	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
-	mla2_job j = {.a = a, .gsize = MLA_GMAX};
-	while (j.gsize > 1 && a->n_tok * ((a->n_heads + j.gsize - 1) / j.gsize) < threads)
-		j.gsize /= 2;
-	j.per_tok = (a->n_heads + j.gsize - 1) / j.gsize;
-	kc_parallel_for(a->n_tok * j.per_tok, 1, groups_range, &j);
+	mla2_job j = {.a = a};
+	kc_mla_items(a->n_tok, a->n_heads, MLA_GMAX, &j.group, &j.per_item);
+	j.per_tok = (a->n_heads + j.per_item - 1) / j.per_item;
+	kc_parallel_for(a->n_tok * j.per_tok, 1, items_range, &j);
 	return DS_OK;
 }
 #else

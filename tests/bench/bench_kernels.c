@@ -27,7 +27,10 @@
  *             --decode-hot: the same with N cut down until two copies fit
  *             in L2 (the kernels' compute bound).
  *   attn      (--attn, alone) paged GQA attention: decode at depth 512 /
- *             2048 / 8192 against the read probe, prefill chunks in GFLOP/s.
+ *             2048 / 8192 against the read probe, prefill chunks in GFLOP/s;
+ *             then absorbed MLA decode (DeepSeek-V3's 128 heads, the bench
+ *             model's 16) at depth 4096 / 16384 against the same heads
+ *             called 16 at a time.
  *   quant     GGUF block-quantized weights (kernels/cpu/quant.h) at the
  *             default model's shapes, M = 1 and 512, and Q4_K / Q6_K at
  *             2048 x 7168, M = 1 (end of the default run; --quant alone).
@@ -637,6 +640,83 @@ static void bench_attn(void)
 	}
 }
 
+/* Absorbed MLA (kc_mla_attn) at decode: one token at depth D over the
+ * latent cache (kv_lora + rope floats a row), L distinct layer caches so
+ * that rows come from memory.  Baseline in the same run: the same heads
+ * 16 at a time (one call per 16, so one group of 8 per item, each reading
+ * the whole cache: the form before items held several groups).  Reports us
+ * per layer, GFLOP/s (2 x (2 kv_lora + rope) flops per head and row) and
+ * the speedup over the baseline. */
+static void bench_mla(void)
+{
+	static const struct {
+		const char *name;
+		int H, layers;
+	} shapes[] = {{"deepseek-v3", 128, 3}, {"v3shape bench", 16, 3}};
+	static const int depths[] = {4096, 16384};
+	const int64_t lora = 512, rope = 64, row = lora + rope, ps = 64, maxd = 16384, pages = maxd / ps;
+	for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+		const int H = shapes[si].H, L = shapes[si].layers;
+		float **cache = calloc((size_t)L, sizeof *cache);
+		size_t clen = 0;
+		int32_t *table = malloc(sizeof(int32_t) * (size_t)pages), seq = 0, pos = 0;
+		float *ql = malloc(sizeof(float) * (size_t)(H * lora)), *qp = malloc(sizeof(float) * (size_t)(H * rope));
+		float *out = malloc(sizeof(float) * (size_t)(H * lora));
+		for (int64_t i = 0; i < pages; i++)
+			table[i] = (int32_t)((i * 7) % pages); /* scattered pages */
+		for (int l = 0; l < L; l++) {
+			cache[l] = ds_huge_alloc(sizeof(float) * (size_t)(pages * ps * row), &clen); /* as kv.c */
+			for (int64_t i = 0; i < pages * ps * row; i++)
+				cache[l][i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+		}
+		for (int64_t i = 0; i < H * lora; i++)
+			ql[i] = (float)((i * 40503u) % 1000) / 500.0f - 1.0f;
+		for (int64_t i = 0; i < H * rope; i++)
+			qp[i] = (float)((i * 69069u) % 1000) / 500.0f - 1.0f;
+		kb_mla_attn_args a = {.out = out, .q_lat = ql, .q_pe = qp, .n_tok = 1, .n_heads = H,
+				      .kv_lora = lora, .rope_dim = rope, .out_stride = H * lora,
+				      .q_lat_stride = H * lora, .q_pe_stride = H * rope, .page_size = ps,
+				      .row_stride = row, .block_tables = table, .max_blocks = pages,
+				      .tok_seq = &seq, .tok_pos = &pos, .scale = 0.07f};
+		for (size_t di = 0; di < sizeof depths / sizeof depths[0]; di++) {
+			const int D = depths[di];
+			pos = D - 1;
+			double best[2] = {1e30, 1e30};
+			for (int rep = 0; rep < 8; rep++)
+				for (int form = 0; form < 2; form++) { /* alternating: 0 as built, 1 the baseline */
+					double t0 = ds_now_s();
+					for (int l = 0; l < L; l++) {
+						kb_mla_attn_args b = a;
+						b.cache = cache[l];
+						if (form == 0) {
+							kc_mla_attn(&b);
+							continue;
+						}
+						for (int h = 0; h < H; h += 16) {
+							b.n_heads = H - h < 16 ? H - h : 16;
+							b.q_lat = ql + h * lora, b.q_pe = qp + h * rope, b.out = out + h * lora;
+							kc_mla_attn(&b);
+						}
+					}
+					double dt = (ds_now_s() - t0) / L;
+					best[form] = dt < best[form] ? dt : best[form];
+				}
+			const double flops = 2.0 * H * (2.0 * lora + rope) * D;
+			printf("mla decode %-14s (%3d heads, %lld + %lld) depth %5d: %8.1f us per layer, %6.1f GFLOP/s; "
+			       "heads 16 at a time %8.1f us: %.2fx\n",
+			       shapes[si].name, H, (long long)lora, (long long)rope, D, best[0] * 1e6, flops / best[0] / 1e9,
+			       best[1] * 1e6, best[1] / best[0]);
+		}
+		for (int l = 0; l < L; l++)
+			ds_huge_free(cache[l], clen);
+		free(cache);
+		free(table);
+		free(ql);
+		free(qp);
+		free(out);
+	}
+}
+
 int main(int argc, char **argv)
 {
 	int json = 0, quick = 0, nthreads = 0, membw_only = 0, decode = 0, quant_only = 0, attn_only = 0, rc = 0;
@@ -703,6 +783,7 @@ int main(int argc, char **argv)
 	}
 	if (attn_only) {
 		bench_attn();
+		bench_mla();
 		goto out;
 	}
 	if (json)

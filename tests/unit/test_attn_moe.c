@@ -191,7 +191,8 @@ static void ref_mla_head(const float *ql, const float *qp, const float *const *r
  * 128-key chunks), token 1 six; pages of 16 in shuffled order, the two
  * sequences interleaved; every ISA and 1-7 threads against the double
  * reference, and the same bits whatever the thread count (and so the head
- * grouping: AVX-512 groups of 8, 4, 2, 1; AVX2 likewise, lanes of 8). */
+ * grouping: AVX-512 groups of 8, 4, 2, 1; AVX2 likewise, lanes of 8; and
+ * how many groups an item holds). */
 static void check_mla_groups(int H, int LORA, int ROPE)
 {
 	enum { PS = 16, PAGES = 20, NT = 2 };
@@ -270,6 +271,10 @@ TEST(mla_attn_head_groups_match_reference_on_every_isa_and_thread_count)
 	check_mla_groups(12, 40, 8); /* lora 40 cuts a 16-wide vector; AVX2: one vector per head */
 	check_mla_groups(6, 64, 16); /* AVX2: two vectors per head for groups up to 4 */
 	check_mla_groups(3, 36, 4);  /* not a multiple of 8: the per-head path on AVX2 */
+	/* 5 groups of 8: items of several groups (all 5 with 1-2 threads, 3 + 2
+	 * with 3, 2 + 2 + 1 with 7), each chunk of rows worked by all of an
+	 * item's groups before the next */
+	check_mla_groups(40, 64, 16);
 }
 
 TEST(dequant_fp8_slice_uses_block_offsets)
