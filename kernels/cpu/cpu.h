@@ -33,17 +33,6 @@ enum kc_isa kc_isa_force(enum kc_isa isa);
 const char *kc_isa_name(enum kc_isa isa);
 int kc_isa_parse(const char *s, enum kc_isa *out);
 
-/* One-x-row products over whole BF16 / FP8 rows (kc_mm_rows) on an AVX-512
- * level: 1 when they run the AVX2 row kernels.  On AMD family 1Ah (Zen 5)
- * those streamed weights from memory faster than the AVX-512 ones (a
- * V3-shaped decode step 1.07-1.09x faster, alternating the two forms step
- * by step in one process; docs/engine.md), so that is the default there;
- * 0 elsewhere.  $DS_CPU_ROWS=avx2|avx512 sets it (other values: the
- * default); kc_rows_narrow_force(1 / 0, or -1 for the default) returns the
- * previous value. */
-int kc_rows_narrow(void);
-int kc_rows_narrow_force(int narrow);
-
 /* The CPU backend's ops table (kb_backend_open("cpu", ...) runs it). */
 const kb_backend_ops *kc_backend_ops(void);
 

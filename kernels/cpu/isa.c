@@ -8,14 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
-
 static const char *isa_names[KC_ISA_COUNT] = {"scalar", "avx2", "avx512", "avx512bf16"};
 static int g_detected = -1;
 static int g_cap = -1;
-static int g_rows = -1; /* kc_rows_narrow: -1 not decided yet */
 
 const char *kc_isa_name(enum kc_isa isa)
 {
@@ -73,47 +68,5 @@ enum kc_isa kc_isa_force(enum kc_isa isa)
 {
 	enum kc_isa prev = kc_isa_active();
 	__atomic_store_n(&g_cap, (int)isa, __ATOMIC_RELAXED);
-	return prev;
-}
-
-/* AMD family 1Ah (Zen 5): vendor AuthenticAMD, base family 0Fh plus the
- * extended family 0Bh. */
-static int amd_family_1ah(void)
-{
-#if defined(__x86_64__)
-	unsigned a, b, c, d;
-	if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u)
-		return 0; /* "Auth" "enti" "cAMD" */
-	if (!__get_cpuid(1, &a, &b, &c, &d))
-		return 0;
-	unsigned fam = (a >> 8) & 0xF;
-	if (fam == 0xF)
-		fam += (a >> 20) & 0xFF;
-	return fam == 0x1A;
-#else
-	return 0;
-#endif
-}
-
-int kc_rows_narrow(void)
-{
-	int v = __atomic_load_n(&g_rows, __ATOMIC_RELAXED);
-	if (v >= 0)
-		return v;
-	const char *env = getenv("DS_CPU_ROWS");
-	if (env && strcmp(env, "avx2") == 0)
-		v = 1;
-	else if (env && strcmp(env, "avx512") == 0)
-		v = 0;
-	else
-		v = amd_family_1ah();
-	__atomic_store_n(&g_rows, v, __ATOMIC_RELAXED);
-	return v;
-}
-
-int kc_rows_narrow_force(int narrow)
-{
-	int prev = kc_rows_narrow();
-	__atomic_store_n(&g_rows, narrow < 0 ? -1 : narrow != 0, __ATOMIC_RELAXED);
 	return prev;
 }

@@ -410,21 +410,6 @@ static const kc_mm_kernels *kernels_for(enum kc_isa isa)
 	}
 }
 
-/* The kernels for n products that all take the row kernels (one x row,
- * whole rows) on an AVX-512 level when kc_rows_narrow() (cpu.h): the AVX2
- * ones; otherwise kn.  Products that would fall to the tiles keep kn. */
-static const kc_mm_kernels *rows_kernels(enum kc_isa isa, const kc_mm_kernels *kn, const kb_matmul_args *a,
-					 int n)
-{
-	if (isa < KC_ISA_AVX512 || !kc_rows_narrow())
-		return kn;
-	const kc_mm_kernels *k2 = kc_mm_kernels_avx2();
-	for (int i = 0; k2 && i < n; i++)
-		if (!rows_fit(&a[i], k2, a[i].M == 1 && k2->xperm ? k2->xperm(a[i].wtype, a[i].block, 1) : 0))
-			return kn;
-	return k2 ? k2 : kn;
-}
-
 int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a)
 {
 	if (isa > kc_isa_detect())
@@ -437,8 +422,6 @@ int kc_matmul_isa(enum kc_isa isa, const kb_matmul_args *a)
 		return DS_OK;
 	}
 	const kc_mm_kernels *kn = kernels_for(isa);
-	if (kn)
-		kn = rows_kernels(isa, kn, a, 1);
 	if (!kn) { /* scalar: the reference, rows of W spread over the pool */
 		int64_t grain = (int64_t)(262144.0 / ((double)a->M * (double)a->K + 1.0)) + 1;
 		kc_parallel_for(a->N, grain, ref_item, (void *)a);
@@ -467,7 +450,7 @@ typedef struct multi_rows_job {
 	int64_t N[MM_MULTI_MAX];
 	int64_t first[MM_MULTI_MAX + 1];
 	int n;
-	const kc_mm_kernels *kn[MM_MULTI_MAX]; /* each product's, as kc_matmul_isa would pick */
+	const kc_mm_kernels *kn;
 	int64_t per; /* rows per share */
 } multi_rows_job;
 
@@ -491,7 +474,7 @@ static void multi_rows_item(void *ctx, int64_t b, int64_t e)
 			t.n1 = hi;
 			t.xs = xs;
 			t.pf_end = (const char *)t.w + (size_t)hi * (size_t)t.K * kb_dtype_size(t.dt);
-			j->kn[i]->rows(&t);
+			j->kn->rows(&t);
 		}
 	}
 }
@@ -503,9 +486,6 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 	const kc_mm_kernels *kn = kernels_for(isa);
 	if (!kn || !kn->xperm)
 		return DS_EUNSUPPORTED;
-	/* each product on the kernels kc_matmul_isa would give it alone, so
-	 * that it gets the same bits */
-	const kc_mm_kernels *kp[MM_MULTI_MAX];
 	/* x permuted once per distinct (x, K, group): same[i] is the first
 	 * product with product i's, xfloats their floats (none for a product
 	 * whose dtype the kernels read with x as it is) */
@@ -514,11 +494,10 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 	for (int i = 0; i < n; i++) {
 		if (a[i].M != 1 || a[i].N < 1 || a[i].K < 1 || a[i].batch > 1 || kb_dtype_is_quant(a[i].wtype))
 			return DS_EUNSUPPORTED;
-		kp[i] = rows_kernels(isa, kn, &a[i], 1);
-		g[i] = kp[i]->xperm(a[i].wtype, a[i].block, 1);
+		g[i] = kn->xperm(a[i].wtype, a[i].block, 1);
 		same[i] = i;
 		for (int q = 0; q < i && same[i] == i; q++)
-			if (a[q].x == a[i].x && a[q].K == a[i].K && g[q] == g[i] && kp[q] == kp[i])
+			if (a[q].x == a[i].x && a[q].K == a[i].K && g[q] == g[i])
 				same[i] = q;
 		xfloats += same[i] == i && g[i] ? a[i].K : 0;
 	}
@@ -526,23 +505,22 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 		return DS_EUNSUPPORTED;
 	_Alignas(64) float xp[XPERM_STACK];
 	const float *px[MM_MULTI_MAX];
-	multi_rows_job j = {.n = n};
+	multi_rows_job j = {.n = n, .kn = kn};
 	int64_t used = 0;
 	double macs = 0.0;
 	for (int i = 0; i < n; i++) {
 		px[i] = same[i] < i ? px[same[i]] : a[i].x;
 		if (same[i] == i && g[i]) {
-			kp[i]->permute_x(xp + used, a[i].x, a[i].K, g[i]);
+			kn->permute_x(xp + used, a[i].x, a[i].K, g[i]);
 			px[i] = xp + used;
 			used += a[i].K;
 		}
-		j.kn[i] = kp[i];
-		j.tile[i] = !rows_fit(&a[i], kp[i], g[i]);
+		j.tile[i] = !rows_fit(&a[i], kn, g[i]);
 		if (j.tile[i]) {
 			j.ta[i] = a[i];
 			j.ta[i].x = px[i];
 			j.ta[i].x_stride = a[i].K;
-			j.tj[i] = (mm_job){.a = &j.ta[i], .kn = kp[i], .mc = 1, .nr = kp[i]->nr_m1, .xperm = g[i] != 0};
+			j.tj[i] = (mm_job){.a = &j.ta[i], .kn = kn, .mc = 1, .nr = kn->nr_m1, .xperm = g[i] != 0};
 		} else {
 			j.proto[i] = (kc_mm_rows){
 				.dt = a[i].wtype, .x = px[i], .w = a[i].w, .K = a[i].K, .y = a[i].y,
@@ -597,8 +575,6 @@ int kc_matmul_batch_isa(enum kc_isa isa, const kb_matmul_args *a)
 	if (a->batch <= 1)
 		return kc_matmul_isa(isa, a);
 	const kc_mm_kernels *kn = kernels_for(isa);
-	if (kn)
-		kn = rows_kernels(isa, kn, a, 1);
 	const int g = kn && kn->xperm && a->M == 1 ? kn->xperm(a->wtype, a->block, 1) : 0;
 	if (a->N > 0 && a->K > 0 && rows_fit(a, kn, g) && a->batch * a->K <= XPERM_STACK) {
 		_Alignas(64) float xp[XPERM_STACK];
