@@ -306,7 +306,7 @@ static void mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n
  * slices, lora part then rope part; the weighted sum in row order), so the
  * result does not depend on how heads are grouped, hence not on the thread
  * count or the batch either. */
-#define MLA_G 8
+#define MLA_G MLA_GROUP_MAX
 /* Rows ahead that mla_scores_rows asks for, into L2 (prefetcht2): when the
  * cache rows come from memory, 8 rows (18 KiB) ahead into L2 scored a cold
  * layer up to a quarter faster than 4 rows into L1, whose miss buffers the
@@ -404,34 +404,11 @@ MLA_INL void mla_wsum(const int G, float *const *out, float w[][ATT_CHUNK], cons
 	}
 }
 
-/* The running state of up to MLA_G heads [h0, h0 + G) of token t: their
- * queries, output rows (the unnormalised sums until mla_group_finish) and
- * running max and normaliser. */
-typedef struct mla_group {
-	const float *ql[MLA_G], *qp[MLA_G];
-	float *out[MLA_G];
-	float m[MLA_G], l[MLA_G];
-	int G;
-} mla_group;
-
-static void mla_group_start(mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
-{
-	s->G = G;
-	for (int g = 0; g < G; g++) {
-		s->ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * a->kv_lora;
-		s->qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * a->rope_dim;
-		s->out[g] = a->out + t * a->out_stride + (h0 + g) * a->kv_lora;
-		memset(s->out[g], 0, (size_t)a->kv_lora * sizeof(float));
-		s->m[g] = -INFINITY;
-		s->l[g] = 0.0f;
-	}
-}
-
 /* One chunk of n rows for the group: scores, the online softmax, the
  * weighted sum.  Rows MLA_PF ahead, up to rows[npf - 1] (the next chunk's
  * first ones too), are asked for into L2 while the chunk is scored; npf = 0
  * for the groups after an item's first, which find the rows in L2. */
-MLA_INL void mla_chunk_fixed(const int G, mla_group *s, const kb_mla_attn_args *a, const float *const *rows,
+MLA_INL void mla_chunk_fixed(const int G, kc_mla_group *s, const kb_mla_attn_args *a, const float *const *rows,
 			     int64_t n, int64_t npf)
 {
 	const int64_t lora = a->kv_lora, rope = a->rope_dim;
@@ -456,7 +433,7 @@ MLA_INL void mla_chunk_fixed(const int G, mla_group *s, const kb_mla_attn_args *
 	mla_wsum(G, s->out, sc, rows, n, lora);
 }
 
-AVX512 static void mla_chunk_avx512(mla_group *s, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
+AVX512 static void mla_chunk_avx512(kc_mla_group *s, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
 				    int64_t npf)
 {
 	switch (s->G) {
@@ -478,10 +455,10 @@ AVX512 static void mla_chunk_avx512(mla_group *s, const kb_mla_attn_args *a, con
  * heads).  Each group's arithmetic is what it would be alone. */
 AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, int64_t group)
 {
-	mla_group st[MLA_ITEM_GROUPS];
+	kc_mla_group st[MLA_ITEM_GROUPS];
 	int ng = 0;
 	for (int64_t h = h0; h < h1; h += group)
-		mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
+		kc_mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
 	const float *rows[ATT_CHUNK + MLA_PF + 1];
 	for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 		int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
@@ -547,6 +524,19 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < a->kv_lora; i++)
 			out[i] *= inv;
+	}
+}
+
+void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
+{
+	s->G = G;
+	for (int g = 0; g < G; g++) {
+		s->ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * a->kv_lora;
+		s->qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * a->rope_dim;
+		s->out[g] = a->out + t * a->out_stride + (h0 + g) * a->kv_lora;
+		memset(s->out[g], 0, (size_t)a->kv_lora * sizeof(float));
+		s->m[g] = -INFINITY;
+		s->l[g] = 0.0f;
 	}
 }
 

@@ -12,6 +12,22 @@
 /* Groups of heads an item of the SIMD paths holds, at most (256 heads of
  * 8; DeepSeek-V3 has 128). */
 #define MLA_ITEM_GROUPS 32
+/* Heads of a group, at most: they share each cache row load in registers. */
+#define MLA_GROUP_MAX 8
+
+/* The running state of a group of G <= MLA_GROUP_MAX heads [h0, h0 + G) of
+ * one token: their queries, their output rows (the unnormalised sums until
+ * the item ends), running max and normaliser. */
+typedef struct kc_mla_group {
+	const float *ql[MLA_GROUP_MAX], *qp[MLA_GROUP_MAX];
+	float *out[MLA_GROUP_MAX];
+	float m[MLA_GROUP_MAX], l[MLA_GROUP_MAX];
+	int G;
+} kc_mla_group;
+
+/* Points s at heads [h0, h0 + G) of token t, zeroes their output rows,
+ * max -inf, normaliser 0. */
+void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G);
 
 /* How the SIMD paths cut a step's heads into pool items.  *group: the heads
  * that share each cache row load in registers, the largest power-of-two

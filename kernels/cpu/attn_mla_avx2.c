@@ -26,7 +26,7 @@
 #include <immintrin.h>
 
 #define MLA_CHUNK 128
-#define MLA_GMAX 8 /* heads per item: each chunk of rows comes from memory once for them */
+#define MLA_GMAX MLA_GROUP_MAX /* heads per group */
 #define MLA_SUB 4  /* heads per pass over a chunk (two passes for 8) */
 #define MLA_PF 8   /* rows ahead asked for into L2 */
 
@@ -178,34 +178,11 @@ static void sub_wsum(int g, float *const *out, float w[][MLA_CHUNK], const float
 	}
 }
 
-/* The running state of up to MLA_GMAX heads of a token: their queries,
- * output rows (unnormalised until the item ends), running max and
- * normaliser. */
-typedef struct group_state {
-	const float *ql[MLA_GMAX], *qp[MLA_GMAX];
-	float *out[MLA_GMAX];
-	float m[MLA_GMAX], l[MLA_GMAX];
-	int G;
-} group_state;
-
-static void group_start(group_state *st, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
-{
-	st->G = G;
-	for (int g = 0; g < G; g++) {
-		st->ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * a->kv_lora;
-		st->qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * a->rope_dim;
-		st->out[g] = a->out + t * a->out_stride + (h0 + g) * a->kv_lora;
-		memset(st->out[g], 0, (size_t)a->kv_lora * sizeof(float));
-		st->m[g] = -INFINITY;
-		st->l[g] = 0.0f;
-	}
-}
-
 /* One chunk of n rows for a group with the online softmax, in passes of
  * MLA_SUB heads, the later passes reading its rows from L2; the first pass
  * asks for the rows up to rows[npf - 1] MLA_PF ahead when prefetch (the
  * item's first group, the one that reads the rows from memory). */
-static void group_chunk(group_state *st, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
+static void group_chunk(kc_mla_group *st, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
 			int64_t npf, int prefetch)
 {
 	const int64_t lora = a->kv_lora, rope = a->rope_dim;
@@ -249,10 +226,10 @@ static void group_chunk(group_state *st, const kb_mla_attn_args *a, const float 
  * arithmetic is what it would be alone. */
 static void item(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, int64_t group)
 {
-	group_state st[MLA_ITEM_GROUPS];
+	kc_mla_group st[MLA_ITEM_GROUPS];
 	int ng = 0;
 	for (int64_t h = h0; h < h1; h += group)
-		group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
+		kc_mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
 	const float *rows[MLA_CHUNK + MLA_PF];
 	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
 	const int64_t keys = a->tok_pos[t] + 1;

@@ -552,6 +552,31 @@ static void bench_quant(int quick, int json, const char *only)
 		printf("]");
 }
 
+/* L layer caches of `floats` floats each in huge pages (as kv.c holds
+ * them), filled with a fixed pattern, and a block table of `pages` pages in
+ * scattered order; *clen the length of each for ds_huge_free. */
+static float **attn_caches(int L, int64_t floats, int64_t pages, int32_t **table, size_t *clen)
+{
+	float **cache = calloc((size_t)L, sizeof *cache);
+	*table = malloc(sizeof(int32_t) * (size_t)pages);
+	for (int64_t i = 0; i < pages; i++)
+		(*table)[i] = (int32_t)((i * 7) % pages);
+	for (int l = 0; l < L; l++) {
+		cache[l] = ds_huge_alloc(sizeof(float) * (size_t)floats, clen);
+		for (int64_t i = 0; i < floats; i++)
+			cache[l][i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+	}
+	return cache;
+}
+
+static void attn_caches_free(float **cache, int L, int32_t *table, size_t clen)
+{
+	for (int l = 0; l < L; l++)
+		ds_huge_free(cache[l], clen);
+	free(cache);
+	free(table);
+}
+
 /* Paged attention (kc_paged_attn) at decode and prefill.  Decode: one token
  * at depth D over L distinct layer caches (L x D rows, larger than the
  * last-level cache, so rows come from memory as in a model's step; the
@@ -572,19 +597,12 @@ static void bench_attn(void)
 	for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
 		const int H = shapes[si].H, KV = shapes[si].KV, hd = shapes[si].hd, L = shapes[si].layers;
 		const int64_t row = 2 * KV * hd, maxd = 8192, pages = maxd / ps;
-		float **cache = calloc((size_t)L, sizeof *cache);
 		size_t clen = 0;
-		int32_t *table = malloc(sizeof(int32_t) * (size_t)pages);
+		int32_t *table = NULL;
+		float **cache = attn_caches(L, pages * ps * row, pages, &table, &clen);
 		float *q = malloc(sizeof(float) * (size_t)(2048 * H * hd));
 		float *out = malloc(sizeof(float) * (size_t)(2048 * H * hd));
 		int32_t *seq = calloc(2048, sizeof(int32_t)), *pos = malloc(sizeof(int32_t) * 2048);
-		for (int64_t i = 0; i < pages; i++)
-			table[i] = (int32_t)((i * 7) % pages); /* scattered pages */
-		for (int l = 0; l < L; l++) {
-			cache[l] = ds_huge_alloc(sizeof(float) * (size_t)(pages * ps * row), &clen); /* as kv.c */
-			for (int64_t i = 0; i < pages * ps * row; i++)
-				cache[l][i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
-		}
 		for (int64_t i = 0; i < 2048 * H * hd; i++)
 			q[i] = (float)((i * 40503u) % 1000) / 500.0f - 1.0f;
 		kb_paged_attn_args a = {.out = out, .q = q, .n_tok = 1, .n_heads = H, .n_kv_heads = KV,
@@ -629,10 +647,7 @@ static void bench_attn(void)
 			       best * 1e3, flops / best / 1e9);
 			a.n_tok = 1;
 		}
-		for (int l = 0; l < L; l++)
-			ds_huge_free(cache[l], clen);
-		free(cache);
-		free(table);
+		attn_caches_free(cache, L, table, clen);
 		free(q);
 		free(out);
 		free(seq);
@@ -657,18 +672,11 @@ static void bench_mla(void)
 	const int64_t lora = 512, rope = 64, row = lora + rope, ps = 64, maxd = 16384, pages = maxd / ps;
 	for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
 		const int H = shapes[si].H, L = shapes[si].layers;
-		float **cache = calloc((size_t)L, sizeof *cache);
 		size_t clen = 0;
-		int32_t *table = malloc(sizeof(int32_t) * (size_t)pages), seq = 0, pos = 0;
+		int32_t *table = NULL, seq = 0, pos = 0;
+		float **cache = attn_caches(L, pages * ps * row, pages, &table, &clen);
 		float *ql = malloc(sizeof(float) * (size_t)(H * lora)), *qp = malloc(sizeof(float) * (size_t)(H * rope));
 		float *out = malloc(sizeof(float) * (size_t)(H * lora));
-		for (int64_t i = 0; i < pages; i++)
-			table[i] = (int32_t)((i * 7) % pages); /* scattered pages */
-		for (int l = 0; l < L; l++) {
-			cache[l] = ds_huge_alloc(sizeof(float) * (size_t)(pages * ps * row), &clen); /* as kv.c */
-			for (int64_t i = 0; i < pages * ps * row; i++)
-				cache[l][i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
-		}
 		for (int64_t i = 0; i < H * lora; i++)
 			ql[i] = (float)((i * 40503u) % 1000) / 500.0f - 1.0f;
 		for (int64_t i = 0; i < H * rope; i++)
@@ -707,10 +715,7 @@ static void bench_mla(void)
 			       shapes[si].name, H, (long long)lora, (long long)rope, D, best[0] * 1e6, flops / best[0] / 1e9,
 			       best[1] * 1e6, best[1] / best[0]);
 		}
-		for (int l = 0; l < L; l++)
-			ds_huge_free(cache[l], clen);
-		free(cache);
-		free(table);
+		attn_caches_free(cache, L, table, clen);
 		free(ql);
 		free(qp);
 		free(out);
