@@ -286,7 +286,7 @@ typedef struct attn_job {
 } attn_job;
 
 /* Cache row pointers of positions j0 .. j0 + n - 1 of token t. */
-static void mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows)
+void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows)
 {
 	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
 	for (int64_t i = 0; i < n; i++) {
@@ -463,7 +463,7 @@ AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, int64_t t, int64_t
 	for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 		int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 		int64_t npf = a->tok_pos[t] + 1 - j0 < n + MLA_PF + 1 ? a->tok_pos[t] + 1 - j0 : n + MLA_PF + 1;
-		mla_rows(a, t, j0, npf, rows);
+		kc_mla_rows(a, t, j0, npf, rows);
 		for (int k = 0; k < ng; k++)
 			mla_chunk_avx512(&st[k], a, rows, n, k == 0 ? npf : 0);
 	}
@@ -507,7 +507,7 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 			float cmax = -INFINITY;
-			mla_rows(a, t, j0, n, rows);
+			kc_mla_rows(a, t, j0, n, rows);
 			v.scores(sc, ql, rows, 0, n, a->kv_lora, a->scale, 0);
 			v.scores(sc, qp, rows, a->kv_lora, n, a->rope_dim, a->scale, 1);
 			for (int64_t i = 0; i < n; i++)

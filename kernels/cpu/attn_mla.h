@@ -25,6 +25,10 @@ typedef struct kc_mla_group {
 	int G;
 } kc_mla_group;
 
+/* rows[i] = the cache row of position j0 + i of token t's sequence, i < n
+ * (through its block table). */
+void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows);
+
 /* Points s at heads [h0, h0 + G) of token t, zeroes their output rows,
  * max -inf, normaliser 0. */
 void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G);

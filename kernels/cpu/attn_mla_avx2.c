@@ -231,16 +231,11 @@ static void item(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, i
 	for (int64_t h = h0; h < h1; h += group)
 		kc_mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
 	const float *rows[MLA_CHUNK + MLA_PF];
-	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
 	const int64_t keys = a->tok_pos[t] + 1;
 	for (int64_t j0 = 0; j0 < keys; j0 += MLA_CHUNK) {
 		const int64_t n = keys - j0 < MLA_CHUNK ? keys - j0 : MLA_CHUNK;
 		const int64_t npf = keys - j0 < n + MLA_PF ? keys - j0 : n + MLA_PF;
-		for (int64_t i = 0; i < npf; i++) {
-			const int64_t j = j0 + i;
-			rows[i] = a->cache + ((int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size) *
-						     a->row_stride;
-		}
+		kc_mla_rows(a, t, j0, npf, rows);
 		for (int k = 0; k < ng; k++)
 			group_chunk(&st[k], a, rows, n, npf, k == 0);
 	}
