@@ -7,8 +7,11 @@
  * and accumulator acc, for each key j
  *     m' = max(m, s_j); acc = acc * e^(m - m') + e^(s_j - m') * V_j; l likewise
  * and out = acc / l at the end (the paged kernels take the max over a chunk
- * of keys at once).  Work is split over (token, head) pairs with
- * the CPU thread pool; each pair writes only its own output row.  The dot
+ * of keys at once).  The scalar paths split work over (token, head) pairs
+ * with the CPU thread pool; each pair writes only its own output row.  The
+ * SIMD MLA paths split it over (token, stretch of MLA_SPLIT keys, heads):
+ * items that read the cache rows once for all their heads, and a token's
+ * stretches merged by log-sum-exp afterwards (attn_mla.h).  The dot
  * products and accumulations use AVX2 or AVX-512 when kc_isa_active() allows
  * (f32 throughout; the scalar loops are the same arithmetic in another order).
  * Called through the CPU backend (backend_cpu.c).
@@ -21,6 +24,7 @@
 #include "kernels/cpu/vmath.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -271,8 +275,6 @@ static vec_ops pick_ops(void)
 typedef struct mla_job {
 	const kb_mla_attn_args *a;
 	vec_ops v;
-	int64_t group;    /* AVX-512: heads that share each row load */
-	int64_t per_item; /* AVX-512: heads per item (whole groups) */
 } mla_job;
 
 typedef struct paged_job {
@@ -448,44 +450,38 @@ AVX512 static void mla_chunk_avx512(kc_mla_group *s, const kb_mla_attn_args *a, 
 	}
 }
 
-/* Heads [h0, h1) of token t in groups of `group`, chunk by chunk: every
+/* sp's heads in groups of `group`, over its keys chunk by chunk: every
  * group works on a chunk before the next chunk, so its rows come from
  * memory for the first group and from L2 for the others (with 128 heads,
  * DeepSeek-V3's, one pass over the cache per item instead of one per 8
  * heads).  Each group's arithmetic is what it would be alone. */
-AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, int64_t group)
+AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group)
 {
 	kc_mla_group st[MLA_ITEM_GROUPS];
 	int ng = 0;
-	for (int64_t h = h0; h < h1; h += group)
-		kc_mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
+	for (int64_t h = sp->h0; h < sp->h1; h += group)
+		kc_mla_group_start(&st[ng++], a, sp, h, (int)(sp->h1 - h < group ? sp->h1 - h : group));
 	const float *rows[ATT_CHUNK + MLA_PF + 1];
-	for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
-		int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
-		int64_t npf = a->tok_pos[t] + 1 - j0 < n + MLA_PF + 1 ? a->tok_pos[t] + 1 - j0 : n + MLA_PF + 1;
-		kc_mla_rows(a, t, j0, npf, rows);
+	const int64_t keys = a->tok_pos[sp->t] + 1; /* the prefetch runs on into the next stretch */
+	for (int64_t j0 = sp->j0; j0 < sp->j1; j0 += ATT_CHUNK) {
+		int64_t n = sp->j1 - j0 < ATT_CHUNK ? sp->j1 - j0 : ATT_CHUNK;
+		int64_t npf = keys - j0 < n + MLA_PF + 1 ? keys - j0 : n + MLA_PF + 1;
+		kc_mla_rows(a, sp->t, j0, npf, rows);
 		for (int k = 0; k < ng; k++)
 			mla_chunk_avx512(&st[k], a, rows, n, k == 0 ? npf : 0);
 	}
-	for (int k = 0; k < ng; k++)
-		for (int g = 0; g < st[k].G; g++) {
-			float inv = 1.0f / st[k].l[g];
-			for (int64_t d = 0; d < a->kv_lora; d++)
-				st[k].out[g][d] *= inv;
-		}
+	kc_mla_span_end(sp, st, ng, a->kv_lora);
 }
 #endif
 
-/* items = (token, stretch of job->per_item heads), the heads in groups of
- * job->group; the last ones of a token may be smaller */
 static void mla_items_range(void *ctx, int64_t begin, int64_t end)
 {
 #if defined(__x86_64__)
-	const mla_job *j = ctx;
-	const int64_t H = j->a->n_heads, per_tok = (H + j->per_item - 1) / j->per_item;
+	const kc_mla_work *w = ctx;
 	for (int64_t it = begin; it < end; it++) {
-		int64_t t = it / per_tok, h0 = it % per_tok * j->per_item;
-		mla_item_avx512(j->a, t, h0, H - h0 < j->per_item ? H : h0 + j->per_item, j->group);
+		kc_mla_span sp;
+		kc_mla_work_span(w, it, &sp);
+		mla_item_avx512(w->a, &sp, w->group);
 	}
 #else
 	(void)ctx, (void)begin, (void)end;
@@ -527,27 +523,41 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 	}
 }
 
-void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G)
+void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t h0, int G)
 {
 	s->G = G;
 	for (int g = 0; g < G; g++) {
-		s->ql[g] = a->q_lat + t * a->q_lat_stride + (h0 + g) * a->kv_lora;
-		s->qp[g] = a->q_pe + t * a->q_pe_stride + (h0 + g) * a->rope_dim;
-		s->out[g] = a->out + t * a->out_stride + (h0 + g) * a->kv_lora;
+		s->ql[g] = a->q_lat + sp->t * a->q_lat_stride + (h0 + g) * a->kv_lora;
+		s->qp[g] = a->q_pe + sp->t * a->q_pe_stride + (h0 + g) * a->rope_dim;
+		s->out[g] = sp->out + (h0 + g - sp->h0) * a->kv_lora;
 		memset(s->out[g], 0, (size_t)a->kv_lora * sizeof(float));
 		s->m[g] = -INFINITY;
 		s->l[g] = 0.0f;
 	}
 }
 
-void kc_mla_items(int64_t n_tok, int64_t n_heads, int64_t gmax, int64_t *group, int64_t *per_item)
+void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int64_t lora)
 {
-	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
+	for (int k = 0, i = 0; k < ng; k++)
+		for (int g = 0; g < st[k].G; g++, i++) {
+			if (sp->ml) {
+				sp->ml[2 * i] = st[k].m[g];
+				sp->ml[2 * i + 1] = st[k].l[g];
+				continue;
+			}
+			float inv = 1.0f / st[k].l[g];
+			for (int64_t d = 0; d < lora; d++)
+				st[k].out[g][d] *= inv;
+		}
+}
+
+void kc_mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, int64_t *group, int64_t *per_item)
+{
 	int64_t g = gmax;
-	while (g > 1 && n_tok * ((n_heads + g - 1) / g) < threads)
+	while (g > 1 && n_units * ((n_heads + g - 1) / g) < want)
 		g /= 2;
 	const int64_t groups = (n_heads + g - 1) / g;
-	int64_t items = (threads + n_tok - 1) / n_tok; /* per token, so that every thread has one */
+	int64_t items = (want + n_units - 1) / n_units; /* per unit, so that there are want */
 	items = items < groups ? items : groups;
 	int64_t gpi = (groups + items - 1) / items;
 	gpi = gpi < MLA_ITEM_GROUPS ? gpi : MLA_ITEM_GROUPS;
@@ -555,22 +565,136 @@ void kc_mla_items(int64_t n_tok, int64_t n_heads, int64_t gmax, int64_t *group, 
 	*per_item = gpi * g;
 }
 
+static void work_finish(kc_mla_work *w);
+
+/* kc_mla_work_run's plan (attn_mla.h); DS_ENOMEM when the lists cannot be
+ * allocated. */
+static int work_plan(kc_mla_work *w, const kb_mla_attn_args *a, int64_t gmax)
+{
+	memset(w, 0, sizeof *w);
+	w->a = a;
+	int64_t slots = 0;
+	for (int64_t t = 0; t < a->n_tok; t++) {
+		const int64_t ns = (a->tok_pos[t] + MLA_SPLIT) / MLA_SPLIT;
+		w->n_ts += ns;
+		w->n_fold += ns > 1;
+		slots += ns > 1 ? ns : 0;
+	}
+	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
+	kc_mla_items(w->n_ts, a->n_heads, gmax, w->n_fold ? 2 * threads : threads, &w->group, &w->per_item);
+	w->per_ts = (a->n_heads + w->per_item - 1) / w->per_item;
+	w->n_items = w->n_ts * w->per_ts;
+	const size_t nts = (size_t)(w->n_ts > 0 ? w->n_ts : 1), nf = (size_t)(w->n_fold > 0 ? w->n_fold : 1);
+	w->ts_tok = malloc(3 * nts * sizeof(int64_t));
+	w->fold_tok = malloc(3 * nf * sizeof(int64_t));
+	if (slots) {
+		w->part = malloc((size_t)(slots * a->n_heads * a->kv_lora) * sizeof(float));
+		w->ml = malloc((size_t)(slots * a->n_heads * 2) * sizeof(float));
+	}
+	if (!w->ts_tok || !w->fold_tok || (slots && (!w->part || !w->ml))) {
+		w->n_fold = 0;
+		work_finish(w);
+		return DS_ENOMEM;
+	}
+	w->ts_j0 = w->ts_tok + nts;
+	w->ts_slot = w->ts_j0 + nts;
+	w->fold_slot = w->fold_tok + nf;
+	w->fold_ns = w->fold_slot + nf;
+	for (int64_t t = 0, i = 0, f = 0, slot = 0; t < a->n_tok; t++) {
+		const int64_t ns = (a->tok_pos[t] + MLA_SPLIT) / MLA_SPLIT;
+		if (ns > 1) {
+			w->fold_tok[f] = t;
+			w->fold_slot[f] = slot;
+			w->fold_ns[f++] = ns;
+		}
+		for (int64_t s = 0; s < ns; s++, i++) {
+			w->ts_tok[i] = t;
+			w->ts_j0[i] = s * MLA_SPLIT;
+			w->ts_slot[i] = ns > 1 ? slot++ : -1;
+		}
+	}
+	return DS_OK;
+}
+
+void kc_mla_work_span(const kc_mla_work *w, int64_t it, kc_mla_span *sp)
+{
+	const kb_mla_attn_args *a = w->a;
+	const int64_t ts = it / w->per_ts, H = a->n_heads, keys = a->tok_pos[w->ts_tok[ts]] + 1;
+	sp->t = w->ts_tok[ts];
+	sp->h0 = it % w->per_ts * w->per_item;
+	sp->h1 = H - sp->h0 < w->per_item ? H : sp->h0 + w->per_item;
+	sp->j0 = w->ts_j0[ts];
+	sp->j1 = keys - sp->j0 < MLA_SPLIT ? keys : sp->j0 + MLA_SPLIT;
+	/* a split token's first stretch sums into out, the others into part */
+	const int64_t slot = w->ts_slot[ts];
+	sp->out = slot < 0 || sp->j0 == 0 ? a->out + sp->t * a->out_stride + sp->h0 * a->kv_lora
+					  : w->part + (slot * H + sp->h0) * a->kv_lora;
+	sp->ml = slot < 0 ? NULL : w->ml + (slot * H + sp->h0) * 2;
+}
+
+/* items = (split token, head): the token's stretches folded in order into
+ * the first one's sums (what folding that one into nothing gives, exactly:
+ * its sums times e^0 = 1, plus 0 times e^-inf = 0) */
+static void mla_fold_range(void *ctx, int64_t begin, int64_t end)
+{
+	const kc_mla_work *w = ctx;
+	const kb_mla_attn_args *a = w->a;
+	const int64_t H = a->n_heads, lora = a->kv_lora;
+	for (int64_t it = begin; it < end; it++) {
+		const int64_t f = it / H, h = it % H, s0 = w->fold_slot[f];
+		float *out = a->out + w->fold_tok[f] * a->out_stride + h * lora;
+		float M = w->ml[(s0 * H + h) * 2], L = w->ml[(s0 * H + h) * 2 + 1];
+		for (int64_t s = s0 + 1; s < s0 + w->fold_ns[f]; s++) {
+			const float *ml = w->ml + (s * H + h) * 2;
+			kc_attn_fold(out, &M, &L, w->part + (s * H + h) * lora, ml, ml + 1, 1, lora);
+		}
+		const float inv = 1.0f / L;
+		for (int64_t d = 0; d < lora; d++)
+			out[d] *= inv;
+	}
+}
+
+int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, void (*items)(void *w, int64_t begin, int64_t end))
+{
+	kc_mla_work w;
+	int rc = work_plan(&w, a, gmax);
+	if (rc)
+		return rc;
+	kc_parallel_for(w.n_items, 1, items, &w);
+	work_finish(&w);
+	return DS_OK;
+}
+
+/* Folds the split tokens' stretches into a->out (on the pool), frees the
+ * plan. */
+static void work_finish(kc_mla_work *w)
+{
+	if (w->n_fold)
+		kc_parallel_for(w->n_fold * w->a->n_heads, 4, mla_fold_range, w);
+	free(w->ts_tok);
+	free(w->fold_tok);
+	free(w->part);
+	free(w->ml);
+	memset(w, 0, sizeof *w);
+}
+
 int kc_mla_attn(const kb_mla_attn_args *a)
 {
 	if (a->n_tok < 0 || a->n_heads <= 0 || a->kv_lora <= 0 || a->rope_dim < 0 ||
 	    a->page_size <= 0 || a->row_stride < a->kv_lora + a->rope_dim)
 		return DS_EINVAL;
-	mla_job job = {a, pick_ops(), 1, 1};
+	if (a->n_tok == 0)
+		return DS_OK;
 #if defined(__x86_64__)
-	if (kc_isa_active() >= KC_ISA_AVX512) {
-		kc_mla_items(a->n_tok, a->n_heads, MLA_G, &job.group, &job.per_item);
-		const int64_t per_tok = (a->n_heads + job.per_item - 1) / job.per_item;
-		kc_parallel_for(a->n_tok * per_tok, 1, mla_items_range, &job);
-		return DS_OK;
+	if (kc_isa_active() >= KC_ISA_AVX512)
+		return kc_mla_work_run(a, MLA_G, mla_items_range);
+	if (kc_isa_active() >= KC_ISA_AVX2) {
+		int rc = kc_mla_attn_avx2(a);
+		if (rc != DS_EUNSUPPORTED)
+			return rc;
 	}
-	if (kc_isa_active() >= KC_ISA_AVX2 && kc_mla_attn_avx2(a) == DS_OK)
-		return DS_OK;
 #endif
+	mla_job job = {a, pick_ops()};
 	kc_parallel_for(a->n_tok * a->n_heads, 1, mla_range, &job);
 	return DS_OK;
 }

@@ -29,22 +29,69 @@ typedef struct kc_mla_group {
  * (through its block table). */
 void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows);
 
-/* Points s at heads [h0, h0 + G) of token t, zeroes their output rows,
- * max -inf, normaliser 0. */
-void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, int64_t t, int64_t h0, int G);
+/* Keys per stretch: a token that sees more is attended stretch by stretch,
+ * each stretch its own pool items, and the stretches are folded by
+ * log-sum-exp afterwards (kc_mla_work_run; the first stretch's sums are in
+ * out already, the others' in part):
+ *     M = max m_s,  L = sum l_s e^(m_s - M),  out = sum acc_s e^(m_s - M) / L.
+ * Stretches are fixed by position, so the result does not depend on the
+ * thread count; a token of up to MLA_SPLIT keys is one stretch, normalised
+ * by the item itself. */
+#define MLA_SPLIT 1024
 
-/* How the SIMD paths cut a step's heads into pool items.  *group: the heads
- * that share each cache row load in registers, the largest power-of-two
- * fraction of gmax that still gives every pool thread an item.  *per_item:
- * the heads of one item (whole groups, at most MLA_ITEM_GROUPS of them),
- * the fewest items per token that still give every thread one.  An item
- * works chunk by chunk, all its groups on a chunk before the next, so its
- * rows come from memory once for all its heads. */
-void kc_mla_items(int64_t n_tok, int64_t n_heads, int64_t gmax, int64_t *group, int64_t *per_item);
+/* One pool item of the SIMD paths: token t, heads [h0, h1), keys [j0, j1).
+ * Head h0 + i sums into out + i * kv_lora; when ml is not NULL (a token of
+ * several stretches) the item leaves those sums unnormalised and writes the
+ * head's max and normaliser to ml[2i], ml[2i + 1]. */
+typedef struct kc_mla_span {
+	int64_t t, h0, h1, j0, j1;
+	float *out, *ml;
+} kc_mla_span;
+
+/* A step's items: token-stretches x head ranges, and the partial sums of the
+ * tokens of several stretches. */
+typedef struct kc_mla_work {
+	const kb_mla_attn_args *a;
+	int64_t group;    /* heads that share each row load */
+	int64_t per_item; /* heads of an item (whole groups) */
+	int64_t per_ts;   /* items of a token-stretch */
+	int64_t n_ts, n_items;
+	int64_t *ts_tok, *ts_j0, *ts_slot; /* [n_ts]: token, first key, slot (-1: one stretch) */
+	int64_t n_fold, *fold_tok, *fold_slot, *fold_ns; /* the tokens of several stretches */
+	float *part, *ml; /* [slot][n_heads][kv_lora] sums (a first stretch's unused), [slot][n_heads][2] max, normaliser */
+} kc_mla_work;
+
+/* Item it of w's plan. */
+void kc_mla_work_span(const kc_mla_work *w, int64_t it, kc_mla_span *sp);
+/* A whole kc_mla_attn on a SIMD path: plans a's items for groups of at
+ * most gmax heads (the fewest items per token-stretch that give every pool
+ * thread one; two when a token is split, its last stretch being short),
+ * runs items(w, begin, end) over them on the pool (w: the kc_mla_work),
+ * then folds the split tokens' stretches into a->out.  DS_ENOMEM when the
+ * plan cannot be allocated. */
+int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, void (*items)(void *w, int64_t begin, int64_t end));
+
+/* Points s at heads [h0, h0 + G) of sp's token, their output rows where sp
+ * puts them, zeroed; max -inf, normaliser 0. */
+void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t h0, int G);
+/* The end of sp's item, whose heads are the ng groups st: each head's
+ * output divided by its normaliser, or its max and normaliser kept for the
+ * fold. */
+void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int64_t lora);
+
+/* How the SIMD paths cut heads into items, for n_units token-stretches and
+ * want items in all.  *group: the heads that share each cache row load in
+ * registers, the largest power-of-two fraction of gmax that still gives
+ * want items.  *per_item: the heads of one item (whole groups, at most
+ * MLA_ITEM_GROUPS of them), the fewest items per unit that still give want.
+ * An item works chunk by chunk, all its groups on a chunk before the next,
+ * so its rows come from memory once for all its heads. */
+void kc_mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, int64_t *group, int64_t *per_item);
 
 /* kc_mla_attn on AVX2 (arguments already checked): heads in groups of up to
  * 8 share each cache row load.  DS_EUNSUPPORTED when kv_lora or rope_dim is
- * not a multiple of 8 (the caller then runs the per-head path). */
+ * not a multiple of 8 (the caller then runs the per-head path), DS_ENOMEM
+ * when the plan cannot be allocated. */
 int kc_mla_attn_avx2(const kb_mla_attn_args *a);
 
 #endif

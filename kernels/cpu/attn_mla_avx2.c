@@ -12,8 +12,10 @@
  * passes of 4 heads, 3 rows scored at a time and 3 vectors of every head's
  * output kept over the chunk's rows in the weighted sum, 12 FMA chains in
  * flight in both (see scores_fixed).
- * Per head the arithmetic does not depend on the group size, so the result
- * does not depend on the thread count.
+ * Items and their stretches of keys are kc_mla_work's (attn.c), as on
+ * AVX-512.  Per head the arithmetic does not depend on the group size, and
+ * the stretches are fixed by position, so the result does not depend on the
+ * thread count.
  */
 #include "kernels/cpu/attn_mla.h"
 #include "kernels/cpu/pool.h"
@@ -220,46 +222,36 @@ static void group_chunk(kc_mla_group *st, const kb_mla_attn_args *a, const float
 		sub_wsum(G - s < MLA_SUB ? G - s : MLA_SUB, st->out + s, sc + s, rows, n, lora);
 }
 
-/* Heads [h0, h1) of token t in groups of `group`, chunk by chunk: every
+/* sp's heads in groups of `group`, over its keys chunk by chunk: every
  * group works on a chunk before the next chunk, so its rows come from
  * memory for the first group and from L2 for the others.  Each group's
  * arithmetic is what it would be alone. */
-static void item(const kb_mla_attn_args *a, int64_t t, int64_t h0, int64_t h1, int64_t group)
+static void item(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group)
 {
 	kc_mla_group st[MLA_ITEM_GROUPS];
 	int ng = 0;
-	for (int64_t h = h0; h < h1; h += group)
-		kc_mla_group_start(&st[ng++], a, t, h, (int)(h1 - h < group ? h1 - h : group));
+	for (int64_t h = sp->h0; h < sp->h1; h += group)
+		kc_mla_group_start(&st[ng++], a, sp, h, (int)(sp->h1 - h < group ? sp->h1 - h : group));
 	const float *rows[MLA_CHUNK + MLA_PF];
-	const int64_t keys = a->tok_pos[t] + 1;
-	for (int64_t j0 = 0; j0 < keys; j0 += MLA_CHUNK) {
-		const int64_t n = keys - j0 < MLA_CHUNK ? keys - j0 : MLA_CHUNK;
+	const int64_t keys = a->tok_pos[sp->t] + 1; /* the prefetch runs on into the next stretch */
+	for (int64_t j0 = sp->j0; j0 < sp->j1; j0 += MLA_CHUNK) {
+		const int64_t n = sp->j1 - j0 < MLA_CHUNK ? sp->j1 - j0 : MLA_CHUNK;
 		const int64_t npf = keys - j0 < n + MLA_PF ? keys - j0 : n + MLA_PF;
-		kc_mla_rows(a, t, j0, npf, rows);
+		kc_mla_rows(a, sp->t, j0, npf, rows);
 		for (int k = 0; k < ng; k++)
 			group_chunk(&st[k], a, rows, n, npf, k == 0);
 	}
-	for (int k = 0; k < ng; k++)
-		for (int g = 0; g < st[k].G; g++) {
-			const __m256 inv = _mm256_set1_ps(1.0f / st[k].l[g]);
-			for (int64_t d = 0; d < a->kv_lora; d += 8)
-				_mm256_storeu_ps(st[k].out[g] + d, _mm256_mul_ps(_mm256_loadu_ps(st[k].out[g] + d), inv));
-		}
+	kc_mla_span_end(sp, st, ng, a->kv_lora);
 }
 #pragma GCC pop_options
 
-typedef struct mla2_job {
-	const kb_mla_attn_args *a;
-	int64_t group, per_item, per_tok;
-} mla2_job;
-
 static void items_range(void *ctx, int64_t begin, int64_t end)
 {
-	const mla2_job *j = ctx;
-	const int64_t H = j->a->n_heads;
+	const kc_mla_work *w = ctx;
 	for (int64_t it = begin; it < end; it++) {
-		const int64_t t = it / j->per_tok, h0 = it % j->per_tok * j->per_item;
-		item(j->a, t, h0, H - h0 < j->per_item ? H : h0 + j->per_item, j->group);
+		kc_mla_span sp;
+		kc_mla_work_span(w, it, &sp);
+		item(w->a, &sp, w->group);
 	}
 }
 
@@ -267,11 +259,7 @@ int kc_mla_attn_avx2(const kb_mla_attn_args *a)
 {
 	if (a->kv_lora % 8 || a->rope_dim % 8)
 		return DS_EUNSUPPORTED;
-	mla2_job j = {.a = a};
-	kc_mla_items(a->n_tok, a->n_heads, MLA_GMAX, &j.group, &j.per_item);
-	j.per_tok = (a->n_heads + j.per_item - 1) / j.per_item;
-	kc_parallel_for(a->n_tok * j.per_tok, 1, items_range, &j);
-	return DS_OK;
+	return kc_mla_work_run(a, MLA_GMAX, items_range);
 }
 #else
 int kc_mla_attn_avx2(const kb_mla_attn_args *a)

@@ -14,4 +14,11 @@
  * DS_ENOMEM when its work list cannot be allocated. */
 int kc_paged_attn_simd(const kb_paged_attn_args *a, enum kc_isa isa);
 
+/* Attention over keys split into stretches, merged by log-sum-exp: (O, M,
+ * L) of nh heads of hd takes in one stretch's unnormalised sums acc, maxima
+ * m and normalisers l: M' = max(M, m), O = O e^(M - M') + acc e^(m - M'),
+ * L likewise (paged decode, absorbed MLA). */
+void kc_attn_fold(float *restrict O, float *M, float *L, const float *restrict acc, const float *m, const float *l,
+		  int64_t nh, int64_t hd);
+
 #endif

@@ -187,18 +187,20 @@ static void ref_mla_head(const float *ql, const float *qp, const float *const *r
 	free(s);
 }
 
-/* H heads of lora + rope, 2 tokens: token 0 sees 301 positions (three
- * 128-key chunks), token 1 six; pages of 16 in shuffled order, the two
- * sequences interleaved; every ISA and 1-7 threads against the double
+/* H heads of lora + rope, 2 tokens: token 0 sees DEPTH + 1 positions (301:
+ * three 128-key chunks; 2501: three stretches of MLA_SPLIT keys or fewer,
+ * merged by log-sum-exp), token 1 six; pages of 16 in shuffled order, the
+ * two sequences interleaved; every ISA and 1-7 threads against the double
  * reference, and the same bits whatever the thread count (and so the head
- * grouping: AVX-512 groups of 8, 4, 2, 1; AVX2 likewise, lanes of 8; and
- * how many groups an item holds). */
-static void check_mla_groups(int H, int LORA, int ROPE)
+ * grouping: AVX-512 groups of 8, 4, 2, 1; AVX2 likewise, lanes of 8; how
+ * many groups an item holds; whether a token's stretches are one item's or
+ * several). */
+static void check_mla_groups(int H, int LORA, int ROPE, int DEPTH)
 {
-	enum { PS = 16, PAGES = 20, NT = 2 };
-	const int ROW = LORA + ROPE;
-	const int32_t pos[NT] = {300, 5}, seq[NT] = {0, 1};
-	int32_t table[2][PAGES], perm[PAGES];
+	enum { PS = 16, NT = 2 };
+	const int ROW = LORA + ROPE, P0 = (DEPTH + PS) / PS, PAGES = P0 + 1;
+	const int32_t pos[NT] = {DEPTH, 5}, seq[NT] = {0, 1};
+	int32_t *table = calloc(2 * (size_t)PAGES, sizeof(int32_t)), *perm = malloc(sizeof(int32_t) * (size_t)PAGES);
 	for (int i = 0; i < PAGES; i++)
 		perm[i] = i;
 	for (int i = PAGES - 1; i > 0; i--) {
@@ -206,9 +208,9 @@ static void check_mla_groups(int H, int LORA, int ROPE)
 		perm[i] = perm[j];
 		perm[j] = t;
 	}
-	for (int i = 0; i < 19; i++)
-		table[0][i] = perm[i];
-	table[1][0] = perm[19];
+	for (int i = 0; i < P0; i++)
+		table[i] = perm[i];
+	table[PAGES] = perm[P0];
 	const size_t nq = (size_t)(NT * H * LORA), np = (size_t)(NT * H * ROPE);
 	float *cache = malloc(sizeof(float) * PAGES * PS * (size_t)ROW);
 	float *ql = malloc(sizeof(float) * nq), *qp = malloc(sizeof(float) * np);
@@ -223,12 +225,12 @@ static void check_mla_groups(int H, int LORA, int ROPE)
 	kb_mla_attn_args a = {.out = out, .q_lat = ql, .q_pe = qp, .n_tok = NT, .n_heads = H,
 				.kv_lora = LORA, .rope_dim = ROPE, .out_stride = H * LORA,
 				.q_lat_stride = H * LORA, .q_pe_stride = H * ROPE, .cache = cache,
-				.page_size = PS, .row_stride = ROW, .block_tables = &table[0][0],
+				.page_size = PS, .row_stride = ROW, .block_tables = table,
 				.max_blocks = PAGES, .tok_seq = seq, .tok_pos = pos, .scale = 0.2f};
+	const float **rows = malloc(sizeof *rows * (size_t)(DEPTH + 1));
 	for (int t = 0; t < NT; t++) {
-		const float *rows[301];
 		for (int j = 0; j <= pos[t]; j++)
-			rows[j] = cache + (table[seq[t]][j / PS] * PS + j % PS) * ROW;
+			rows[j] = cache + (table[seq[t] * PAGES + j / PS] * PS + j % PS) * ROW;
 		for (int h = 0; h < H; h++)
 			ref_mla_head(ql + (t * H + h) * LORA, qp + (t * H + h) * ROPE, rows, pos[t] + 1, LORA,
 				     ROPE, 0.2, ref + (t * H + h) * LORA);
@@ -257,7 +259,14 @@ static void check_mla_groups(int H, int LORA, int ROPE)
 		}
 		kc_isa_force(prev);
 	}
+	a.n_tok = 0; /* an empty step: nothing attended, nothing written */
+	memcpy(first, out, sizeof(float) * nq);
+	CHECK_EQ(kc_mla_attn(&a), DS_OK);
+	CHECK(memcmp(first, out, sizeof(float) * nq) == 0);
 	kc_pool_set_threads(prev_threads);
+	free(rows);
+	free(table);
+	free(perm);
 	free(cache);
 	free(ql);
 	free(qp);
@@ -268,13 +277,21 @@ static void check_mla_groups(int H, int LORA, int ROPE)
 
 TEST(mla_attn_head_groups_match_reference_on_every_isa_and_thread_count)
 {
-	check_mla_groups(12, 40, 8); /* lora 40 cuts a 16-wide vector; AVX2: one vector per head */
-	check_mla_groups(6, 64, 16); /* AVX2: two vectors per head for groups up to 4 */
-	check_mla_groups(3, 36, 4);  /* not a multiple of 8: the per-head path on AVX2 */
+	check_mla_groups(12, 40, 8, 300); /* lora 40 cuts a 16-wide vector; AVX2: one vector per head */
+	check_mla_groups(6, 64, 16, 300); /* AVX2: two vectors per head for groups up to 4 */
+	check_mla_groups(3, 36, 4, 300);  /* not a multiple of 8: the per-head path on AVX2 */
 	/* 5 groups of 8: items of several groups (all 5 with 1-2 threads, 3 + 2
 	 * with 3, 2 + 2 + 1 with 7), each chunk of rows worked by all of an
 	 * item's groups before the next */
-	check_mla_groups(40, 64, 16);
+	check_mla_groups(40, 64, 16, 300);
+}
+
+TEST(mla_attn_deep_token_stretches_match_reference_on_every_isa_and_thread_count)
+{
+	/* 2501 keys: stretches of 1024, 1024 and 453, as items of their own
+	 * (their heads split further with 4-7 threads), folded afterwards */
+	check_mla_groups(16, 64, 16, 2500);
+	check_mla_groups(3, 36, 4, 2500); /* lora 36: masked tails on AVX-512; AVX2 the per-head path */
 }
 
 TEST(dequant_fp8_slice_uses_block_offsets)
