@@ -474,20 +474,6 @@ AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, const kc_mla_span 
 }
 #endif
 
-static void mla_items_range(void *ctx, int64_t begin, int64_t end)
-{
-#if defined(__x86_64__)
-	const kc_mla_work *w = ctx;
-	for (int64_t it = begin; it < end; it++) {
-		kc_mla_span sp;
-		kc_mla_work_span(w, it, &sp);
-		mla_item_avx512(w->a, &sp, w->group);
-	}
-#else
-	(void)ctx, (void)begin, (void)end;
-#endif
-}
-
 static void mla_range(void *ctx, int64_t begin, int64_t end)
 {
 	const kb_mla_attn_args *a = ((const mla_job *)ctx)->a;
@@ -536,6 +522,14 @@ void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, const kc_mla
 	}
 }
 
+/* out[0..lora) /= L */
+static void mla_normalise(float *out, float L, int64_t lora)
+{
+	const float inv = 1.0f / L;
+	for (int64_t d = 0; d < lora; d++)
+		out[d] *= inv;
+}
+
 void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int64_t lora)
 {
 	for (int k = 0, i = 0; k < ng; k++)
@@ -545,9 +539,7 @@ void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int6
 				sp->ml[2 * i + 1] = st[k].l[g];
 				continue;
 			}
-			float inv = 1.0f / st[k].l[g];
-			for (int64_t d = 0; d < lora; d++)
-				st[k].out[g][d] *= inv;
+			mla_normalise(st[k].out[g], st[k].l[g], lora);
 		}
 }
 
@@ -565,79 +557,147 @@ void kc_mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, 
 	*per_item = gpi * g;
 }
 
-static void work_finish(kc_mla_work *w);
+/* ---- the SIMD MLA paths' items (kc_mla_work_run, attn_mla.h) ----
+ * Stretches of MLA_SPLIT keys are fixed by position.  When a step has
+ * fewer tokens than threads and one of them is deeper than a stretch,
+ * items are (token, stretch, heads) ("split"): the first stretch of a deep
+ * token sums into out, the others into slots of part, with every
+ * stretch's max and normaliser in ml, and a second pool pass folds them in
+ * stretch order.  Otherwise items are (token, heads) and an item runs a
+ * deep token's stretches in turn, the first into out, each later one into
+ * the token's slot of part, folded into out at once: the same folds in
+ * the same order, so the bits do not depend on which it was. */
+typedef struct mla_work {
+	const kb_mla_attn_args *a;
+	kc_mla_span_fn fn;
+	int split;
+	int64_t group;    /* heads that share each row load */
+	int64_t per_item; /* heads of an item (whole groups) */
+	int64_t per_unit; /* items of a unit: a token-stretch when split, else a token */
+	int64_t n_units, n_items;
+	int64_t *u_tok, *u_j0, *u_slot; /* [n_units]: token, first key, slot (-1: none) */
+	int64_t n_fold, *fold_tok, *fold_slot, *fold_ns; /* split: the deep tokens */
+	float *part, *ml; /* [slot][n_heads][kv_lora] sums; split: [slot][n_heads][2] max, normaliser */
+} mla_work;
 
-/* kc_mla_work_run's plan (attn_mla.h); DS_ENOMEM when the lists cannot be
- * allocated. */
-static int work_plan(kc_mla_work *w, const kb_mla_attn_args *a, int64_t gmax)
+static void work_free(mla_work *w)
 {
-	memset(w, 0, sizeof *w);
-	w->a = a;
-	int64_t slots = 0;
-	for (int64_t t = 0; t < a->n_tok; t++) {
-		const int64_t ns = (a->tok_pos[t] + MLA_SPLIT) / MLA_SPLIT;
-		w->n_ts += ns;
-		w->n_fold += ns > 1;
-		slots += ns > 1 ? ns : 0;
-	}
+	free(w->u_tok);
+	free(w->fold_tok);
+	free(w->part);
+	free(w->ml);
+}
+
+static int64_t stretches(const kb_mla_attn_args *a, int64_t t)
+{
+	return (a->tok_pos[t] + MLA_SPLIT) / MLA_SPLIT;
+}
+
+/* DS_ENOMEM when the lists cannot be allocated. */
+static int work_plan(mla_work *w, const kb_mla_attn_args *a, int64_t gmax)
+{
 	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
-	kc_mla_items(w->n_ts, a->n_heads, gmax, w->n_fold ? 2 * threads : threads, &w->group, &w->per_item);
-	w->per_ts = (a->n_heads + w->per_item - 1) / w->per_item;
-	w->n_items = w->n_ts * w->per_ts;
-	const size_t nts = (size_t)(w->n_ts > 0 ? w->n_ts : 1), nf = (size_t)(w->n_fold > 0 ? w->n_fold : 1);
-	w->ts_tok = malloc(3 * nts * sizeof(int64_t));
-	w->fold_tok = malloc(3 * nf * sizeof(int64_t));
-	if (slots) {
-		w->part = malloc((size_t)(slots * a->n_heads * a->kv_lora) * sizeof(float));
-		w->ml = malloc((size_t)(slots * a->n_heads * 2) * sizeof(float));
+	int64_t deep = 0, n_ts = 0;
+	for (int64_t t = 0; t < a->n_tok; t++) {
+		n_ts += stretches(a, t);
+		deep += stretches(a, t) > 1;
 	}
-	if (!w->ts_tok || !w->fold_tok || (slots && (!w->part || !w->ml))) {
-		w->n_fold = 0;
-		work_finish(w);
+	w->split = deep > 0 && a->n_tok < threads;
+	w->n_units = w->split ? n_ts : a->n_tok;
+	/* split: a deep token's last stretch is short, so two items a thread */
+	kc_mla_items(w->n_units, a->n_heads, gmax, w->split ? 2 * threads : threads, &w->group, &w->per_item);
+	w->per_unit = (a->n_heads + w->per_item - 1) / w->per_item;
+	w->n_items = w->n_units * w->per_unit;
+	w->n_fold = w->split ? deep : 0;
+	const int64_t slots = w->split ? n_ts - (a->n_tok - deep) : deep;
+	const size_t nu = (size_t)w->n_units, nf = (size_t)(w->n_fold > 0 ? w->n_fold : 1);
+	w->u_tok = malloc(3 * nu * sizeof(int64_t));
+	w->fold_tok = malloc(3 * nf * sizeof(int64_t));
+	if (slots)
+		w->part = malloc((size_t)(slots * a->n_heads * a->kv_lora) * sizeof(float));
+	if (slots && w->split)
+		w->ml = malloc((size_t)(slots * a->n_heads * 2) * sizeof(float));
+	if (!w->u_tok || !w->fold_tok || (slots && !w->part) || (slots && w->split && !w->ml)) {
+		work_free(w);
 		return DS_ENOMEM;
 	}
-	w->ts_j0 = w->ts_tok + nts;
-	w->ts_slot = w->ts_j0 + nts;
+	w->u_j0 = w->u_tok + nu;
+	w->u_slot = w->u_j0 + nu;
 	w->fold_slot = w->fold_tok + nf;
 	w->fold_ns = w->fold_slot + nf;
-	for (int64_t t = 0, i = 0, f = 0, slot = 0; t < a->n_tok; t++) {
-		const int64_t ns = (a->tok_pos[t] + MLA_SPLIT) / MLA_SPLIT;
+	for (int64_t t = 0, u = 0, f = 0, slot = 0; t < a->n_tok; t++) {
+		const int64_t ns = stretches(a, t);
+		if (!w->split) {
+			w->u_tok[u] = t;
+			w->u_j0[u] = 0;
+			w->u_slot[u++] = ns > 1 ? slot++ : -1;
+			continue;
+		}
 		if (ns > 1) {
 			w->fold_tok[f] = t;
 			w->fold_slot[f] = slot;
 			w->fold_ns[f++] = ns;
 		}
-		for (int64_t s = 0; s < ns; s++, i++) {
-			w->ts_tok[i] = t;
-			w->ts_j0[i] = s * MLA_SPLIT;
-			w->ts_slot[i] = ns > 1 ? slot++ : -1;
+		for (int64_t s = 0; s < ns; s++, u++) {
+			w->u_tok[u] = t;
+			w->u_j0[u] = s * MLA_SPLIT;
+			w->u_slot[u] = ns > 1 ? slot++ : -1;
 		}
 	}
 	return DS_OK;
 }
 
-void kc_mla_work_span(const kc_mla_work *w, int64_t it, kc_mla_span *sp)
+/* Item it: its span, and when it is a deep token's whole (not split), its
+ * stretches in turn with the folds the split pass would make. */
+static void work_item(const mla_work *w, int64_t it)
 {
 	const kb_mla_attn_args *a = w->a;
-	const int64_t ts = it / w->per_ts, H = a->n_heads, keys = a->tok_pos[w->ts_tok[ts]] + 1;
-	sp->t = w->ts_tok[ts];
-	sp->h0 = it % w->per_ts * w->per_item;
-	sp->h1 = H - sp->h0 < w->per_item ? H : sp->h0 + w->per_item;
-	sp->j0 = w->ts_j0[ts];
-	sp->j1 = keys - sp->j0 < MLA_SPLIT ? keys : sp->j0 + MLA_SPLIT;
-	/* a split token's first stretch sums into out, the others into part */
-	const int64_t slot = w->ts_slot[ts];
-	sp->out = slot < 0 || sp->j0 == 0 ? a->out + sp->t * a->out_stride + sp->h0 * a->kv_lora
-					  : w->part + (slot * H + sp->h0) * a->kv_lora;
-	sp->ml = slot < 0 ? NULL : w->ml + (slot * H + sp->h0) * 2;
+	const int64_t u = it / w->per_unit, H = a->n_heads, lora = a->kv_lora, slot = w->u_slot[u];
+	const int64_t t = w->u_tok[u], keys = a->tok_pos[t] + 1;
+	kc_mla_span sp = {.t = t, .h0 = it % w->per_unit * w->per_item, .j0 = w->u_j0[u]};
+	sp.h1 = H - sp.h0 < w->per_item ? H : sp.h0 + w->per_item;
+	sp.j1 = keys - sp.j0 < MLA_SPLIT || !w->split ? keys : sp.j0 + MLA_SPLIT;
+	/* a deep token's first stretch sums into out, the others into part */
+	sp.out = slot < 0 || sp.j0 == 0 || !w->split ? a->out + t * a->out_stride + sp.h0 * lora
+						      : w->part + (slot * H + sp.h0) * lora;
+	sp.ml = slot < 0 || !w->split ? NULL : w->ml + (slot * H + sp.h0) * 2;
+	if (w->split || slot < 0) {
+		w->fn(a, &sp, w->group);
+		return;
+	}
+	float ml[2 * MLA_ITEM_GROUPS * MLA_GROUP_MAX], M[MLA_ITEM_GROUPS * MLA_GROUP_MAX],
+		L[MLA_ITEM_GROUPS * MLA_GROUP_MAX];
+	const int64_t nh = sp.h1 - sp.h0;
+	kc_mla_span s = sp;
+	s.j1 = MLA_SPLIT;
+	s.ml = ml;
+	w->fn(a, &s, w->group);
+	for (int64_t i = 0; i < nh; i++)
+		M[i] = ml[2 * i], L[i] = ml[2 * i + 1];
+	s.out = w->part + (slot * H + sp.h0) * lora;
+	for (s.j0 = MLA_SPLIT; s.j0 < keys; s.j0 += MLA_SPLIT) {
+		s.j1 = keys - s.j0 < MLA_SPLIT ? keys : s.j0 + MLA_SPLIT;
+		w->fn(a, &s, w->group);
+		for (int64_t i = 0; i < nh; i++)
+			kc_attn_fold(sp.out + i * lora, &M[i], &L[i], s.out + i * lora, &ml[2 * i], &ml[2 * i + 1], 1,
+				     lora);
+	}
+	for (int64_t i = 0; i < nh; i++)
+		mla_normalise(sp.out + i * lora, L[i], lora);
 }
 
-/* items = (split token, head): the token's stretches folded in order into
- * the first one's sums (what folding that one into nothing gives, exactly:
- * its sums times e^0 = 1, plus 0 times e^-inf = 0) */
-static void mla_fold_range(void *ctx, int64_t begin, int64_t end)
+static void work_items(void *ctx, int64_t begin, int64_t end)
 {
-	const kc_mla_work *w = ctx;
+	for (int64_t it = begin; it < end; it++)
+		work_item(ctx, it);
+}
+
+/* split: items = (deep token, head), the token's stretches folded in order
+ * into the first one's sums (what folding that one into nothing gives,
+ * exactly: its sums times e^0 = 1, plus 0 times e^-inf = 0) */
+static void work_fold(void *ctx, int64_t begin, int64_t end)
+{
+	const mla_work *w = ctx;
 	const kb_mla_attn_args *a = w->a;
 	const int64_t H = a->n_heads, lora = a->kv_lora;
 	for (int64_t it = begin; it < end; it++) {
@@ -648,34 +708,21 @@ static void mla_fold_range(void *ctx, int64_t begin, int64_t end)
 			const float *ml = w->ml + (s * H + h) * 2;
 			kc_attn_fold(out, &M, &L, w->part + (s * H + h) * lora, ml, ml + 1, 1, lora);
 		}
-		const float inv = 1.0f / L;
-		for (int64_t d = 0; d < lora; d++)
-			out[d] *= inv;
+		mla_normalise(out, L, lora);
 	}
 }
 
-int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, void (*items)(void *w, int64_t begin, int64_t end))
+int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, kc_mla_span_fn fn)
 {
-	kc_mla_work w;
+	mla_work w = {.a = a, .fn = fn};
 	int rc = work_plan(&w, a, gmax);
 	if (rc)
 		return rc;
-	kc_parallel_for(w.n_items, 1, items, &w);
-	work_finish(&w);
+	kc_parallel_for(w.n_items, 1, work_items, &w);
+	if (w.n_fold)
+		kc_parallel_for(w.n_fold * a->n_heads, 4, work_fold, &w);
+	work_free(&w);
 	return DS_OK;
-}
-
-/* Folds the split tokens' stretches into a->out (on the pool), frees the
- * plan. */
-static void work_finish(kc_mla_work *w)
-{
-	if (w->n_fold)
-		kc_parallel_for(w->n_fold * w->a->n_heads, 4, mla_fold_range, w);
-	free(w->ts_tok);
-	free(w->fold_tok);
-	free(w->part);
-	free(w->ml);
-	memset(w, 0, sizeof *w);
 }
 
 int kc_mla_attn(const kb_mla_attn_args *a)
@@ -687,7 +734,7 @@ int kc_mla_attn(const kb_mla_attn_args *a)
 		return DS_OK;
 #if defined(__x86_64__)
 	if (kc_isa_active() >= KC_ISA_AVX512)
-		return kc_mla_work_run(a, MLA_G, mla_items_range);
+		return kc_mla_work_run(a, MLA_G, mla_item_avx512);
 	if (kc_isa_active() >= KC_ISA_AVX2) {
 		int rc = kc_mla_attn_avx2(a);
 		if (rc != DS_EUNSUPPORTED)

@@ -29,47 +29,36 @@ typedef struct kc_mla_group {
  * (through its block table). */
 void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows);
 
-/* Keys per stretch: a token that sees more is attended stretch by stretch,
- * each stretch its own pool items, and the stretches are folded by
- * log-sum-exp afterwards (kc_mla_work_run; the first stretch's sums are in
- * out already, the others' in part):
- *     M = max m_s,  L = sum l_s e^(m_s - M),  out = sum acc_s e^(m_s - M) / L.
- * Stretches are fixed by position, so the result does not depend on the
- * thread count; a token of up to MLA_SPLIT keys is one stretch, normalised
- * by the item itself. */
+/* Keys per stretch: the keys of a token are attended stretch by stretch,
+ * the stretches fixed by position, and a deep token's stretches folded in
+ * order by log-sum-exp:
+ *     M = max m_s,  L = sum l_s e^(m_s - M),  out = sum acc_s e^(m_s - M) / L,
+ * as their own pool items when a step has fewer tokens than threads,
+ * within one item otherwise (attn.c, "the SIMD MLA paths' items"); the same
+ * folds in the same order, so the result does not depend on the thread
+ * count.  A token of up to MLA_SPLIT keys is one stretch. */
 #define MLA_SPLIT 1024
 
-/* One pool item of the SIMD paths: token t, heads [h0, h1), keys [j0, j1).
- * Head h0 + i sums into out + i * kv_lora; when ml is not NULL (a token of
- * several stretches) the item leaves those sums unnormalised and writes the
- * head's max and normaliser to ml[2i], ml[2i + 1]. */
+/* What a SIMD path's item runs: token t, heads [h0, h1), keys [j0, j1).
+ * Head h0 + i sums into out + i * kv_lora; when ml is not NULL (one
+ * stretch of a deep token) the item leaves those sums unnormalised and
+ * writes the head's max and normaliser to ml[2i], ml[2i + 1]. */
 typedef struct kc_mla_span {
 	int64_t t, h0, h1, j0, j1;
 	float *out, *ml;
 } kc_mla_span;
 
-/* A step's items: token-stretches x head ranges, and the partial sums of the
- * tokens of several stretches. */
-typedef struct kc_mla_work {
-	const kb_mla_attn_args *a;
-	int64_t group;    /* heads that share each row load */
-	int64_t per_item; /* heads of an item (whole groups) */
-	int64_t per_ts;   /* items of a token-stretch */
-	int64_t n_ts, n_items;
-	int64_t *ts_tok, *ts_j0, *ts_slot; /* [n_ts]: token, first key, slot (-1: one stretch) */
-	int64_t n_fold, *fold_tok, *fold_slot, *fold_ns; /* the tokens of several stretches */
-	float *part, *ml; /* [slot][n_heads][kv_lora] sums (a first stretch's unused), [slot][n_heads][2] max, normaliser */
-} kc_mla_work;
+/* A SIMD path's item body: sp's heads in groups of `group` over sp's keys
+ * (kc_mla_group_start ... kc_mla_span_end). */
+typedef void (*kc_mla_span_fn)(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group);
 
-/* Item it of w's plan. */
-void kc_mla_work_span(const kc_mla_work *w, int64_t it, kc_mla_span *sp);
-/* A whole kc_mla_attn on a SIMD path: plans a's items for groups of at
- * most gmax heads (the fewest items per token-stretch that give every pool
- * thread one; two when a token is split, its last stretch being short),
- * runs items(w, begin, end) over them on the pool (w: the kc_mla_work),
- * then folds the split tokens' stretches into a->out.  DS_ENOMEM when the
- * plan cannot be allocated. */
-int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, void (*items)(void *w, int64_t begin, int64_t end));
+/* A whole kc_mla_attn on a SIMD path: cuts a's work into items (groups of
+ * at most gmax heads; the fewest items per token, or per token-stretch,
+ * that give every pool thread one, two when tokens are split: a last
+ * stretch is short), runs fn over them on the pool, and folds the deep
+ * tokens' stretches into a->out.  DS_ENOMEM when the plan cannot be
+ * allocated. */
+int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, kc_mla_span_fn fn);
 
 /* Points s at heads [h0, h0 + G) of sp's token, their output rows where sp
  * puts them, zeroed; max -inf, normaliser 0. */

@@ -12,8 +12,8 @@
  * passes of 4 heads, 3 rows scored at a time and 3 vectors of every head's
  * output kept over the chunk's rows in the weighted sum, 12 FMA chains in
  * flight in both (see scores_fixed).
- * Items and their stretches of keys are kc_mla_work's (attn.c), as on
- * AVX-512.  Per head the arithmetic does not depend on the group size, and
+ * Items and their stretches of keys are kc_mla_work_run's (attn.c), as
+ * on AVX-512.  Per head the arithmetic does not depend on the group size, and
  * the stretches are fixed by position, so the result does not depend on the
  * thread count.
  */
@@ -222,7 +222,7 @@ static void group_chunk(kc_mla_group *st, const kb_mla_attn_args *a, const float
 		sub_wsum(G - s < MLA_SUB ? G - s : MLA_SUB, st->out + s, sc + s, rows, n, lora);
 }
 
-/* sp's heads in groups of `group`, over its keys chunk by chunk: every
+/* kc_mla_span_fn: sp's heads in groups of `group`, over its keys chunk by chunk: every
  * group works on a chunk before the next chunk, so its rows come from
  * memory for the first group and from L2 for the others.  Each group's
  * arithmetic is what it would be alone. */
@@ -245,21 +245,11 @@ static void item(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group
 }
 #pragma GCC pop_options
 
-static void items_range(void *ctx, int64_t begin, int64_t end)
-{
-	const kc_mla_work *w = ctx;
-	for (int64_t it = begin; it < end; it++) {
-		kc_mla_span sp;
-		kc_mla_work_span(w, it, &sp);
-		item(w->a, &sp, w->group);
-	}
-}
-
 int kc_mla_attn_avx2(const kb_mla_attn_args *a)
 {
 	if (a->kv_lora % 8 || a->rope_dim % 8)
 		return DS_EUNSUPPORTED;
-	return kc_mla_work_run(a, MLA_GMAX, items_range);
+	return kc_mla_work_run(a, MLA_GMAX, item);
 }
 #else
 int kc_mla_attn_avx2(const kb_mla_attn_args *a)
