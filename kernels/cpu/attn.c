@@ -288,7 +288,7 @@ typedef struct attn_job {
 } attn_job;
 
 /* Cache row pointers of positions j0 .. j0 + n - 1 of token t. */
-void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows)
+static void mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows)
 {
 	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
 	for (int64_t i = 0; i < n; i++) {
@@ -301,7 +301,7 @@ void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, co
 #if defined(__x86_64__)
 /* ---- AVX-512: MLA for a group of up to MLA_G heads of one token ----
  * Every head reads the same latent rows, so a group's heads share each row
- * load: while a chunk of ATT_CHUNK rows (ATT_CHUNK * row_stride floats, in
+ * load: while a chunk of MLA_CHUNK rows (MLA_CHUNK * row_stride floats, in
  * L2) is scored and summed, each row comes from memory once for the group
  * instead of once per head.  Per head the arithmetic does not depend on the
  * group size (one lane accumulator per (head, row) over the row's 16-float
@@ -351,7 +351,7 @@ MLA_INL void mla_dot_part(const int G, const int R, __m512 acc[2][MLA_G], const 
 /* sc[g][i] = scale * (ql[g] . rows[i][0..lora) + qp[g] . rows[i][lora..lora+rope)),
  * R rows at a time; rows[0..npf) are known (the chunk's and a few of the
  * next chunk's, for the prefetch). */
-MLA_INL void mla_scores_rows(const int G, const int R, float sc[][ATT_CHUNK], const float *const *ql,
+MLA_INL void mla_scores_rows(const int G, const int R, float sc[][MLA_CHUNK], const float *const *ql,
 			     const float *const *qp, const float *const *rows, int64_t i, int64_t npf,
 			     int64_t lora, int64_t rope, float scale)
 {
@@ -377,7 +377,7 @@ MLA_INL void mla_scores_rows(const int G, const int R, float sc[][ATT_CHUNK], co
 
 /* out[g][0..lora) += sum_i w[g][i] * rows[i][0..lora), 32 floats of every
  * head's output in registers over the chunk's rows. */
-MLA_INL void mla_wsum(const int G, float *const *out, float w[][ATT_CHUNK], const float *const *rows,
+MLA_INL void mla_wsum(const int G, float *const *out, float w[][MLA_CHUNK], const float *const *rows,
 		      int64_t n, int64_t lora)
 {
 	for (int64_t d = 0; d < lora; d += 32) {
@@ -414,7 +414,7 @@ MLA_INL void mla_chunk_fixed(const int G, kc_mla_group *s, const kb_mla_attn_arg
 			     int64_t n, int64_t npf)
 {
 	const int64_t lora = a->kv_lora, rope = a->rope_dim;
-	_Alignas(64) float sc[MLA_G][ATT_CHUNK];
+	_Alignas(64) float sc[MLA_G][MLA_CHUNK];
 	int64_t i = 0;
 	for (; i + 2 <= n; i += 2)
 		mla_scores_rows(G, 2, sc, s->ql, s->qp, rows, i, npf, lora, rope, a->scale);
@@ -435,6 +435,7 @@ MLA_INL void mla_chunk_fixed(const int G, kc_mla_group *s, const kb_mla_attn_arg
 	mla_wsum(G, s->out, sc, rows, n, lora);
 }
 
+/* kc_mla_chunk_fn on AVX-512 */
 AVX512 static void mla_chunk_avx512(kc_mla_group *s, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
 				    int64_t npf)
 {
@@ -450,28 +451,6 @@ AVX512 static void mla_chunk_avx512(kc_mla_group *s, const kb_mla_attn_args *a, 
 	}
 }
 
-/* sp's heads in groups of `group`, over its keys chunk by chunk: every
- * group works on a chunk before the next chunk, so its rows come from
- * memory for the first group and from L2 for the others (with 128 heads,
- * DeepSeek-V3's, one pass over the cache per item instead of one per 8
- * heads).  Each group's arithmetic is what it would be alone. */
-AVX512 static void mla_item_avx512(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group)
-{
-	kc_mla_group st[MLA_ITEM_GROUPS];
-	int ng = 0;
-	for (int64_t h = sp->h0; h < sp->h1; h += group)
-		kc_mla_group_start(&st[ng++], a, sp, h, (int)(sp->h1 - h < group ? sp->h1 - h : group));
-	const float *rows[ATT_CHUNK + MLA_PF + 1];
-	const int64_t keys = a->tok_pos[sp->t] + 1; /* the prefetch runs on into the next stretch */
-	for (int64_t j0 = sp->j0; j0 < sp->j1; j0 += ATT_CHUNK) {
-		int64_t n = sp->j1 - j0 < ATT_CHUNK ? sp->j1 - j0 : ATT_CHUNK;
-		int64_t npf = keys - j0 < n + MLA_PF + 1 ? keys - j0 : n + MLA_PF + 1;
-		kc_mla_rows(a, sp->t, j0, npf, rows);
-		for (int k = 0; k < ng; k++)
-			mla_chunk_avx512(&st[k], a, rows, n, k == 0 ? npf : 0);
-	}
-	kc_mla_span_end(sp, st, ng, a->kv_lora);
-}
 #endif
 
 static void mla_range(void *ctx, int64_t begin, int64_t end)
@@ -489,7 +468,7 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 			float cmax = -INFINITY;
-			kc_mla_rows(a, t, j0, n, rows);
+			mla_rows(a, t, j0, n, rows);
 			v.scores(sc, ql, rows, 0, n, a->kv_lora, a->scale, 0);
 			v.scores(sc, qp, rows, a->kv_lora, n, a->rope_dim, a->scale, 1);
 			for (int64_t i = 0; i < n; i++)
@@ -509,7 +488,18 @@ static void mla_range(void *ctx, int64_t begin, int64_t end)
 	}
 }
 
-void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t h0, int G)
+/* What an item runs: token t, heads [h0, h1), keys [j0, j1).  Head h0 + i
+ * sums into out + i * kv_lora; when ml is not NULL (one stretch of a deep
+ * token) the item leaves those sums unnormalised and writes the head's max
+ * and normaliser to ml[2i], ml[2i + 1]. */
+typedef struct mla_span {
+	int64_t t, h0, h1, j0, j1;
+	float *out, *ml;
+} mla_span;
+
+/* Points s at heads [h0, h0 + G) of sp's token, their output rows where sp
+ * puts them, zeroed; max -inf, normaliser 0. */
+static void group_start(kc_mla_group *s, const kb_mla_attn_args *a, const mla_span *sp, int64_t h0, int G)
 {
 	s->G = G;
 	for (int g = 0; g < G; g++) {
@@ -530,7 +520,10 @@ static void mla_normalise(float *out, float L, int64_t lora)
 		out[d] *= inv;
 }
 
-void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int64_t lora)
+/* The end of sp's item, whose heads are the ng groups st: each head's
+ * output divided by its normaliser, or its max and normaliser kept for the
+ * fold. */
+static void span_end(const mla_span *sp, const kc_mla_group *st, int ng, int64_t lora)
 {
 	for (int k = 0, i = 0; k < ng; k++)
 		for (int g = 0; g < st[k].G; g++, i++) {
@@ -543,7 +536,13 @@ void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int6
 		}
 }
 
-void kc_mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, int64_t *group, int64_t *per_item)
+/* How items cut heads, for n_units token-stretches (or tokens) and want
+ * items in all.  *group: the heads that share each cache row load in
+ * registers, the largest power-of-two fraction of gmax that still gives
+ * want items.  *per_item: the heads of one item (whole groups, at most
+ * MLA_ITEM_GROUPS of them), the fewest items per unit that still give
+ * want. */
+static void mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, int64_t *group, int64_t *per_item)
 {
 	int64_t g = gmax;
 	while (g > 1 && n_units * ((n_heads + g - 1) / g) < want)
@@ -569,7 +568,8 @@ void kc_mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, 
  * the same order, so the bits do not depend on which it was. */
 typedef struct mla_work {
 	const kb_mla_attn_args *a;
-	kc_mla_span_fn fn;
+	kc_mla_chunk_fn fn;
+	int64_t ahead;    /* rows past a chunk its first group is given */
 	int split;
 	int64_t group;    /* heads that share each row load */
 	int64_t per_item; /* heads of an item (whole groups) */
@@ -599,13 +599,14 @@ static int work_plan(mla_work *w, const kb_mla_attn_args *a, int64_t gmax)
 	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
 	int64_t deep = 0, n_ts = 0;
 	for (int64_t t = 0; t < a->n_tok; t++) {
-		n_ts += stretches(a, t);
-		deep += stretches(a, t) > 1;
+		const int64_t ns = stretches(a, t);
+		n_ts += ns;
+		deep += ns > 1;
 	}
 	w->split = deep > 0 && a->n_tok < threads;
 	w->n_units = w->split ? n_ts : a->n_tok;
 	/* split: a deep token's last stretch is short, so two items a thread */
-	kc_mla_items(w->n_units, a->n_heads, gmax, w->split ? 2 * threads : threads, &w->group, &w->per_item);
+	mla_items(w->n_units, a->n_heads, gmax, w->split ? 2 * threads : threads, &w->group, &w->per_item);
 	w->per_unit = (a->n_heads + w->per_item - 1) / w->per_item;
 	w->n_items = w->n_units * w->per_unit;
 	w->n_fold = w->split ? deep : 0;
@@ -647,6 +648,30 @@ static int work_plan(mla_work *w, const kb_mla_attn_args *a, int64_t gmax)
 	return DS_OK;
 }
 
+/* sp's heads in groups of w->group, over its keys chunk by chunk: every
+ * group works on a chunk before the next, so its rows come from memory for
+ * the first group and from L2 for the others (with 128 heads, DeepSeek-V3's,
+ * one pass over the cache per item instead of one per 8 heads).  Each
+ * group's arithmetic is what it would be alone. */
+static void mla_item(const mla_work *w, const mla_span *sp)
+{
+	const kb_mla_attn_args *a = w->a;
+	kc_mla_group st[MLA_ITEM_GROUPS];
+	int ng = 0;
+	for (int64_t h = sp->h0; h < sp->h1; h += w->group)
+		group_start(&st[ng++], a, sp, h, (int)(sp->h1 - h < w->group ? sp->h1 - h : w->group));
+	const float *rows[MLA_CHUNK + 16];
+	const int64_t keys = a->tok_pos[sp->t] + 1; /* the prefetch runs on into the next stretch */
+	for (int64_t j0 = sp->j0; j0 < sp->j1; j0 += MLA_CHUNK) {
+		const int64_t n = sp->j1 - j0 < MLA_CHUNK ? sp->j1 - j0 : MLA_CHUNK;
+		const int64_t npf = keys - j0 < n + w->ahead ? keys - j0 : n + w->ahead;
+		mla_rows(a, sp->t, j0, npf, rows);
+		for (int k = 0; k < ng; k++)
+			w->fn(&st[k], a, rows, n, k == 0 ? npf : 0);
+	}
+	span_end(sp, st, ng, a->kv_lora);
+}
+
 /* Item it: its span, and when it is a deep token's whole (not split), its
  * stretches in turn with the folds the split pass would make. */
 static void work_item(const mla_work *w, int64_t it)
@@ -654,7 +679,7 @@ static void work_item(const mla_work *w, int64_t it)
 	const kb_mla_attn_args *a = w->a;
 	const int64_t u = it / w->per_unit, H = a->n_heads, lora = a->kv_lora, slot = w->u_slot[u];
 	const int64_t t = w->u_tok[u], keys = a->tok_pos[t] + 1;
-	kc_mla_span sp = {.t = t, .h0 = it % w->per_unit * w->per_item, .j0 = w->u_j0[u]};
+	mla_span sp = {.t = t, .h0 = it % w->per_unit * w->per_item, .j0 = w->u_j0[u]};
 	sp.h1 = H - sp.h0 < w->per_item ? H : sp.h0 + w->per_item;
 	sp.j1 = keys - sp.j0 < MLA_SPLIT || !w->split ? keys : sp.j0 + MLA_SPLIT;
 	/* a deep token's first stretch sums into out, the others into part */
@@ -662,22 +687,22 @@ static void work_item(const mla_work *w, int64_t it)
 						      : w->part + (slot * H + sp.h0) * lora;
 	sp.ml = slot < 0 || !w->split ? NULL : w->ml + (slot * H + sp.h0) * 2;
 	if (w->split || slot < 0) {
-		w->fn(a, &sp, w->group);
+		mla_item(w, &sp);
 		return;
 	}
 	float ml[2 * MLA_ITEM_GROUPS * MLA_GROUP_MAX], M[MLA_ITEM_GROUPS * MLA_GROUP_MAX],
 		L[MLA_ITEM_GROUPS * MLA_GROUP_MAX];
 	const int64_t nh = sp.h1 - sp.h0;
-	kc_mla_span s = sp;
+	mla_span s = sp;
 	s.j1 = MLA_SPLIT;
 	s.ml = ml;
-	w->fn(a, &s, w->group);
+	mla_item(w, &s);
 	for (int64_t i = 0; i < nh; i++)
 		M[i] = ml[2 * i], L[i] = ml[2 * i + 1];
 	s.out = w->part + (slot * H + sp.h0) * lora;
 	for (s.j0 = MLA_SPLIT; s.j0 < keys; s.j0 += MLA_SPLIT) {
 		s.j1 = keys - s.j0 < MLA_SPLIT ? keys : s.j0 + MLA_SPLIT;
-		w->fn(a, &s, w->group);
+		mla_item(w, &s);
 		for (int64_t i = 0; i < nh; i++)
 			kc_attn_fold(sp.out + i * lora, &M[i], &L[i], s.out + i * lora, &ml[2 * i], &ml[2 * i + 1], 1,
 				     lora);
@@ -712,9 +737,9 @@ static void work_fold(void *ctx, int64_t begin, int64_t end)
 	}
 }
 
-int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, kc_mla_span_fn fn)
+int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, int64_t ahead, kc_mla_chunk_fn fn)
 {
-	mla_work w = {.a = a, .fn = fn};
+	mla_work w = {.a = a, .fn = fn, .ahead = ahead < 16 ? ahead : 16};
 	int rc = work_plan(&w, a, gmax);
 	if (rc)
 		return rc;
@@ -734,7 +759,7 @@ int kc_mla_attn(const kb_mla_attn_args *a)
 		return DS_OK;
 #if defined(__x86_64__)
 	if (kc_isa_active() >= KC_ISA_AVX512)
-		return kc_mla_work_run(a, MLA_G, mla_item_avx512);
+		return kc_mla_work_run(a, MLA_G, MLA_PF + 1, mla_chunk_avx512);
 	if (kc_isa_active() >= KC_ISA_AVX2) {
 		int rc = kc_mla_attn_avx2(a);
 		if (rc != DS_EUNSUPPORTED)

@@ -1,6 +1,8 @@
 /*
- * attn_mla.h - the AVX2 path of absorbed MLA (attn_mla_avx2.c), private to
- * kernels/cpu; kc_mla_attn (attn.c) calls it.
+ * attn_mla.h - what the SIMD paths of absorbed MLA share, private to
+ * kernels/cpu: the items and stretches (kc_mla_work_run, attn.c), which
+ * call each path's chunk body (AVX-512 in attn.c, AVX2 in
+ * attn_mla_avx2.c); kc_mla_attn (attn.c) calls the AVX2 path.
  */
 #ifndef DS_KERNELS_CPU_ATTN_MLA_H
 #define DS_KERNELS_CPU_ATTN_MLA_H
@@ -25,10 +27,6 @@ typedef struct kc_mla_group {
 	int G;
 } kc_mla_group;
 
-/* rows[i] = the cache row of position j0 + i of token t's sequence, i < n
- * (through its block table). */
-void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, const float **rows);
-
 /* Keys per stretch: the keys of a token are attended stretch by stretch,
  * the stretches fixed by position, and a deep token's stretches folded in
  * order by log-sum-exp:
@@ -39,43 +37,27 @@ void kc_mla_rows(const kb_mla_attn_args *a, int64_t t, int64_t j0, int64_t n, co
  * count.  A token of up to MLA_SPLIT keys is one stretch. */
 #define MLA_SPLIT 1024
 
-/* What a SIMD path's item runs: token t, heads [h0, h1), keys [j0, j1).
- * Head h0 + i sums into out + i * kv_lora; when ml is not NULL (one
- * stretch of a deep token) the item leaves those sums unnormalised and
- * writes the head's max and normaliser to ml[2i], ml[2i + 1]. */
-typedef struct kc_mla_span {
-	int64_t t, h0, h1, j0, j1;
-	float *out, *ml;
-} kc_mla_span;
+/* Rows of the cache a group works on at a time (in L2: 288 KiB for
+ * DeepSeek's 576 floats a row). */
+#define MLA_CHUNK 128
 
-/* A SIMD path's item body: sp's heads in groups of `group` over sp's keys
- * (kc_mla_group_start ... kc_mla_span_end). */
-typedef void (*kc_mla_span_fn)(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group);
+/* A SIMD path's body: n <= MLA_CHUNK rows for group s, the online softmax
+ * over them; rows[0..npf) are known, and the path asks for the ones beyond
+ * the chunk (npf = 0 for an item's later groups, which find the rows in
+ * L2). */
+typedef void (*kc_mla_chunk_fn)(kc_mla_group *s, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
+				int64_t npf);
 
 /* A whole kc_mla_attn on a SIMD path: cuts a's work into items (groups of
  * at most gmax heads; the fewest items per token, or per token-stretch,
  * that give every pool thread one, two when tokens are split: a last
- * stretch is short), runs fn over them on the pool, and folds the deep
- * tokens' stretches into a->out.  DS_ENOMEM when the plan cannot be
+ * stretch is short) and runs them on the pool.  An item works chunk by
+ * chunk, all its groups on a chunk before the next, so a chunk comes from
+ * memory once for all its heads; its first group's fn is given the rows up
+ * to `ahead` past the chunk (at most 16).  Then the deep tokens'
+ * stretches are folded into a->out.  DS_ENOMEM when the plan cannot be
  * allocated. */
-int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, kc_mla_span_fn fn);
-
-/* Points s at heads [h0, h0 + G) of sp's token, their output rows where sp
- * puts them, zeroed; max -inf, normaliser 0. */
-void kc_mla_group_start(kc_mla_group *s, const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t h0, int G);
-/* The end of sp's item, whose heads are the ng groups st: each head's
- * output divided by its normaliser, or its max and normaliser kept for the
- * fold. */
-void kc_mla_span_end(const kc_mla_span *sp, const kc_mla_group *st, int ng, int64_t lora);
-
-/* How the SIMD paths cut heads into items, for n_units token-stretches and
- * want items in all.  *group: the heads that share each cache row load in
- * registers, the largest power-of-two fraction of gmax that still gives
- * want items.  *per_item: the heads of one item (whole groups, at most
- * MLA_ITEM_GROUPS of them), the fewest items per unit that still give want.
- * An item works chunk by chunk, all its groups on a chunk before the next,
- * so its rows come from memory once for all its heads. */
-void kc_mla_items(int64_t n_units, int64_t n_heads, int64_t gmax, int64_t want, int64_t *group, int64_t *per_item);
+int kc_mla_work_run(const kb_mla_attn_args *a, int64_t gmax, int64_t ahead, kc_mla_chunk_fn fn);
 
 /* kc_mla_attn on AVX2 (arguments already checked): heads in groups of up to
  * 8 share each cache row load.  DS_EUNSUPPORTED when kv_lora or rope_dim is

@@ -27,7 +27,6 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#define MLA_CHUNK 128
 #define MLA_GMAX MLA_GROUP_MAX /* heads per group */
 #define MLA_SUB 4  /* heads per pass over a chunk (two passes for 8) */
 #define MLA_PF 8   /* rows ahead asked for into L2 */
@@ -92,18 +91,18 @@ __attribute__((always_inline)) static inline void scores_fixed(const int G, cons
 			sc[g][i + r] = scale * kc_hsum8(acc[r][g]);
 }
 
-/* The chunk's n rows scored for G heads, three rows at a time; prefetch (the
- * first pass over the chunk) asks for the rows MLA_PF on, of npf known. */
+/* The chunk's n rows scored for G heads, three rows at a time, asking for
+ * the rows MLA_PF on, of npf known (0: none, the rows are in L2). */
 __attribute__((always_inline)) static inline void chunk_scores(const int G, float sc[][MLA_CHUNK],
 							      const float *const *ql, const float *const *qp,
 							      const float *const *rows, int64_t n, int64_t npf,
-							      int prefetch, int64_t lora, int64_t rope, float scale)
+							      int64_t lora, int64_t rope, float scale)
 {
 	int64_t i = 0;
 	const float *pf[3];
 	for (; i < n; i += 3) {
 		for (int r = 0; r < 3; r++)
-			pf[r] = prefetch && i + r + MLA_PF < npf ? rows[i + r + MLA_PF] : NULL;
+			pf[r] = i + r + MLA_PF < npf ? rows[i + r + MLA_PF] : NULL;
 		if (i + 3 <= n)
 			scores_fixed(G, 3, sc, ql, qp, rows, i, pf, lora, rope, scale);
 		else if (i + 2 == n)
@@ -158,14 +157,14 @@ __attribute__((always_inline)) static inline void chunk_wsum(const int G, float 
 
 /* One pass of g <= MLA_SUB heads over a chunk: scores, or the weighted sum. */
 static void sub_scores(int g, float sc[][MLA_CHUNK], const float *const *ql, const float *const *qp,
-		       const float *const *rows, int64_t n, int64_t npf, int prefetch, int64_t lora,
-		       int64_t rope, float scale)
+		       const float *const *rows, int64_t n, int64_t npf, int64_t lora, int64_t rope,
+		       float scale)
 {
 	switch (g) {
-	case 1: chunk_scores(1, sc, ql, qp, rows, n, npf, prefetch, lora, rope, scale); break;
-	case 2: chunk_scores(2, sc, ql, qp, rows, n, npf, prefetch, lora, rope, scale); break;
-	case 3: chunk_scores(3, sc, ql, qp, rows, n, npf, prefetch, lora, rope, scale); break;
-	default: chunk_scores(4, sc, ql, qp, rows, n, npf, prefetch, lora, rope, scale); break;
+	case 1: chunk_scores(1, sc, ql, qp, rows, n, npf, lora, rope, scale); break;
+	case 2: chunk_scores(2, sc, ql, qp, rows, n, npf, lora, rope, scale); break;
+	case 3: chunk_scores(3, sc, ql, qp, rows, n, npf, lora, rope, scale); break;
+	default: chunk_scores(4, sc, ql, qp, rows, n, npf, lora, rope, scale); break;
 	}
 }
 
@@ -180,19 +179,19 @@ static void sub_wsum(int g, float *const *out, float w[][MLA_CHUNK], const float
 	}
 }
 
-/* One chunk of n rows for a group with the online softmax, in passes of
- * MLA_SUB heads, the later passes reading its rows from L2; the first pass
- * asks for the rows up to rows[npf - 1] MLA_PF ahead when prefetch (the
- * item's first group, the one that reads the rows from memory). */
+/* kc_mla_chunk_fn: one chunk of n rows for a group with the online
+ * softmax, in passes of MLA_SUB heads, the later passes reading its rows
+ * from L2; the first pass asks for the rows MLA_PF ahead, up to
+ * rows[npf - 1] (npf = 0 for an item's later groups). */
 static void group_chunk(kc_mla_group *st, const kb_mla_attn_args *a, const float *const *rows, int64_t n,
-			int64_t npf, int prefetch)
+			int64_t npf)
 {
 	const int64_t lora = a->kv_lora, rope = a->rope_dim;
 	const int G = st->G;
 	_Alignas(32) float sc[MLA_GMAX][MLA_CHUNK];
 	for (int s = 0; s < G; s += MLA_SUB)
-		sub_scores(G - s < MLA_SUB ? G - s : MLA_SUB, sc + s, st->ql + s, st->qp + s, rows, n, npf,
-			   prefetch && s == 0, lora, rope, a->scale);
+		sub_scores(G - s < MLA_SUB ? G - s : MLA_SUB, sc + s, st->ql + s, st->qp + s, rows, n,
+			   s == 0 ? npf : 0, lora, rope, a->scale);
 	for (int g = 0; g < G; g++) {
 		float cmax = -INFINITY;
 		for (int64_t i = 0; i < n; i++)
@@ -222,34 +221,13 @@ static void group_chunk(kc_mla_group *st, const kb_mla_attn_args *a, const float
 		sub_wsum(G - s < MLA_SUB ? G - s : MLA_SUB, st->out + s, sc + s, rows, n, lora);
 }
 
-/* kc_mla_span_fn: sp's heads in groups of `group`, over its keys chunk by chunk: every
- * group works on a chunk before the next chunk, so its rows come from
- * memory for the first group and from L2 for the others.  Each group's
- * arithmetic is what it would be alone. */
-static void item(const kb_mla_attn_args *a, const kc_mla_span *sp, int64_t group)
-{
-	kc_mla_group st[MLA_ITEM_GROUPS];
-	int ng = 0;
-	for (int64_t h = sp->h0; h < sp->h1; h += group)
-		kc_mla_group_start(&st[ng++], a, sp, h, (int)(sp->h1 - h < group ? sp->h1 - h : group));
-	const float *rows[MLA_CHUNK + MLA_PF];
-	const int64_t keys = a->tok_pos[sp->t] + 1; /* the prefetch runs on into the next stretch */
-	for (int64_t j0 = sp->j0; j0 < sp->j1; j0 += MLA_CHUNK) {
-		const int64_t n = sp->j1 - j0 < MLA_CHUNK ? sp->j1 - j0 : MLA_CHUNK;
-		const int64_t npf = keys - j0 < n + MLA_PF ? keys - j0 : n + MLA_PF;
-		kc_mla_rows(a, sp->t, j0, npf, rows);
-		for (int k = 0; k < ng; k++)
-			group_chunk(&st[k], a, rows, n, npf, k == 0);
-	}
-	kc_mla_span_end(sp, st, ng, a->kv_lora);
-}
 #pragma GCC pop_options
 
 int kc_mla_attn_avx2(const kb_mla_attn_args *a)
 {
 	if (a->kv_lora % 8 || a->rope_dim % 8)
 		return DS_EUNSUPPORTED;
-	return kc_mla_work_run(a, MLA_GMAX, item);
+	return kc_mla_work_run(a, MLA_GMAX, MLA_PF, group_chunk);
 }
 #else
 int kc_mla_attn_avx2(const kb_mla_attn_args *a)
