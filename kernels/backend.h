@@ -218,16 +218,18 @@ typedef struct kb_attn_args {
 } kb_attn_args;
 
 /* Grouped-query attention over a paged cache (llama-family decode and
- * prefill).  A cache row is one token of one layer, row_stride floats: K of
- * every kv head at k_off ([n_kv_heads][head_dim]) and V at v_off.  Rows are
- * found through block tables as for kb_mla_attn_args; token t attends to
- * positions 0..tok_pos[t] of sequence tok_seq[t]; query head h reads kv head
- * h / (n_heads / n_kv_heads). */
+ * prefill).  A cache row is one token of one layer, row_stride elements of
+ * cache_type (KB_F32, or KB_F16: IEEE half, read as its exact f32 value): K
+ * of every kv head at k_off ([n_kv_heads][head_dim]) and V at v_off.  Rows
+ * are found through block tables as for kb_mla_attn_args; token t attends
+ * to positions 0..tok_pos[t] of sequence tok_seq[t]; query head h reads kv
+ * head h / (n_heads / n_kv_heads).  The arithmetic is f32 either way. */
 typedef struct kb_paged_attn_args {
 	float *out;       /* [n_tok][n_heads][head_dim], out_stride per token */
 	const float *q;   /* [n_tok][n_heads][head_dim], q_stride per token */
 	int64_t n_tok, n_heads, n_kv_heads, head_dim, q_stride, out_stride;
-	const float *cache;
+	const void *cache;
+	enum kb_dtype cache_type; /* KB_F32 (0, the default) or KB_F16 */
 	int64_t page_size, row_stride, k_off, v_off;
 	const int32_t *block_tables;
 	int64_t max_blocks;

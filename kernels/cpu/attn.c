@@ -280,6 +280,7 @@ typedef struct mla_job {
 typedef struct paged_job {
 	const kb_paged_attn_args *a;
 	vec_ops v;
+	int oom; /* an F16 chunk buffer could not be allocated */
 } paged_job;
 
 typedef struct attn_job {
@@ -807,11 +808,33 @@ int kc_attn(const kb_attn_args *a)
 	return DS_OK;
 }
 
+/* A chunk's row i of an F16 cache: K and V of the head's KV head as f32 at
+ * cvt + 2 hd i (K, then V). */
+static void paged_cvt(float *cvt, const kb_paged_attn_args *a, const int32_t *bt, int64_t j0, int64_t n, int64_t kh)
+{
+	const int64_t hd = a->head_dim;
+	for (int64_t i = 0; i < n; i++) {
+		const int64_t j = j0 + i, slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
+		const uint16_t *r = (const uint16_t *)a->cache + slot * a->row_stride;
+		for (int64_t d = 0; d < hd; d++) {
+			cvt[i * 2 * hd + d] = kc_f16_to_f32(r[a->k_off + kh * hd + d]);
+			cvt[i * 2 * hd + hd + d] = kc_f16_to_f32(r[a->v_off + kh * hd + d]);
+		}
+	}
+}
+
 static void paged_range(void *ctx, int64_t begin, int64_t end)
 {
-	const kb_paged_attn_args *a = ((const paged_job *)ctx)->a;
-	const vec_ops v = ((const paged_job *)ctx)->v;
+	paged_job *job = ctx;
+	const kb_paged_attn_args *a = job->a;
+	const vec_ops v = job->v;
 	const int64_t group = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+	const int f16 = a->cache_type == KB_F16;
+	float *cvt = f16 ? malloc((size_t)(ATT_CHUNK * 2 * hd) * sizeof *cvt) : NULL;
+	if (f16 && !cvt) {
+		__atomic_store_n(&job->oom, 1, __ATOMIC_RELAXED);
+		return;
+	}
 	for (int64_t th = begin; th < end; th++) {
 		int64_t t = th / a->n_heads, h = th % a->n_heads, kh = h / group;
 		const float *q = a->q + t * a->q_stride + h * hd;
@@ -819,16 +842,19 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 		const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
 		float m = -INFINITY, l = 0.0f, sc[ATT_CHUNK];
 		const float *rows[ATT_CHUNK];
+		const int64_t koff = f16 ? 0 : a->k_off + kh * hd, voff = f16 ? hd : a->v_off + kh * hd;
 		memset(out, 0, (size_t)hd * sizeof *out);
 		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 			float cmax = -INFINITY;
+			if (f16)
+				paged_cvt(cvt, a, bt, j0, n, kh);
 			for (int64_t i = 0; i < n; i++) {
 				int64_t j = j0 + i;
 				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
-				rows[i] = a->cache + slot * a->row_stride;
+				rows[i] = f16 ? cvt + i * 2 * hd : (const float *)a->cache + slot * a->row_stride;
 			}
-			v.scores(sc, q, rows, a->k_off + kh * hd, n, hd, a->scale, 0);
+			v.scores(sc, q, rows, koff, n, hd, a->scale, 0);
 			for (int64_t i = 0; i < n; i++)
 				cmax = sc[i] > cmax ? sc[i] : cmax;
 			if (cmax > m) {
@@ -838,12 +864,13 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 				m = cmax;
 			}
 			l += v.exp_sub(sc, m, n);
-			v.wsum(out, sc, rows, a->v_off + kh * hd, n, hd);
+			v.wsum(out, sc, rows, voff, n, hd);
 		}
 		float inv = 1.0f / l;
 		for (int64_t i = 0; i < hd; i++)
 			out[i] *= inv;
 	}
+	free(cvt);
 }
 
 int kc_paged_attn(const kb_paged_attn_args *a)
@@ -851,12 +878,13 @@ int kc_paged_attn(const kb_paged_attn_args *a)
 	if (a->n_tok < 0 || a->n_heads <= 0 || a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads ||
 	    a->head_dim <= 0 || a->page_size <= 0 || a->k_off < 0 || a->v_off < 0 ||
 	    a->row_stride < a->k_off + a->n_kv_heads * a->head_dim ||
-	    a->row_stride < a->v_off + a->n_kv_heads * a->head_dim)
+	    a->row_stride < a->v_off + a->n_kv_heads * a->head_dim ||
+	    (a->cache_type != KB_F32 && a->cache_type != KB_F16))
 		return DS_EINVAL;
 	int rc = kc_paged_attn_simd(a, kc_isa_active());
 	if (rc != DS_EUNSUPPORTED)
 		return rc;
-	paged_job job = {a, pick_ops()};
+	paged_job job = {a, pick_ops(), 0};
 	kc_parallel_for(a->n_tok * a->n_heads, 1, paged_range, &job);
-	return DS_OK;
+	return job.oom ? DS_ENOMEM : DS_OK;
 }

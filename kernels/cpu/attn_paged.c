@@ -76,6 +76,9 @@ static void fold_start(float *O, float *M, float *L, int64_t nh, int64_t hd)
 #define TILE_HMAX 16
 #define BLK 64          /* keys scored at a time (within one page) */
 #define SPLIT 256       /* decode: keys per stretch (a multiple of BLK) */
+/* F16 cache: the floats of a row an item converts (its K and V slices), at
+ * most; a block's rows converted take BLK times that on the item's stack */
+#define CVT_ROW (2 * DEC_HDMAX)
 
 typedef struct pitem {
 	int64_t t;      /* decode: the token; tile: its first token */
@@ -95,6 +98,19 @@ typedef struct paged_ctx {
 	int64_t slot_floats;
 	int wide;    /* 1: the AVX-512 bodies */
 } paged_ctx;
+
+/* Bytes of a cache element */
+static int64_t cache_esize(const kb_paged_attn_args *a)
+{
+	return a->cache_type == KB_F16 ? 2 : 4;
+}
+
+/* Row of key j of token t's sequence (its first element, whatever the type) */
+static const void *key_row(const kb_paged_attn_args *a, const int32_t *bt, int64_t j)
+{
+	const int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
+	return (const char *)a->cache + slot * a->row_stride * cache_esize(a);
+}
 
 /* ---- AVX-512 ---- */
 #pragma GCC push_options
@@ -118,6 +134,7 @@ __attribute__((always_inline)) static inline void hsum4_16(__m512 a, __m512 b, _
 #define VF __m512
 #define SFX(n) n##_avx512
 #define VLOAD(p) _mm512_loadu_ps(p)
+#define VLOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define VSTORE(p, v) _mm512_storeu_ps((p), (v))
 #define VSET1(x) _mm512_set1_ps(x)
 #define VZERO() _mm512_setzero_ps()
@@ -137,7 +154,7 @@ __attribute__((always_inline)) static inline void hsum4_16(__m512 a, __m512 b, _
 
 /* ---- AVX2 ---- */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 __attribute__((always_inline)) static inline float hmax8(__m256 v)
 {
 	__m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -156,6 +173,7 @@ __attribute__((always_inline)) static inline void hsum4_8(__m256 a, __m256 b, __
 #define VF __m256
 #define SFX(n) n##_avx2
 #define VLOAD(p) _mm256_loadu_ps(p)
+#define VLOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define VSTORE(p, v) _mm256_storeu_ps((p), (v))
 #define VSET1(x) _mm256_set1_ps(x)
 #define VZERO() _mm256_setzero_ps()
@@ -183,12 +201,6 @@ static void fold_out(const kb_paged_attn_args *a, int64_t t, int64_t h0, const f
 	}
 }
 
-/* Row of key j of token t's sequence */
-static const float *key_row(const kb_paged_attn_args *a, const int32_t *bt, int64_t j)
-{
-	return a->cache + ((int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size) * a->row_stride;
-}
-
 /* Keys of the block from jb: up to the next multiple of BLK, before j1.
  * Blocks follow positions, not pages, so the rescale points of the online
  * softmax (hence the rounding) do not depend on the page size. */
@@ -198,28 +210,36 @@ static int64_t block_keys(int64_t jb, int64_t j1)
 	return n < j1 - jb ? n : j1 - jb;
 }
 
-/* Reads one float of every cache line of the item's bytes of n rows, in
- * address order: the rows of a block come in as one sequential stream.  The
- * kernels then read each row slice once per KV head (K, then V), six
- * strided passes over the block for SmolLM2; straight from memory those
- * kept few lines in flight, and software prefetches of the next block (24
- * lines per row) did no better: measured single-threaded at depth 2048,
- * 0.30 of the read probe without this pass and 0.60 with it. */
-static float touch_rows(const float *const *rows, int64_t n, int64_t lo, int64_t hi)
+/* Reads one float of every cache line of the item's bytes [lo, hi) of n
+ * rows, in address order: the rows of a block come in as one sequential
+ * stream.  The kernels then read each row slice once per KV head (K, then
+ * V), six strided passes over the block for SmolLM2; straight from memory
+ * those kept few lines in flight, and software prefetches of the next block
+ * (24 lines per row) did no better: measured single-threaded at depth 2048,
+ * 0.30 of the read probe without this pass and 0.60 with it.  An F16
+ * cache's conversion pass, which loads, converts and stores, kept as few
+ * lines in flight: it follows this pass too (bench_kernels --attn). */
+static void touch_span(float s[4], const char *r, int64_t lo, int64_t hi)
+{
+	int64_t b = lo;
+	for (; b + 192 < hi; b += 256) {
+		s[0] += *(const float *)(r + b);
+		s[1] += *(const float *)(r + b + 64);
+		s[2] += *(const float *)(r + b + 128);
+		s[3] += *(const float *)(r + b + 192);
+	}
+	for (; b < hi; b += 64)
+		s[0] += *(const float *)(r + b);
+}
+
+/* bytes [lo, hi) of each row, then [lo2, hi2) (empty when lo2 >= hi2) */
+static float touch_rows(const void *const *rows, int64_t n, int64_t lo, int64_t hi, int64_t lo2, int64_t hi2)
 {
 	/* four sums, so the adds do not chain the loads */
 	float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 	for (int64_t i = 0; i < n; i++) {
-		const float *r = rows[i];
-		int64_t b = lo;
-		for (; b + 48 < hi; b += 64) {
-			s[0] += r[b];
-			s[1] += r[b + 16];
-			s[2] += r[b + 32];
-			s[3] += r[b + 48];
-		}
-		for (; b < hi; b += 16)
-			s[0] += r[b];
+		touch_span(s, rows[i], lo, hi);
+		touch_span(s, rows[i], lo2, hi2);
 	}
 	return s[0] + s[1] + s[2] + s[3];
 }
@@ -245,6 +265,17 @@ static void dec_item(const paged_ctx *x, const pitem *p)
 	const int64_t klo = a->k_off + p->kh0 * hd, khi = a->k_off + p->kh1 * hd;
 	const int64_t vlo = a->v_off + p->kh0 * hd, vhi = a->v_off + p->kh1 * hd;
 	const int64_t lo = klo < vlo ? klo : vlo, hi = khi > vhi ? khi : vhi;
+	/* F16: a block's K and V slices are converted into cv first (row i at
+	 * cv + 2 w i, K then V), which reads the rows in address order as the
+	 * touch does; the kernels then see those rows through offsets from kh0 */
+	const int f16 = a->cache_type == KB_F16;
+	const int64_t w = (p->kh1 - p->kh0) * hd;
+	kb_paged_attn_args ac = *a;
+	if (f16) {
+		ac.k_off = -p->kh0 * hd;
+		ac.v_off = w - p->kh0 * hd;
+	}
+	_Alignas(64) float cv[BLK * CVT_ROW]; /* F16 only (128 KiB of stack) */
 	fold_start(O, M, L, nh, hd);
 	for (int64_t s = p->s0; s < p->s1; s++) {
 		const int64_t j0 = s * SPLIT, j1 = (s + 1) * SPLIT < keys ? (s + 1) * SPLIT : keys;
@@ -252,19 +283,33 @@ static void dec_item(const paged_ctx *x, const pitem *p)
 		for (int64_t jb = j0; jb < j1;) {
 			const int64_t n = block_keys(jb, j1);
 			const float *rows[BLK];
-			for (int64_t i = 0; i < n; i++)
-				rows[i] = key_row(a, bt, jb + i);
-			sink += touch_rows(rows, n, lo, hi);
+			if (f16) {
+				const void *src[BLK];
+				for (int64_t i = 0; i < n; i++)
+					src[i] = key_row(a, bt, jb + i);
+				/* only the slices: with many KV heads what lies between is other items' */
+				sink += touch_rows(src, n, 2 * klo, 2 * khi, 2 * vlo, 2 * vhi);
+				if (x->wide)
+					cvt_rows_avx512(cv, src, n, klo, vlo, w);
+				else
+					cvt_rows_avx2(cv, src, n, klo, vlo, w);
+				for (int64_t i = 0; i < n; i++)
+					rows[i] = cv + i * 2 * w;
+			} else {
+				for (int64_t i = 0; i < n; i++)
+					rows[i] = key_row(a, bt, jb + i);
+				sink += touch_rows((const void *const *)rows, n, 4 * lo, 4 * hi, 0, 0);
+			}
 			for (int64_t kh = p->kh0; kh < p->kh1; kh++)
 				for (int64_t g0 = 0; g0 < G; g0 += DEC_GMAX) {
 					const int64_t gi = (kh - p->kh0) * G + g0;
 					const int g = (int)(G - g0 < DEC_GMAX ? G - g0 : DEC_GMAX);
 					if (x->wide)
-						dec_block_avx512(g, a, kh, q + gi * hd, rows, n, acc + gi * hd, m + gi,
-								 l + gi);
+						dec_block_avx512(g, &ac, kh, q + gi * hd, rows, n, acc + gi * hd,
+								 m + gi, l + gi);
 					else
-						dec_block_avx2(g, a, kh, q + gi * hd, rows, n, acc + gi * hd, m + gi,
-							       l + gi);
+						dec_block_avx2(g, &ac, kh, q + gi * hd, rows, n, acc + gi * hd,
+							       m + gi, l + gi);
 				}
 			jb += n;
 		}
@@ -331,7 +376,10 @@ int kc_paged_attn_simd(const kb_paged_attn_args *a, enum kc_isa isa)
 	if (isa < KC_ISA_AVX2 || hd % 8 != 0 || hd > DEC_HDMAX || G * hd > ITEM_FMAX)
 		return DS_EUNSUPPORTED;
 	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
-	const int64_t kv_per = ITEM_FMAX / (G * hd) < KV ? ITEM_FMAX / (G * hd) : KV; /* KV heads an item can hold */
+	/* KV heads an item can hold (F16: whose slices its conversion holds) */
+	int64_t kv_per = ITEM_FMAX / (G * hd) < KV ? ITEM_FMAX / (G * hd) : KV;
+	if (a->cache_type == KB_F16 && kv_per > CVT_ROW / (2 * hd))
+		kv_per = CVT_ROW / (2 * hd);
 	int64_t n_dec = 0, n_tiles = 0, n_stretch = 0;
 	for (int64_t t = 0, e; t < a->n_tok; t = e) {
 		e = run_end(a, t);

@@ -7,6 +7,7 @@
  *   VF            the vector type (__m512 / __m256)
  *   SFX(name)     the name with the ISA's suffix
  *   VLOAD(p) VSTORE(p, v) VSET1(x) VZERO() VFMA(a, b, c) = a * b + c
+ *   VLOADH(p)     VW IEEE halves at p as f32
  *   VMUL VADD VSUB VMAX  VEXP(v)  VHSUM(v) VHMAX(v)
  *   VBLEND_LT(pos, j, a, b)  a where lanes of pos >= j, else b (the causal mask)
  *   VHSUM4(a, b, c, d, out)  out[0..3] = the horizontal sums of a, b, c, d
@@ -203,6 +204,20 @@ static void SFX(dec_block)(int g, const kb_paged_attn_args *a, int64_t kh, const
 	}
 }
 
+/* F16 cache: elements [k0, k0 + w) and [v0, v0 + w) of the n rows src[i]
+ * as f32, row i at cv + 2 w i (K, then V); w % VW == 0. */
+static void SFX(cvt_rows)(float *cv, const void *const *src, int64_t n, int64_t k0, int64_t v0, int64_t w)
+{
+	for (int64_t i = 0; i < n; i++) {
+		const uint16_t *r = src[i];
+		float *o = cv + i * 2 * w;
+		for (int64_t d = 0; d < w; d += VW)
+			VSTORE(o + d, VLOADH(r + k0 + d));
+		for (int64_t d = 0; d < w; d += VW)
+			VSTORE(o + w + d, VLOADH(r + v0 + d));
+	}
+}
+
 /* ---------------- prefill tile: nq <= VW consecutive tokens, one head ---------------- */
 
 /* Scores, softmax update and weighted sum of one block (n keys, their rows;
@@ -291,7 +306,7 @@ __attribute__((always_inline)) static inline void SFX(tile_block)(const float *q
 static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh)
 {
 	const kb_paged_attn_args *a = x->a;
-	const int64_t hd = a->head_dim, ps = a->page_size, rs = a->row_stride;
+	const int64_t hd = a->head_dim;
 	const int64_t kh = h0 / (a->n_heads / a->n_kv_heads);
 	const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t0] * a->max_blocks;
 	const int64_t p0 = a->tok_pos[t0], plast = a->tok_pos[t0 + nq - 1];
@@ -299,6 +314,8 @@ static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh
 	_Alignas(64) float acc[TILE_FMAX]; /* per head [d][lane] */
 	_Alignas(64) float sc[BLK * VW];   /* [key][lane] */
 	_Alignas(64) float pos[VW];
+	const int f16 = a->cache_type == KB_F16;
+	_Alignas(64) float cv[BLK * 2 * DEC_HDMAX]; /* F16: a block's K and V of kh (128 KiB of stack) */
 	VF m[TILE_HMAX], l[TILE_HMAX];
 	for (int g = 0; g < nh; g++) {
 		for (int i = 0; i < VW; i++) {
@@ -320,13 +337,23 @@ static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh
 		int64_t n = plast + 1 - jb;
 		n = n < BLK ? n : BLK;
 		const float *rows[BLK];
-		for (int64_t i = 0; i < n; i++)
-			rows[i] = a->cache + ((int64_t)bt[(jb + i) / ps] * ps + (jb + i) % ps) * rs;
+		int64_t koff = a->k_off + kh * hd, voff = a->v_off + kh * hd;
+		if (f16) {
+			const void *src[BLK];
+			for (int64_t i = 0; i < n; i++)
+				src[i] = key_row(a, bt, jb + i);
+			SFX(cvt_rows)(cv, src, n, koff, voff, hd);
+			for (int64_t i = 0; i < n; i++)
+				rows[i] = cv + i * 2 * hd;
+			koff = 0, voff = hd;
+		} else {
+			for (int64_t i = 0; i < n; i++)
+				rows[i] = key_row(a, bt, jb + i);
+		}
 		const int masked = jb + n - 1 > p0; /* some key of the block lies past a lane's token */
 		for (int g = 0; g < nh; g++)
-			SFX(tile_block)(qt + g * hd * VW, acc + g * hd * VW, &m[g], &l[g], sc,
-					rows, a->k_off + kh * hd, a->v_off + kh * hd, hd, n, jb, masked,
-					vpos);
+			SFX(tile_block)(qt + g * hd * VW, acc + g * hd * VW, &m[g], &l[g], sc, rows, koff, voff,
+					hd, n, jb, masked, vpos);
 		jb += n;
 	}
 	for (int g = 0; g < nh; g++) {
@@ -345,6 +372,7 @@ static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh
 #undef VF
 #undef SFX
 #undef VLOAD
+#undef VLOADH
 #undef VSTORE
 #undef VSET1
 #undef VZERO

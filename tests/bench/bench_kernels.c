@@ -610,25 +610,42 @@ static void bench_attn(void)
 					.page_size = ps, .row_stride = row, .k_off = 0, .v_off = KV * hd,
 					.block_tables = table, .max_blocks = pages, .tok_seq = seq, .tok_pos = pos,
 					.scale = 0.125f};
-		for (size_t di = 0; di < sizeof depths / sizeof depths[0]; di++) {
-			const int D = depths[di];
-			pos[0] = D - 1;
-			double best = 1e30;
-			probe_bandwidth();
-			for (int rep = 0; rep < 5; rep++) {
-				double t0 = ds_now_s();
-				for (int l = 0; l < L; l++) {
-					a.cache = cache[l];
-					kc_paged_attn(&a);
-				}
-				double dt = (ds_now_s() - t0) / L;
-				best = dt < best ? dt : best;
+		/* the same rows as IEEE halves (magnitudes 2^-5 .. 2^-1), in another set of layers */
+		uint16_t **c16 = malloc(sizeof *c16 * (size_t)L);
+		size_t c16len = 0;
+		for (int l = 0; l < L; l++) {
+			c16[l] = ds_huge_alloc(sizeof(uint16_t) * (size_t)(pages * ps * row), &c16len);
+			for (int64_t i = 0; i < pages * ps * row; i++) {
+				const uint32_t r = (uint32_t)((uint64_t)(i + l) * 2654435761u >> 7);
+				c16[l][i] = (uint16_t)((r & 1) << 15 | (10 + r % 5) << 10 | (r >> 4 & 0x3ff));
 			}
-			double gbs = (double)D * (double)row * 4.0 / best / 1e9;
-			printf("paged attn decode %-16s (%d heads on %d x %d) depth %5d: %8.1f us per layer, %5.1f GB/s of "
-			       "K/V, %.2f of the read probe (%.1f GB/s)\n",
-			       shapes[si].name, H, KV, hd, D, best * 1e6, gbs, gbs * 1e9 / bw_best, bw_best / 1e9);
 		}
+		for (int f16 = 0; f16 <= 1; f16++)
+			for (size_t di = 0; di < sizeof depths / sizeof depths[0]; di++) {
+				const int D = depths[di];
+				pos[0] = D - 1;
+				a.cache_type = f16 ? KB_F16 : KB_F32;
+				double best = 1e30;
+				probe_bandwidth();
+				for (int rep = 0; rep < 5; rep++) {
+					double t0 = ds_now_s();
+					for (int l = 0; l < L; l++) {
+						a.cache = f16 ? (const void *)c16[l] : cache[l];
+						kc_paged_attn(&a);
+					}
+					double dt = (ds_now_s() - t0) / L;
+					best = dt < best ? dt : best;
+				}
+				double gbs = (double)D * (double)row * (f16 ? 2.0 : 4.0) / best / 1e9;
+				printf("paged attn decode %-16s (%d heads on %d x %d) %s depth %5d: %8.1f us per layer, %5.1f "
+				       "GB/s of K/V, %.2f of the read probe (%.1f GB/s)\n",
+				       shapes[si].name, H, KV, hd, f16 ? "f16" : "f32", D, best * 1e6, gbs,
+				       gbs * 1e9 / bw_best, bw_best / 1e9);
+			}
+		a.cache_type = KB_F32;
+		for (int l = 0; l < L; l++)
+			ds_huge_free(c16[l], c16len);
+		free(c16);
 		for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
 			const int C = chunks[ci];
 			for (int i = 0; i < C; i++)

@@ -21,7 +21,17 @@ typedef struct pa_case {
 	const int *seq_len; /* positions cached per sequence (all tokens' keys are in the cache) */
 	int n_tok;
 	const int32_t *seq, *pos;
+	int f16; /* the cache in IEEE halves (KB_F16) */
 } pa_case;
+
+/* A random half of magnitude 2^-3 .. 2^1 (exponent 12 .. 16), or one of the
+ * subnormals (exponent 0), either sign. */
+static uint16_t rand_half(void)
+{
+	const uint64_t r = ut_rand_u64();
+	const unsigned e = r % 8 == 0 ? 0 : 12 + (unsigned)(r >> 8) % 5;
+	return (uint16_t)((r >> 16 & 1) << 15 | e << 10 | (r >> 20 & 0x3ff));
+}
 
 /* out[h][d] = softmax_j(scale q_h . K_j) V_j over j <= pos, in double */
 static void ref_token(const pa_case *c, const float *cache, const int32_t *table, int row, const float *q,
@@ -79,13 +89,17 @@ static void run_case(const pa_case *c)
 				table[i * max_blocks + b] = perm[used++];
 	CHECK(used <= c->pages);
 	float *cache = malloc(sizeof(float) * (size_t)c->pages * (size_t)c->ps * (size_t)row);
+	uint16_t *cache16 = malloc(sizeof(uint16_t) * (size_t)c->pages * (size_t)c->ps * (size_t)row);
 	float *q = malloc(sizeof(float) * (size_t)(c->n_tok * qd));
 	float *out = malloc(sizeof(float) * (size_t)(c->n_tok * qd));
 	float *first = malloc(sizeof(float) * (size_t)(c->n_tok * qd));
 	float *alone = malloc(sizeof(float) * (size_t)qd);
 	double *ref = malloc(sizeof(double) * (size_t)(c->n_tok * qd));
-	for (int64_t i = 0; i < (int64_t)c->pages * c->ps * row; i++)
-		cache[i] = ut_rand_float(-1, 1);
+	for (int64_t i = 0; i < (int64_t)c->pages * c->ps * row; i++) {
+		/* F16: the reference reads the halves' exact values */
+		cache16[i] = rand_half();
+		cache[i] = c->f16 ? kc_f16_to_f32(cache16[i]) : ut_rand_float(-1, 1);
+	}
 	for (int i = 0; i < c->n_tok * qd; i++)
 		q[i] = ut_rand_float(-2, 2);
 	const double scale = 1.0 / sqrt((double)c->hd);
@@ -93,7 +107,8 @@ static void run_case(const pa_case *c)
 		ref_token(c, cache, table + c->seq[t] * max_blocks, row, q + t * qd, c->pos[t], scale,
 			  ref + t * qd);
 	kb_paged_attn_args a = {.out = out, .q = q, .n_tok = c->n_tok, .n_heads = c->H, .n_kv_heads = c->KV,
-				.head_dim = c->hd, .q_stride = qd, .out_stride = qd, .cache = cache,
+				.head_dim = c->hd, .q_stride = qd, .out_stride = qd,
+				.cache = c->f16 ? (const void *)cache16 : cache, .cache_type = c->f16 ? KB_F16 : KB_F32,
 				.page_size = c->ps, .row_stride = row, .k_off = 0, .v_off = c->KV * c->hd,
 				.block_tables = table, .max_blocks = max_blocks, .tok_seq = c->seq,
 				.tok_pos = c->pos, .scale = (float)scale};
@@ -116,8 +131,9 @@ static void run_case(const pa_case *c)
 				worst = e > worst || e != e ? e : worst;
 			}
 			if (!(worst <= 2e-5))
-				ut_fail(__FILE__, __LINE__, "H %d KV %d hd %d, isa %s, %d threads: max error %.3g",
-					c->H, c->KV, c->hd, kc_isa_name((enum kc_isa)isa), threads[ti], worst);
+				ut_fail(__FILE__, __LINE__, "H %d KV %d hd %d%s, isa %s, %d threads: max error %.3g",
+					c->H, c->KV, c->hd, c->f16 ? " f16" : "", kc_isa_name((enum kc_isa)isa),
+					threads[ti], worst);
 			if (ti == 0)
 				memcpy(first, out, sizeof(float) * (size_t)(c->n_tok * qd));
 			else if (memcmp(first, out, sizeof(float) * (size_t)(c->n_tok * qd)) != 0)
@@ -152,6 +168,7 @@ static void run_case(const pa_case *c)
 	free(perm);
 	free(table);
 	free(cache);
+	free(cache16);
 	free(q);
 	free(out);
 	free(first);
@@ -179,6 +196,8 @@ TEST(paged_attn_prefill_runs_and_decode_match_reference)
 	pa_case c = {.H = 9, .KV = 3, .hd = 64, .ps = 64, .pages = 40, .n_seq = 5, .seq_len = len,
 		     .n_tok = n, .seq = seq, .pos = pos};
 	run_case(&c);
+	c.f16 = 1;
+	run_case(&c);
 }
 
 TEST(paged_attn_other_shapes_match_reference)
@@ -203,4 +222,42 @@ TEST(paged_attn_other_shapes_match_reference)
 	pa_case c3 = c2;
 	c3.hd = 20;
 	run_case(&c3);
+	/* the same with the cache in halves */
+	c1.f16 = c2.f16 = c3.f16 = 1;
+	run_case(&c1);
+	run_case(&c2);
+	run_case(&c3);
+}
+
+/* The F16 cache with head_dim 256 (one KV head's K and V fill a converted
+ * row: an item holds one KV head) and 2 KV heads of 8 query heads. */
+TEST(paged_attn_f16_cache_wide_heads_match_reference)
+{
+	static const int len[] = {200, 30};
+	int32_t seq[9], pos[9];
+	seq[0] = 0, pos[0] = 199;
+	for (int i = 0; i < 8; i++)
+		seq[1 + i] = 1, pos[1 + i] = 22 + i;
+	pa_case c = {.H = 16, .KV = 2, .hd = 256, .ps = 32, .pages = 10, .n_seq = 2, .seq_len = len,
+		     .n_tok = 9, .seq = seq, .pos = pos, .f16 = 1};
+	run_case(&c);
+}
+
+TEST(paged_attn_rejects_other_cache_types)
+{
+	float out[4], q[4], cache[8];
+	int32_t table[1] = {0}, seq[1] = {0}, pos[1] = {0};
+	kb_paged_attn_args a = {.out = out, .q = q, .n_tok = 1, .n_heads = 1, .n_kv_heads = 1, .head_dim = 4,
+				.q_stride = 4, .out_stride = 4, .cache = cache, .cache_type = KB_BF16,
+				.page_size = 1, .row_stride = 8, .v_off = 4, .block_tables = table,
+				.max_blocks = 1, .tok_seq = seq, .tok_pos = pos, .scale = 0.5f};
+	CHECK_EQ(kc_paged_attn(&a), DS_EINVAL);
+	a.cache_type = KB_F32;
+	for (int i = 0; i < 8; i++)
+		cache[i] = (float)i;
+	for (int i = 0; i < 4; i++)
+		q[i] = 1.0f;
+	CHECK_EQ(kc_paged_attn(&a), DS_OK);
+	for (int i = 0; i < 4; i++)
+		CHECK(out[i] == cache[4 + i]); /* one key: its V */
 }
