@@ -341,6 +341,7 @@ int main(int argc, char **argv)
 	sp.page_size = opts.page_size;
 	sp.prefix_caching = opts.enable_prefix_caching;
 	sp.kv_bytes = (size_t)opts.kv_cache_mb << 20;
+	sp.kv_cache_dtype = opts.kv_cache_dtype;
 	sp.auth = !opts.insecure_no_auth;
 	sp.metrics_auth = opts.metrics_auth;
 	sp.max_n = opts.max_n;

@@ -77,6 +77,9 @@ const cfg_opt agent_opts_table[] = {
 	 .def = "true", .min = 1, .max = 0,
 	 .help = "reuse the KV pages of earlier prompts that start the same way (automatic "
 		 "prefix caching; --no-enable-prefix-caching turns it off)"},
+	{.name = "kv-cache-dtype", .type = CFG_STR, .offset = O(kv_cache_dtype), .def = "auto", .min = 1,
+	 .help = "KV cache elements: auto (llama-family K/V in f16, as llama.cpp's default cache; "
+		 "DeepSeek's MLA latent rows in f32), f16 or f32"},
 	{.name = "kv-cache-mb", .type = CFG_INT, .offset = O(kv_cache_mb), .def = "1024", .min = 1,
 	 .max = 1 << 24, .help = "KV-cache memory cap in MiB (pages beyond it preempt)"},
 	{.name = "max-body-kb", .type = CFG_INT, .offset = O(max_body_kb), .def = "2048", .min = 1,

@@ -23,6 +23,7 @@ typedef struct agent_opts {
 	int metrics_auth;
 	char *cors_origin;
 	char *chat_template;     /* override name (chatml, llama3, deepseek-v3, ...) */
+	char *kv_cache_dtype;    /* auto | f16 | f32 */
 	int threads;
 	int tp, pp, ep;          /* a plan of rank processes on this machine (engine/driver.h) */
 	int ctx;

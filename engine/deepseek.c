@@ -972,8 +972,10 @@ model *deepseek_model_load(const model_params *p, msrc *src, ds_err *err)
 	/* the pages are counted for the whole model (so every rank of a plan
 	 * has the same pages, whatever its layers), then hold this stage's
 	 * layers only (cache_layer) */
-	kv_params kp = {.n_layers = c->num_hidden_layers, .row_floats = m->lora + m->rope,
+	kv_params kp = {.n_layers = c->num_hidden_layers, .row_elems = m->lora + m->rope,
 			.page_size = p->page_size > 0 ? p->page_size : 64};
+	if ((rc = model_kv_elem_bytes(p, "the MLA latent cache", 0, &kp.elem_bytes, err)))
+		goto fail;
 	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
 	kp.n_layers = end - first;
 	if (!(m->kv = kv_cache_new(&kp, err)))
@@ -1048,7 +1050,7 @@ static float *cache_row(deepseek_model *m, const eng_batch *b, int L, int32_t se
 	const kv_params *kp = kv_cache_params(m->kv);
 	int32_t page = b->block_tables[(int64_t)seq * b->max_blocks + pos / kp->page_size];
 	int64_t slot = (int64_t)page * kp->page_size + pos % kp->page_size;
-	return kv_cache_layer(m->kv, L - m->base.first_layer) + slot * kp->row_floats;
+	return (float *)kv_cache_layer(m->kv, L - m->base.first_layer) + slot * kp->row_elems;
 }
 
 /* Absorbed form for the tokens listed in a_idx[0..n). Writes o rows. */
@@ -1075,7 +1077,7 @@ static int attn_absorbed(deepseek_model *m, const eng_batch *b, int L, int n)
 				.out_stride = H * lora, .q_lat_stride = H * lora,
 				.q_pe_stride = H * rope,
 				.cache = kv_cache_layer(m->kv, L - m->base.first_layer),
-				.page_size = kp->page_size, .row_stride = kp->row_floats,
+				.page_size = kp->page_size, .row_stride = kp->row_elems,
 				.block_tables = b->block_tables, .max_blocks = b->max_blocks,
 				.tok_seq = m->a_seq, .tok_pos = m->a_pos, .scale = m->attn_scale};
 	if ((rc = kb_mla_attn(m->be, &a)))

@@ -611,6 +611,7 @@ static int argv_build(rank_argv *a, const driver_launch *l, const model_params *
 		OPT("--page-size", "%d", p->page_size);
 		OPT("--n-pages", "%d", p->n_pages);
 		OPT("--attn", "%s", attn);
+		OPT("--kv-cache-dtype", "%s", p->kv_cache_dtype ? p->kv_cache_dtype : "auto");
 		if (l->comm_timeout_ms > 0)
 			OPT("--comm-timeout-ms", "%d", l->comm_timeout_ms);
 		OPT("--log-level", "%s", l->log_level ? l->log_level : "warn");
@@ -837,7 +838,7 @@ model *driver_model_load(const model_params *p, const driver_launch *l, ds_err *
 	}
 	if (rc)
 		goto fail;
-	kv_params kp = {.n_layers = 1, .row_floats = 1, .page_size = rd.page_size,
+	kv_params kp = {.n_layers = 1, .row_elems = 1, .page_size = rd.page_size,
 			.n_pages = rd.n_pages};
 	d->max_payload = (size_t)rd.max_payload;
 	d->max_seqs = rd.max_seqs;

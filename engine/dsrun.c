@@ -48,7 +48,7 @@
 #define MAX_PROMPT_TOKENS (1 << 20)
 
 struct run_cfg {
-	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn;
+	char *model, *prompt, *chat, *tokens, *dump_logits, *tokenize, *detokenize, *backend, *attn, *kv_dtype;
 	char *system, *stop_ids;
 	int n_predict, top_k, threads, ids, bench, prompt_len, batch, json, ctx, ignore_eos, membw, profile;
 	int mmap_weights, tp, pp, ep, driver;
@@ -95,6 +95,8 @@ static const cfg_opt opts[] = {
 	 "--bench on the cpu backend: then decode N more steps with every backend call timed, "
 	 "and print where a step goes"},
 	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
+	{"kv-cache-dtype", CFG_STR, O(kv_dtype), "auto", 1, 0,
+	 "KV cache elements: auto (llama-family K/V in f16, DeepSeek's latent rows in f32), f16 or f32"},
 	{"backend", CFG_STR, O(backend), "auto", 1, 0, "compute backend: auto, cpu or cuda"},
 	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
 	 "keep safetensors weights in the file mapping (the cpu backend otherwise copies them "
@@ -799,6 +801,7 @@ static int run(const struct run_cfg *c, ds_err *err)
 	mp.source = src;
 	mp.backend = c->backend;
 	mp.threads = c->threads;
+	mp.kv_cache_dtype = c->kv_dtype;
 	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
 	if (model_attn_parse(c->attn, &mp.attn) != DS_OK) {
 		rc = ds_err_set(err, DS_EINVAL, "--attn must be auto, naive or absorbed, got '%s'", c->attn);

@@ -58,15 +58,20 @@ struct kv_cache {
 
 kv_cache *kv_cache_new(const kv_params *p, ds_err *err)
 {
-	if (p->n_layers <= 0 || p->row_floats <= 0 || p->page_size <= 0 || p->n_pages <= 0) {
+	if (p->n_layers <= 0 || p->row_elems <= 0 || p->page_size <= 0 || p->n_pages <= 0) {
 		ds_err_set(err, DS_EINVAL, "kv cache: layers, row size, page size and pages must be > 0");
+		return NULL;
+	}
+	if (p->elem_bytes != 0 && p->elem_bytes != 4 && p->elem_bytes != 2) {
+		ds_err_set(err, DS_EINVAL, "kv cache: elements of %d bytes (4: f32, 2: f16)", p->elem_bytes);
 		return NULL;
 	}
 	kv_cache *kv = calloc(1, sizeof *kv);
 	if (!kv)
 		goto oom;
 	kv->p = *p;
-	kv->layer_bytes = (size_t)p->n_pages * (size_t)p->page_size * (size_t)p->row_floats * sizeof(float);
+	kv->p.elem_bytes = p->elem_bytes ? p->elem_bytes : 4;
+	kv->layer_bytes = (size_t)p->n_pages * (size_t)p->page_size * (size_t)p->row_elems * (size_t)kv->p.elem_bytes;
 	kv->layers = calloc((size_t)p->n_layers, sizeof *kv->layers);
 	const size_t np = (size_t)p->n_pages;
 	size_t nb = 1;
@@ -110,8 +115,9 @@ kv_cache *kv_cache_new(const kv_params *p, ds_err *err)
 	kv->free_top = p->n_pages;
 	return kv;
 oom:
-	ds_err_set(err, DS_ENOMEM, "kv cache: cannot allocate %d pages of %d positions x %lld floats x %d layers",
-		   p->n_pages, p->page_size, (long long)p->row_floats, p->n_layers);
+	ds_err_set(err, DS_ENOMEM, "kv cache: cannot allocate %d pages of %d positions x %lld %s x %d layers",
+		   p->n_pages, p->page_size, (long long)p->row_elems, p->elem_bytes == 2 ? "halves" : "floats",
+		   p->n_layers);
 	kv_cache_free(kv);
 	return NULL;
 }
@@ -144,9 +150,50 @@ const kv_params *kv_cache_params(const kv_cache *kv)
 	return &kv->p;
 }
 
-float *kv_cache_layer(kv_cache *kv, int layer)
+void *kv_cache_layer(kv_cache *kv, int layer)
 {
 	return kv->layers[layer];
+}
+
+uint16_t kv_f32_to_f16(float f)
+{
+	uint32_t x;
+	memcpy(&x, &f, sizeof x);
+	const uint16_t sign = (uint16_t)(x >> 16 & 0x8000);
+	const uint32_t ax = x & 0x7fffffffu;
+	if (ax >= 0x7f800000u) /* inf stays inf, NaN stays a quiet NaN */
+		return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 | (ax >> 13 & 0x3ff) : 0));
+	if (ax >= 0x477ff000u) /* rounds to 65520 or more: beyond the largest half */
+		return (uint16_t)(sign | 0x7c00);
+	if (ax < 0x38800000u) { /* below 2^-14: a subnormal half (or zero) */
+		if (ax < 0x33000000u) /* below 2^-25, half the smallest subnormal: zero (2^-25 itself is a tie, below: even 0) */
+			return sign;
+		const uint32_t e = ax >> 23, mant = (ax & 0x7fffff) | 0x800000;
+		const uint32_t shift = 126 - e; /* the half's unit is 2^-24: mant * 2^(e - 150) / 2^-24 */
+		uint32_t h = mant >> shift;
+		const uint32_t rest = mant & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+		if (rest > halfway || (rest == halfway && (h & 1)))
+			h++;
+		return (uint16_t)(sign | h);
+	}
+	/* normal: rebias the exponent (127 -> 15), round the 13 dropped bits to even */
+	uint32_t h = ((ax >> 13) - ((127 - 15) << 10));
+	const uint32_t rest = ax & 0x1fff;
+	if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
+		h++; /* a carry into the exponent is the right result, up to 0x7bff + 1 = inf excluded above */
+	return (uint16_t)(sign | h);
+}
+
+void kv_cache_write_row(kv_cache *kv, int layer, int64_t slot, const float *src)
+{
+	const int64_t n = kv->p.row_elems;
+	if (kv->p.elem_bytes == 2) {
+		uint16_t *dst = (uint16_t *)kv->layers[layer] + slot * n;
+		for (int64_t i = 0; i < n; i++)
+			dst[i] = kv_f32_to_f16(src[i]);
+		return;
+	}
+	memcpy((float *)kv->layers[layer] + slot * n, src, (size_t)n * sizeof(float));
 }
 
 int kv_cache_pages_free(const kv_cache *kv)

@@ -3,8 +3,11 @@
  *
  * A page holds page_size consecutive positions of one sequence in every layer
  * (one page id indexes the same slot range in each layer's array).  A row is
- * row_floats f32 values per position per layer (DeepSeek MLA: kv_lora_rank +
- * qk_rope_head_dim; llama: 2 * n_kv_heads * head_dim).  Pages are reference
+ * row_elems values per position per layer (DeepSeek MLA: kv_lora_rank +
+ * qk_rope_head_dim; llama: 2 * n_kv_heads * head_dim), f32 or IEEE half
+ * (elem_bytes 4 or 2; llama's K/V default to halves, as llama.cpp's f16
+ * cache: half the bytes to stream at depth and twice the positions in the
+ * same memory).  Pages are reference
  * counted so a scheduler can share a prefix between sequences; a page returns
  * to the free list when its last reference is dropped, unless it is cached.
  *
@@ -40,7 +43,8 @@
 
 typedef struct kv_params {
 	int n_layers;
-	int64_t row_floats;
+	int64_t row_elems;
+	int elem_bytes; /* 4: f32 (also when 0), 2: IEEE half */
 	int page_size; /* positions per page */
 	int n_pages;
 } kv_params;
@@ -56,8 +60,14 @@ kv_cache *kv_cache_new(const kv_params *p, ds_err *err);
 void kv_cache_free(kv_cache *kv);
 
 const kv_params *kv_cache_params(const kv_cache *kv);
-/* Base of a layer's rows: [n_pages][page_size][row_floats]. */
-float *kv_cache_layer(kv_cache *kv, int layer);
+/* Base of a layer's rows: [n_pages][page_size][row_elems] elements. */
+void *kv_cache_layer(kv_cache *kv, int layer);
+/* Row `slot` of a layer = src[0 .. row_elems), rounded to the nearest half
+ * (ties to even; beyond 65504 infinity, as IEEE conversion does) when the
+ * cache holds halves. */
+void kv_cache_write_row(kv_cache *kv, int layer, int64_t slot, const float *src);
+/* f32 -> IEEE half bits, round to nearest even (exposed for its tests). */
+uint16_t kv_f32_to_f16(float f);
 /* Pages an allocation can take: unreferenced ones, cached (evictable) included. */
 int kv_cache_pages_free(const kv_cache *kv);
 /* Published pages, referenced or not; and of them the unreferenced ones. */

@@ -577,8 +577,7 @@ static int add_rows(llama_model *m, const lw *w, const float *in, int64_t k, flo
 /* The attention of layer L for the b->n_tok tokens of the step (or of a
  * micro-batch of it) on x: x += Wo attn(...).  This rank's heads write their
  * columns of o [n][qd_full]; o is gathered, then add_rows. */
-static int attention(llama_model *m, const llayer *ly, float *cache, const eng_batch *b, float *x,
-		     ds_err *err)
+static int attention(llama_model *m, const llayer *ly, int layer, const eng_batch *b, float *x, ds_err *err)
 {
 	const lcfg *c = &m->c;
 	const kv_params *kp = kv_cache_params(m->base.kv);
@@ -609,12 +608,13 @@ static int attention(llama_model *m, const llayer *ly, float *cache, const eng_b
 	for (int64_t t = 0; t < n; t++) {
 		int32_t page = b->block_tables[(int64_t)b->seq[t] * b->max_blocks + b->pos[t] / kp->page_size];
 		int64_t slot = (int64_t)page * kp->page_size + b->pos[t] % kp->page_size;
-		memcpy(cache + slot * kp->row_floats, m->kvb + t * 2 * kvd, (size_t)(2 * kvd) * sizeof(float));
+		kv_cache_write_row(m->base.kv, layer, slot, m->kvb + t * 2 * kvd);
 	}
 	kb_paged_attn_args pa = {.out = m->o + oc0, .q = m->q, .n_tok = n, .n_heads = n_heads,
 				.n_kv_heads = n_kv, .head_dim = c->head_dim,
-				.q_stride = qd, .out_stride = qdf, .cache = cache,
-				.page_size = kp->page_size, .row_stride = kp->row_floats,
+				.q_stride = qd, .out_stride = qdf, .cache = kv_cache_layer(m->base.kv, layer),
+				.cache_type = kp->elem_bytes == 2 ? KB_F16 : KB_F32,
+				.page_size = kp->page_size, .row_stride = kp->row_elems,
 				.v_off = kvd, .block_tables = b->block_tables,
 				.max_blocks = b->max_blocks, .tok_seq = b->seq,
 				.tok_pos = b->pos,
@@ -659,8 +659,7 @@ static int llama_layers(model *base, const eng_batch *b, float *x, ds_err *err)
 	int rc = DS_OK;
 	for (int L = base->first_layer; L < base->end_layer && !rc; L++) {
 		const llayer *ly = &m->layers[L];
-		float *cache = kv_cache_layer(base->kv, L - base->first_layer);
-		rc = attention(m, ly, cache, b, x, err);
+		rc = attention(m, ly, L - base->first_layer, b, x, err);
 		if (!rc)
 			rc = mlp(m, ly, b->n_tok, x, err);
 	}
@@ -876,11 +875,13 @@ model *llama_model_load(const model_params *p, msrc *src, ds_err *err)
 	/* pages as for the whole model on one rank; rows of this stage's layers
 	 * and this rank's kv heads (one unused float for a rank without heads,
 	 * as the cache needs a row) */
-	kv_params kp = {.n_layers = c->n_layers, .row_floats = 2 * m->kvd_full,
+	kv_params kp = {.n_layers = c->n_layers, .row_elems = 2 * m->kvd_full,
 			.page_size = p->page_size > 0 ? p->page_size : 64};
+	if ((rc = model_kv_elem_bytes(p, "the llama K/V cache", 1, &kp.elem_bytes, err)))
+		goto fail;
 	kp.n_pages = model_kv_pages(p, &kp, m->ctx);
 	kp.n_layers = base->end_layer - base->first_layer;
-	kp.row_floats = m->kvd ? 2 * m->kvd : 1;
+	kp.row_elems = m->kvd ? 2 * m->kvd : 1;
 	if (!(base->kv = kv_cache_new(&kp, err)))
 		goto fail;
 	base->ops = &llama_ops;

@@ -51,8 +51,8 @@ int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx)
 	int64_t per_seq = (ctx + kp->page_size - 1) / kp->page_size;
 	int64_t pages = per_seq * (p->max_seqs > 0 ? p->max_seqs : 1);
 	if (p->kv_bytes > 0) {
-		int64_t page_bytes = (int64_t)kp->n_layers * kp->page_size * kp->row_floats *
-				     (int64_t)sizeof(float);
+		int64_t page_bytes = (int64_t)kp->n_layers * kp->page_size * kp->row_elems *
+				     (int64_t)(kp->elem_bytes ? kp->elem_bytes : 4);
 		int64_t cap = (int64_t)(p->kv_bytes / (size_t)page_bytes);
 		if (cap < per_seq)
 			cap = per_seq;
@@ -60,6 +60,22 @@ int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx)
 			pages = cap;
 	}
 	return pages > INT32_MAX ? INT32_MAX : (int)pages;
+}
+
+int model_kv_elem_bytes(const model_params *p, const char *what, int f16_ok, int *bytes, ds_err *err)
+{
+	const char *d = p->kv_cache_dtype ? p->kv_cache_dtype : "auto";
+	if (strcmp(d, "f32") == 0 || (strcmp(d, "auto") == 0 && !f16_ok)) {
+		*bytes = 4;
+		return DS_OK;
+	}
+	if (strcmp(d, "f16") == 0 || strcmp(d, "auto") == 0) {
+		if (!f16_ok)
+			return ds_err_set(err, DS_EINVAL, "kv cache dtype f16: %s is f32 only (use auto or f32)", what);
+		*bytes = 2;
+		return DS_OK;
+	}
+	return ds_err_set(err, DS_EINVAL, "kv cache dtype must be auto, f16 or f32, got '%s'", d);
 }
 
 /* The graph of an architecture name (GGUF general.architecture or HF

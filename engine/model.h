@@ -128,6 +128,10 @@ typedef struct model_params {
 	int page_size;        /* positions per KV page */
 	int n_pages;          /* 0 = enough for max_seqs sequences of max_ctx ... */
 	size_t kv_bytes;      /* ... but at most this many bytes of KV cache (0 = no cap) */
+	/* "auto" (NULL too): llama-family K/V in IEEE halves (llama.cpp's f16
+	 * cache), DeepSeek's MLA latent rows in f32; "f32": f32 for both; "f16":
+	 * halves, which only the llama-family cache takes. */
+	const char *kv_cache_dtype;
 	enum model_attn attn;
 	enum model_weights weights; /* how safetensors shards are held */
 	/* NULL: the whole model on one rank.  Else this rank's slice of the

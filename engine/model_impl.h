@@ -121,6 +121,11 @@ const kb_backend *model_backend_choose(const model_params *p, const msrc *src, c
  * sequences of ctx positions, capped by p->kv_bytes when that is set (at
  * least one sequence's worth). kp gives the layer count, row and page size. */
 int model_kv_pages(const model_params *p, const kv_params *kp, int64_t ctx);
+/* The bytes of a KV-cache element from p->kv_cache_dtype: "auto" (or NULL)
+ * is f16 (2) for a cache the graph can hold in halves (f16_ok), else f32
+ * (4); "f16" where the graph cannot (what names the cache) and any other
+ * word are DS_EINVAL naming it. */
+int model_kv_elem_bytes(const model_params *p, const char *what, int f16_ok, int *bytes, ds_err *err);
 
 /* Architecture loaders (model.c picks one from the source's architecture).
  * They read everything through src (never the path again), choose the

@@ -85,7 +85,7 @@
 #define FRAME_INLINE 4080 /* payload bytes that travel with the header (frame_share) */
 
 struct worker_cfg {
-	char *model, *backend, *attn, *log_level, *store, *job, *host, *comm_spin;
+	char *model, *backend, *attn, *kv_dtype, *log_level, *store, *job, *host, *comm_spin;
 	int threads, rank, world_size, tp, pp, ep, max_batch_tokens, max_ctx, max_seqs, page_size;
 	int n_pages, comm_timeout_ms, mmap_weights, parent_pid, local_ranks, help;
 };
@@ -115,6 +115,8 @@ static const cfg_opt opts[] = {
 	{"n-pages", CFG_INT, O(n_pages), "0", 0, 1 << 30,
 	 "KV pages (0 = enough for max-seqs sequences of max-ctx)"},
 	{"attn", CFG_STR, O(attn), "auto", 1, 0, "MLA form: auto, naive or absorbed"},
+	{"kv-cache-dtype", CFG_STR, O(kv_dtype), "auto", 1, 0,
+	 "KV cache elements: auto (llama-family K/V in f16, DeepSeek's latent rows in f32), f16 or f32"},
 	{"mmap", CFG_BOOL, O(mmap_weights), "false", 1, 0,
 	 "keep safetensors weights in the file mapping (as dsrun --mmap)"},
 	{"comm-timeout-ms", CFG_INT, O(comm_timeout_ms), "60000", 1, 1 << 30,
@@ -637,6 +639,7 @@ static int worker_open(worker *w, const struct worker_cfg *c, ds_err *err)
 	mp.max_seqs = c->max_seqs;
 	mp.page_size = c->page_size;
 	mp.n_pages = c->n_pages;
+	mp.kv_cache_dtype = c->kv_dtype;
 	mp.weights = c->mmap_weights ? MODEL_WEIGHTS_MMAP : MODEL_WEIGHTS_AUTO;
 	mp.rank = w->W > 1 ? &w->mr : NULL;
 	(void)model_attn_parse(c->attn, &mp.attn); /* checked in worker_main */

@@ -222,6 +222,7 @@ static int load_spec(serve *s, const serve_spec *sp, int set_names, ds_err *err)
 	mp.max_batch_tokens = s->p.max_batch_tokens;
 	mp.page_size = s->p.page_size;
 	mp.kv_bytes = s->p.kv_bytes;
+	mp.kv_cache_dtype = s->p.kv_cache_dtype;
 	model *m;
 	if (sp->launch) {
 		mp.kv_bytes = 0;

@@ -63,6 +63,7 @@ typedef struct serve_params {
 	int prefix_caching;        /* automatic prefix caching (engine/sched.h) */
 	int tp, pp, ep;            /* > 1 world: the model runs in rank processes (engine/driver.h) */
 	size_t kv_bytes;
+	const char *kv_cache_dtype; /* auto | f16 | f32 (NULL: auto) */
 	int auth;                  /* 0 = --insecure-no-auth */
 	int metrics_auth;
 	int max_n, max_logprobs;

@@ -2,7 +2,8 @@
 Hugging Face checkpoint (half-split RoPE, untied and tied heads) and the same
 weights as a GGUF file (adjacent-pair RoPE, ggml shapes), through
 `dsrun --dump-logits`.  Tolerance: max |a-b| / max |b| per position < 1e-4
-(f32 engine vs f64 reference)."""
+(f32 engine vs f64 reference), with the KV cache in halves (the default:
+the reference rounds its keys and values to halves too) and in f32."""
 import subprocess
 import sys
 
@@ -18,10 +19,11 @@ from tests.reference.llama_numpy import forward  # noqa: E402
 IDS = [1, 17, 250, 3, 99, 42, 42, 7, 150, 299, 0, 12, 64, 5, 88, 200, 31, 2, 140, 77]
 
 
-def dump(model, ids, tmp_path, vocab):
+def dump(model, ids, tmp_path, vocab, kv=None):
     out = tmp_path / "logits.bin"
     r = subprocess.run([binary("dsrun"), "-m", str(model), "--tokens", ",".join(map(str, ids)),
-                        "--dump-logits", str(out)], capture_output=True, text=True, timeout=120)
+                        "--dump-logits", str(out)] + (["--kv-cache-dtype", kv] if kv else []),
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return np.fromfile(out, dtype="<f4").reshape(len(ids), vocab)
 
@@ -34,14 +36,27 @@ def rel_err(got, want):
 def test_hf_llama_matches_reference(tmp_path, tied):
     d, cfg, w = write_hf(tmp_path / "hf", tie_word_embeddings=tied)
     got = dump(d, IDS, tmp_path, cfg["vocab_size"])
-    assert rel_err(got, forward(cfg, w, IDS)) < 1e-4
+    assert rel_err(got, forward(cfg, w, IDS, kv_f16=True)) < 1e-4
 
 
-def test_gguf_llama_matches_reference(tmp_path):
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_gguf_llama_matches_reference(tmp_path, kv):
     d, cfg, w = write_hf(tmp_path / "hf")
     g = write_gguf(tmp_path / "tiny.gguf", cfg, w)
-    got = dump(g, IDS, tmp_path, cfg["vocab_size"])
-    assert rel_err(got, forward(cfg, w, IDS)) < 1e-4
+    got = dump(g, IDS, tmp_path, cfg["vocab_size"], kv)
+    assert rel_err(got, forward(cfg, w, IDS, kv_f16=kv == "f16")) < 1e-4
+
+
+def test_kv_cache_in_halves_is_not_the_f32_result(tmp_path):
+    """The f16 cache really holds halves: its logits differ from the f32
+    cache's by far more than the f32 run's error against its reference,
+    and each matches only its own reference."""
+    d, cfg, w = write_hf(tmp_path / "hf")
+    g = write_gguf(tmp_path / "tiny.gguf", cfg, w)
+    f32, f16 = (dump(g, IDS, tmp_path, cfg["vocab_size"], kv) for kv in ("f32", "f16"))
+    exact = rel_err(f32, forward(cfg, w, IDS))
+    assert rel_err(f16, f32) > 10 * exact
+    assert rel_err(f16, forward(cfg, w, IDS)) > 10 * rel_err(f16, forward(cfg, w, IDS, kv_f16=True))
 
 
 def test_gguf_llama_f16_weights(tmp_path):
@@ -49,7 +64,14 @@ def test_gguf_llama_f16_weights(tmp_path):
     g = write_gguf(tmp_path / "tiny16.gguf", cfg, w, dtype="F16")
     w16 = {k: (v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v) for k, v in w.items()}
     got = dump(g, IDS, tmp_path, cfg["vocab_size"])
-    assert rel_err(got, forward(cfg, w16, IDS)) < 1e-4
+    assert rel_err(got, forward(cfg, w16, IDS, kv_f16=True)) < 1e-4
+
+
+def test_kv_cache_dtype_errors_are_named(tmp_path):
+    d, cfg, w = write_hf(tmp_path / "hf")
+    r = subprocess.run([binary("dsrun"), "-m", str(d), "--tokens", "1,2", "--kv-cache-dtype", "fp8"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "kv cache dtype must be auto, f16 or f32, got 'fp8'" in r.stderr
 
 
 def test_hf_llama_rejects_unsupported_fields(tmp_path):

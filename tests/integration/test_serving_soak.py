@@ -17,8 +17,8 @@ are part of every assertion message.
 The KV cache is an anonymous mapping touched lazily (engine/kv.c), so its
 resident part follows the high-water mark of pages in use, which keeps
 creeping up while a random load runs.  The soak therefore runs with a KV
-cache smaller than the load wants (--kv-cache-mb 128, 256 pages; 64 clients
-want ~350): the pool is full within seconds, RSS after warm-up measures
+cache smaller than the load wants (--kv-cache-mb 64: 182 pages of 16 positions in f16;
+64 clients want ~350): the pool is full within seconds, RSS after warm-up measures
 everything else, and the scheduler's page-pressure paths (admission waits,
 preemption) are exercised too."""
 import http.client
@@ -164,7 +164,7 @@ class SoakResult:
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory):
     """Runs the soak once; both tests below read its figures."""
-    srv = Server(tmp_path_factory.mktemp("soak"), "--insecure-no-auth", "--kv-cache-mb", "128")
+    srv = Server(tmp_path_factory.mktemp("soak"), "--insecure-no-auth", "--kv-cache-mb", "64")
     r = SoakResult()
     try:
         stats = Stats()

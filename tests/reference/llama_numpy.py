@@ -1,6 +1,8 @@
 """Independent float64 forward pass of the llama-family graph (tests only),
 from the Hugging Face weights: RMSNorm, GQA attention with half-split RoPE
-(rotate_half), SwiGLU MLP, causal mask, optional tied embeddings."""
+(rotate_half), SwiGLU MLP, causal mask, optional tied embeddings.  With
+kv_f16 the keys (after RoPE) and values are rounded to IEEE halves, as an
+f16 KV cache stores them."""
 import numpy as np
 
 
@@ -18,7 +20,7 @@ def rope_half(x, pos, theta):
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
-def forward(cfg, w, ids):
+def forward(cfg, w, ids, kv_f16=False):
     w = {k: v.astype(np.float64) for k, v in w.items()}
     d, h, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, eps, T = d // h, cfg["rms_norm_eps"], len(ids)
@@ -32,6 +34,8 @@ def forward(cfg, w, ids):
         k = (u @ w[p + "self_attn.k_proj.weight"].T).reshape(T, kv, hd)
         v = (u @ w[p + "self_attn.v_proj.weight"].T).reshape(T, kv, hd)
         q, k = rope_half(q, pos, cfg["rope_theta"]), rope_half(k, pos, cfg["rope_theta"])
+        if kv_f16:
+            k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
         o = np.zeros((T, h, hd))
         for i in range(h):
             j = i // (h // kv)

@@ -10,10 +10,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 TEST(kv_pages_reserve_share_free)
 {
-	kv_params p = {.n_layers = 2, .row_floats = 8, .page_size = 4, .n_pages = 5};
+	kv_params p = {.n_layers = 2, .row_elems = 8, .page_size = 4, .n_pages = 5};
 	ds_err e = {0};
 	kv_cache *kv = kv_cache_new(&p, &e);
 	CHECK(kv != NULL);
@@ -45,6 +48,104 @@ TEST(kv_pages_reserve_share_free)
 	kv_seq_free(kv, &c);
 	kv_cache_free(kv);
 	kv_cache_free(NULL);
+}
+
+static float bits_f32(uint32_t u)
+{
+	float f;
+	memcpy(&f, &u, sizeof f);
+	return f;
+}
+
+TEST(kv_f32_to_f16_hand_values)
+{
+	static const struct {
+		float f;
+		uint16_t h;
+	} v[] = {
+		{0.0f, 0x0000}, {-0.0f, 0x8000}, {1.0f, 0x3c00}, {-2.0f, 0xc000}, {65504.0f, 0x7bff},
+		{65519.0f, 0x7bff}, {65520.0f, 0x7c00} /* the tie above the largest half: even is inf */,
+		{1e10f, 0x7c00}, {-INFINITY, 0xfc00}, {0x1p-24f, 0x0001}, {0x1p-25f, 0x0000} /* tie: even 0 */,
+		{0x1.8p-25f, 0x0001}, {0x3p-25f, 0x0002} /* 1.5 units: even 2 */, {0x1p-14f, 0x0400},
+		{0x1p-14f - 0x1p-25f, 0x0400} /* tie 0x3ff / 0x400: even */, {1.0f + 0x1p-11f, 0x3c00},
+		{1.0f + 0x3p-11f, 0x3c02}, {1.0f + 0x1p-10f, 0x3c01}, {0.1f, 0x2e66}, {-3.14159265f, 0xc248},
+	};
+	for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
+		if (kv_f32_to_f16(v[i].f) != v[i].h)
+			ut_fail(__FILE__, __LINE__, "%a -> 0x%04x, want 0x%04x", (double)v[i].f, kv_f32_to_f16(v[i].f),
+				v[i].h);
+	const uint16_t n = kv_f32_to_f16(NAN);
+	CHECK((n & 0x7c00) == 0x7c00 && (n & 0x3ff) != 0);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("f16c"))) static uint16_t f16c_convert(float f)
+{
+	return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* Against the CPU's own IEEE conversion (F16C vcvtps2ph, round to nearest
+ * even), an independent implementation: every float whose 13 dropped bits
+ * are at or next to the rounding boundary, over every exponent, and random
+ * bit patterns; NaNs only need to stay NaNs. */
+TEST(kv_f32_to_f16_matches_the_cpu_conversion)
+{
+	if (!__builtin_cpu_supports("f16c")) {
+		ut_skip("no F16C on this CPU");
+		return;
+	}
+	static const uint32_t low[] = {0, 1, 0xfff, 0x1000, 0x1001, 0x1fff};
+	int bad = 0;
+	for (uint32_t e = 0; e < 256; e++)
+		for (uint32_t m = 0; m < 1024; m++)
+			for (size_t i = 0; i < sizeof low / sizeof low[0]; i++)
+				for (uint32_t sgn = 0; sgn < 2; sgn++) {
+					const uint32_t u = sgn << 31 | e << 23 | m << 13 | low[i];
+					const float f = bits_f32(u);
+					const uint16_t got = kv_f32_to_f16(f), want = f16c_convert(f);
+					if (isnan(f) ? (got & 0x7c00) != 0x7c00 || !(got & 0x3ff) : got != want)
+						if (bad++ < 5)
+							ut_fail(__FILE__, __LINE__, "bits 0x%08x: 0x%04x, the CPU 0x%04x", u, got,
+								want);
+				}
+	for (int i = 0; i < 1000000; i++) {
+		const uint32_t u = (uint32_t)ut_rand_u64();
+		const float f = bits_f32(u);
+		if (!isnan(f) && kv_f32_to_f16(f) != f16c_convert(f) && bad++ < 5)
+			ut_fail(__FILE__, __LINE__, "bits 0x%08x: 0x%04x, the CPU 0x%04x", u, kv_f32_to_f16(f),
+				f16c_convert(f));
+	}
+	CHECK_EQ(bad, 0);
+}
+#endif
+
+TEST(kv_cache_in_halves_writes_rounded_rows)
+{
+	kv_params p = {.n_layers = 2, .row_elems = 6, .elem_bytes = 2, .page_size = 4, .n_pages = 3};
+	ds_err e = {0};
+	kv_cache *kv = kv_cache_new(&p, &e);
+	CHECK(kv != NULL);
+	CHECK_EQ(kv_cache_bytes(kv), 2 * 3 * 4 * 6 * 2); /* half the f32 cache's */
+	const float row[6] = {1.0f, -0.1f, 65504.0f, 1e6f, 0x1p-24f, 1.0f + 0x3p-11f};
+	kv_cache_write_row(kv, 1, 9, row); /* page 2, slot 1 of layer 1 */
+	const uint16_t *l1 = kv_cache_layer(kv, 1), *l0 = kv_cache_layer(kv, 0);
+	static const uint16_t want[6] = {0x3c00, 0xae66, 0x7bff, 0x7c00, 0x0001, 0x3c02};
+	for (int i = 0; i < 6; i++) {
+		CHECK_EQ(l1[9 * 6 + i], want[i]);
+		CHECK_EQ(l0[9 * 6 + i], 0); /* the other layer untouched */
+	}
+	kv_cache_free(kv);
+	/* f32 rows are copied as they are */
+	p.elem_bytes = 4;
+	kv = kv_cache_new(&p, &e);
+	CHECK(kv != NULL);
+	kv_cache_write_row(kv, 0, 2, row);
+	CHECK(memcmp((const float *)kv_cache_layer(kv, 0) + 2 * 6, row, sizeof row) == 0);
+	kv_cache_free(kv);
+	p.elem_bytes = 3;
+	CHECK(kv_cache_new(&p, &e) == NULL);
+	CHECK_EQ(e.code, DS_EINVAL);
+	CHECK(strstr(e.msg, "3 bytes") != NULL);
 }
 
 static void fill_logits(float *l, int n)

@@ -13,7 +13,7 @@
 
 static kv_cache *cache_new(int n_pages)
 {
-	kv_params p = {.n_layers = 1, .row_floats = 2, .page_size = PS, .n_pages = n_pages};
+	kv_params p = {.n_layers = 1, .row_elems = 2, .page_size = PS, .n_pages = n_pages};
 	ds_err e = {0};
 	kv_cache *kv = kv_cache_new(&p, &e);
 	CHECK(kv != NULL);
