@@ -643,27 +643,30 @@ static void bench_attn(void)
 				       gbs * 1e9 / bw_best, bw_best / 1e9);
 			}
 		a.cache_type = KB_F32;
+		for (int f16 = 0; f16 <= 1; f16++)
+			for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
+				const int C = chunks[ci];
+				for (int i = 0; i < C; i++)
+					pos[i] = i;
+				a.n_tok = C;
+				a.cache = f16 ? (const void *)c16[0] : cache[0];
+				a.cache_type = f16 ? KB_F16 : KB_F32;
+				double best = 1e30;
+				for (int rep = 0; rep < 3; rep++) {
+					double t0 = ds_now_s();
+					kc_paged_attn(&a);
+					double dt = ds_now_s() - t0;
+					best = dt < best ? dt : best;
+				}
+				double flops = 4.0 * hd * H * ((double)C * (C + 1) / 2);
+				printf("paged attn prefill %-16s %s chunk %5d: %8.2f ms, %6.1f GFLOP/s\n", shapes[si].name,
+				       f16 ? "f16" : "f32", C, best * 1e3, flops / best / 1e9);
+				a.n_tok = 1;
+			}
+		a.cache_type = KB_F32;
 		for (int l = 0; l < L; l++)
 			ds_huge_free(c16[l], c16len);
 		free(c16);
-		for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
-			const int C = chunks[ci];
-			for (int i = 0; i < C; i++)
-				pos[i] = i;
-			a.n_tok = C;
-			a.cache = cache[0];
-			double best = 1e30;
-			for (int rep = 0; rep < 3; rep++) {
-				double t0 = ds_now_s();
-				kc_paged_attn(&a);
-				double dt = ds_now_s() - t0;
-				best = dt < best ? dt : best;
-			}
-			double flops = 4.0 * hd * H * ((double)C * (C + 1) / 2);
-			printf("paged attn prefill %-16s chunk %5d: %8.2f ms, %6.1f GFLOP/s\n", shapes[si].name, C,
-			       best * 1e3, flops / best / 1e9);
-			a.n_tok = 1;
-		}
 		attn_caches_free(cache, L, table, clen);
 		free(q);
 		free(out);
