@@ -519,7 +519,7 @@ static int64_t rank_kv_per_token(const plan *pl, const cand *c, int r)
 	if (mc->arch == PLAN_ARCH_LLAMA) {
 		int64_t g0, gc;
 		model_split_range(mc->kv_heads, c->tp, tpr, &g0, &gc);
-		row = gc > 0 ? 2 * gc * mc->head_dim * PLAN_KV_ELEM_BYTES : PLAN_KV_ELEM_BYTES;
+		row = gc > 0 ? 2 * gc * mc->head_dim * PLAN_KV_ELEM_BYTES_LLAMA : PLAN_KV_ELEM_BYTES_LLAMA;
 	}
 	return row * (e - f);
 }
@@ -802,8 +802,8 @@ int plan_make(const plan_params *p, plan **out, ds_err *err)
 		goto out;
 	const plan_mcfg *mc = &pl->m.c;
 	pl->kv_row = mc->arch == PLAN_ARCH_LLAMA
-			     ? 2 * (int64_t)mc->kv_heads * mc->head_dim * PLAN_KV_ELEM_BYTES
-			     : (int64_t)(mc->kv_lora + mc->rope) * PLAN_KV_ELEM_BYTES;
+			     ? 2 * (int64_t)mc->kv_heads * mc->head_dim * PLAN_KV_ELEM_BYTES_LLAMA
+			     : (int64_t)(mc->kv_lora + mc->rope) * PLAN_KV_ELEM_BYTES_MLA;
 	pl->max_ctx = p->max_ctx ? p->max_ctx : (mc->max_pos < 4096 ? mc->max_pos : 4096);
 	if (pl->max_ctx > mc->max_pos) {
 		rc = ds_err_set(err, DS_EINVAL, "--max-ctx %d is longer than the model's "
@@ -905,7 +905,8 @@ json_t *plan_to_json(const plan *pl)
 	json_object_set_new(o, "overridden", json_boolean(pl->overridden));
 	json_object_set_new(o, "mem_fraction", json_real(pl->p.mem_fraction));
 	json_object_set_new(o, "kv", json_pack("{s:I, s:I, s:i, s:I, s:I}",
-		"elem_bytes", (json_int_t)PLAN_KV_ELEM_BYTES,
+		"elem_bytes", (json_int_t)(pl->m.c.arch == PLAN_ARCH_LLAMA ? PLAN_KV_ELEM_BYTES_LLAMA
+									: PLAN_KV_ELEM_BYTES_MLA),
 		"bytes_per_token_layer", (json_int_t)pl->kv_row, "max_ctx", pl->max_ctx,
 		"tokens", (json_int_t)c->kv_tokens,
 		"concurrency", (json_int_t)(pl->max_ctx ? c->kv_tokens / pl->max_ctx : 0)));

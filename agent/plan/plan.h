@@ -37,7 +37,11 @@
 #define PLAN_NODES_MAX 256
 #define PLAN_RESERVE_GPU ((int64_t)4 << 30) /* per GPU: CUDA context, activations, NCCL */
 #define PLAN_RESERVE_CPU ((int64_t)1 << 30) /* per CPU rank: activations, buffers */
-#define PLAN_KV_ELEM_BYTES 4                /* the engine keeps its KV cache in f32 */
+/* Bytes of a KV-cache element as the engine keeps it by default
+ * (--kv-cache-dtype auto, docs/engine.md): MLA latent rows in f32, llama
+ * K/V in IEEE halves */
+#define PLAN_KV_ELEM_BYTES_MLA 4
+#define PLAN_KV_ELEM_BYTES_LLAMA 2
 
 typedef struct plan_params {
 	json_t *const *inventories; /* [n_nodes] borrowed; node i = inventories[i] */

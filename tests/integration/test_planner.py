@@ -37,7 +37,8 @@ from tests.fixtures import sysroots as sr  # noqa: E402
 
 GiB = 1 << 30
 RESERVE_GPU = 4 * GiB
-KV_ELEM = 4  # the engine's cache is f32
+KV_ELEM = 4  # the engine keeps MLA latent rows in f32 ...
+KV_ELEM_LLAMA = 2  # ... and llama K/V in halves (--kv-cache-dtype auto)
 
 V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
       "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
@@ -790,7 +791,7 @@ def llama_rank(g, tp, pp, r):
             b = t[f"blk.{L}.{name}.weight"][0]
             w += part(b, n, tp, tpr) if n else b
     gc = split_range(g["KV"], tp, tpr)[1]
-    row = 2 * gc * g["hd"] * KV_ELEM if gc else KV_ELEM  # one unused float without kv heads
+    row = 2 * gc * g["hd"] * KV_ELEM_LLAMA if gc else KV_ELEM_LLAMA  # one unused half without kv heads
     return w, row * (e - f)
 
 
@@ -845,7 +846,8 @@ def test_default_gguf_on_local_cpu_nodes(tmp, tp, pp):
     for t in gguf.GGUFReader(str(DEFAULT_GGUF)).tensors:
         by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
     assert m["dtype"] == max(by_type, key=by_type.get)
-    assert doc["kv"]["bytes_per_token_layer"] == 2 * g["KV"] * g["hd"] * KV_ELEM
+    assert doc["kv"]["bytes_per_token_layer"] == 2 * g["KV"] * g["hd"] * KV_ELEM_LLAMA
+    assert doc["kv"]["elem_bytes"] == KV_ELEM_LLAMA
     check_gguf_plan(doc, [inv] * W, tp, pp, 1, lambda r: llama_rank(g, tp, pp, r),
                     sum(b for b, _, _ in g["tensors"].values()), min(g["ctx"], 4096))
     assert doc["groups"]["tp"] == [list(range(s * tp, s * tp + tp)) for s in range(pp)]
@@ -898,8 +900,8 @@ def test_tiny_llama_gguf_heads_and_vocab(tmp, tied, tp, pp):
     assert rc == 0
     check_gguf_plan(doc, [inv] * W, tp, pp, 1, lambda r: llama_rank(g, tp, pp, r),
                     sum(b for b, _, _ in g["tensors"].values()), 256)
-    if tp == 3:  # kv heads 1, 1, 0: the last rank keeps one float per token and layer
-        assert [k["memory"]["kv"] for k in doc["ranks"]][2] == doc["kv"]["tokens"] * KV_ELEM * 3
+    if tp == 3:  # kv heads 1, 1, 0: the last rank keeps one half per token and layer
+        assert [k["memory"]["kv"] for k in doc["ranks"]][2] == doc["kv"]["tokens"] * KV_ELEM_LLAMA * 3
 
 
 def mla_facts(path):
