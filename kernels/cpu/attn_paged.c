@@ -76,9 +76,6 @@ static void fold_start(float *O, float *M, float *L, int64_t nh, int64_t hd)
 #define TILE_HMAX 16
 #define BLK 64          /* keys scored at a time (within one page) */
 #define SPLIT 256       /* decode: keys per stretch (a multiple of BLK) */
-/* F16 cache: the floats of a row an item converts (its K and V slices), at
- * most; a block's rows converted take BLK times that on the item's stack */
-#define CVT_ROW (2 * DEC_HDMAX)
 
 typedef struct pitem {
 	int64_t t;      /* decode: the token; tile: its first token */
@@ -216,30 +213,22 @@ static int64_t block_keys(int64_t jb, int64_t j1)
  * V), six strided passes over the block for SmolLM2; straight from memory
  * those kept few lines in flight, and software prefetches of the next block
  * (24 lines per row) did no better: measured single-threaded at depth 2048,
- * 0.30 of the read probe without this pass and 0.60 with it.  An F16
- * cache's conversion pass, which loads, converts and stores, kept as few
- * lines in flight: it follows this pass too (bench_kernels --attn). */
-static void touch_span(float s[4], const char *r, int64_t lo, int64_t hi)
-{
-	int64_t b = lo;
-	for (; b + 192 < hi; b += 256) {
-		s[0] += *(const float *)(r + b);
-		s[1] += *(const float *)(r + b + 64);
-		s[2] += *(const float *)(r + b + 128);
-		s[3] += *(const float *)(r + b + 192);
-	}
-	for (; b < hi; b += 64)
-		s[0] += *(const float *)(r + b);
-}
-
-/* bytes [lo, hi) of each row, then [lo2, hi2) (empty when lo2 >= hi2) */
-static float touch_rows(const void *const *rows, int64_t n, int64_t lo, int64_t hi, int64_t lo2, int64_t hi2)
+ * 0.30 of the read probe without this pass and 0.60 with it. */
+static float touch_rows(const void *const *rows, int64_t n, int64_t lo, int64_t hi)
 {
 	/* four sums, so the adds do not chain the loads */
 	float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 	for (int64_t i = 0; i < n; i++) {
-		touch_span(s, rows[i], lo, hi);
-		touch_span(s, rows[i], lo2, hi2);
+		const char *r = rows[i];
+		int64_t b = lo;
+		for (; b + 192 < hi; b += 256) {
+			s[0] += *(const float *)(r + b);
+			s[1] += *(const float *)(r + b + 64);
+			s[2] += *(const float *)(r + b + 128);
+			s[3] += *(const float *)(r + b + 192);
+		}
+		for (; b < hi; b += 64)
+			s[0] += *(const float *)(r + b);
 	}
 	return s[0] + s[1] + s[2] + s[3];
 }
@@ -265,50 +254,28 @@ static void dec_item(const paged_ctx *x, const pitem *p)
 	const int64_t klo = a->k_off + p->kh0 * hd, khi = a->k_off + p->kh1 * hd;
 	const int64_t vlo = a->v_off + p->kh0 * hd, vhi = a->v_off + p->kh1 * hd;
 	const int64_t lo = klo < vlo ? klo : vlo, hi = khi > vhi ? khi : vhi;
-	/* F16: a block's K and V slices are converted into cv first (row i at
-	 * cv + 2 w i, K then V), which reads the rows in address order as the
-	 * touch does; the kernels then see those rows through offsets from kh0 */
+	/* element bytes: an F16 cache's rows are read as halves by the kernels */
 	const int f16 = a->cache_type == KB_F16;
-	const int64_t w = (p->kh1 - p->kh0) * hd;
-	kb_paged_attn_args ac = *a;
-	if (f16) {
-		ac.k_off = -p->kh0 * hd;
-		ac.v_off = w - p->kh0 * hd;
-	}
-	_Alignas(64) float cv[BLK * CVT_ROW]; /* F16 only (128 KiB of stack) */
+	const int64_t es = f16 ? 2 : 4;
 	fold_start(O, M, L, nh, hd);
 	for (int64_t s = p->s0; s < p->s1; s++) {
 		const int64_t j0 = s * SPLIT, j1 = (s + 1) * SPLIT < keys ? (s + 1) * SPLIT : keys;
 		fold_start(acc, m, l, nh, hd);
 		for (int64_t jb = j0; jb < j1;) {
 			const int64_t n = block_keys(jb, j1);
-			const float *rows[BLK];
-			if (f16) {
-				const void *src[BLK];
-				for (int64_t i = 0; i < n; i++)
-					src[i] = key_row(a, bt, jb + i);
-				/* only the slices: with many KV heads what lies between is other items' */
-				sink += touch_rows(src, n, 2 * klo, 2 * khi, 2 * vlo, 2 * vhi);
-				if (x->wide)
-					cvt_rows_avx512(cv, src, n, klo, vlo, w);
-				else
-					cvt_rows_avx2(cv, src, n, klo, vlo, w);
-				for (int64_t i = 0; i < n; i++)
-					rows[i] = cv + i * 2 * w;
-			} else {
-				for (int64_t i = 0; i < n; i++)
-					rows[i] = key_row(a, bt, jb + i);
-				sink += touch_rows((const void *const *)rows, n, 4 * lo, 4 * hi, 0, 0);
-			}
+			const void *rows[BLK];
+			for (int64_t i = 0; i < n; i++)
+				rows[i] = key_row(a, bt, jb + i);
+			sink += touch_rows(rows, n, es * lo, es * hi);
 			for (int64_t kh = p->kh0; kh < p->kh1; kh++)
 				for (int64_t g0 = 0; g0 < G; g0 += DEC_GMAX) {
 					const int64_t gi = (kh - p->kh0) * G + g0;
 					const int g = (int)(G - g0 < DEC_GMAX ? G - g0 : DEC_GMAX);
 					if (x->wide)
-						dec_block_avx512(g, &ac, kh, q + gi * hd, rows, n, acc + gi * hd,
+						dec_block_avx512(g, f16, a, kh, q + gi * hd, rows, n, acc + gi * hd,
 								 m + gi, l + gi);
 					else
-						dec_block_avx2(g, &ac, kh, q + gi * hd, rows, n, acc + gi * hd,
+						dec_block_avx2(g, f16, a, kh, q + gi * hd, rows, n, acc + gi * hd,
 							       m + gi, l + gi);
 				}
 			jb += n;
@@ -376,10 +343,7 @@ int kc_paged_attn_simd(const kb_paged_attn_args *a, enum kc_isa isa)
 	if (isa < KC_ISA_AVX2 || hd % 8 != 0 || hd > DEC_HDMAX || G * hd > ITEM_FMAX)
 		return DS_EUNSUPPORTED;
 	const int64_t threads = kc_pool_threads() > 0 ? kc_pool_threads() : 1;
-	/* KV heads an item can hold (F16: whose slices its conversion holds) */
-	int64_t kv_per = ITEM_FMAX / (G * hd) < KV ? ITEM_FMAX / (G * hd) : KV;
-	if (a->cache_type == KB_F16 && kv_per > CVT_ROW / (2 * hd))
-		kv_per = CVT_ROW / (2 * hd);
+	const int64_t kv_per = ITEM_FMAX / (G * hd) < KV ? ITEM_FMAX / (G * hd) : KV; /* KV heads an item can hold */
 	int64_t n_dec = 0, n_tiles = 0, n_stretch = 0;
 	for (int64_t t = 0, e; t < a->n_tok; t = e) {
 		e = run_end(a, t);

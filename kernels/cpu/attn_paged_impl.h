@@ -27,12 +27,20 @@
  *    once per token.
  */
 
-/* ---------------- decode: G heads of one KV head over keys [j0, j1) ---------------- */
+/* ---------------- decode: G heads of one KV head over keys [j0, j1) ----------------
+ * H = 1: the rows are IEEE halves, widened where they are loaded (one
+ * vcvtph2ps a vector); H = 0: f32.  Offsets count elements either way. */
+
+/* VW elements of a row at element i */
+__attribute__((always_inline)) static inline VF SFX(kv_load)(const int H, const void *row, int64_t i)
+{
+	return H ? VLOADH((const uint16_t *)row + i) : VLOAD((const float *)row + i);
+}
 
 /* acc[g][0..hd) += sum_i p[g][i] * V_i, CB vectors of every head in registers */
-__attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const int CB, float *acc,
+__attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const int CB, const int H, float *acc,
 							    int64_t hd, const float *p, int64_t pstride,
-							    const float *const *rows, int64_t off, int64_t n)
+							    const void *const *rows, int64_t off, int64_t n)
 {
 	for (int64_t c0 = 0; c0 < hd; c0 += (int64_t)CB * VW) {
 		VF r[DEC_GMAX][4];
@@ -42,11 +50,10 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
 			for (int c = 0; c < CB; c++)
 				r[g][c] = VLOAD(acc + g * hd + c0 + c * VW);
 		for (int64_t i = 0; i < n; i++) {
-			const float *v = rows[i] + off + c0;
 			VF x[4];
 #pragma GCC unroll 4
 			for (int c = 0; c < CB; c++)
-				x[c] = VLOAD(v + c * VW);
+				x[c] = SFX(kv_load)(H, rows[i], off + c0 + c * VW);
 #pragma GCC unroll 8
 			for (int g = 0; g < G; g++) {
 				VF w = VSET1(p[g * pstride + i]);
@@ -65,10 +72,10 @@ __attribute__((always_inline)) static inline void SFX(dec_pv)(const int G, const
 
 /* s[g] += q_g . k over [d, d + VW) for the G heads, with only k's vector
  * live: q is read again for every row (dec_qk's R4 = 2). */
-__attribute__((always_inline)) static inline void SFX(qk_lean)(const int G, VF *s, const float *q, int64_t hd,
-							     const float *k, int64_t d)
+__attribute__((always_inline)) static inline void SFX(qk_lean)(const int G, const int H, VF *s, const float *q,
+							     int64_t hd, const void *k, int64_t off, int64_t d)
 {
-	VF x = VLOAD(k + d);
+	VF x = SFX(kv_load)(H, k, off + d);
 #pragma GCC unroll 8
 	for (int g = 0; g < G; g++)
 		s[g] = VFMA(VLOAD(q + g * hd + d), x, s[g]);
@@ -81,29 +88,28 @@ __attribute__((always_inline)) static inline void SFX(qk_lean)(const int G, VF *
  * at a time, one row's vector live at once, q read again for each row (an
  * L1 hit, folded into the FMA).  Either way each head's four sums are
  * reduced together (VHSUM4) instead of one horizontal sum per row. */
-__attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const int R4, float *sc,
+__attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const int R4, const int H, float *sc,
 							    int64_t sstride, const float *q, int64_t hd,
-							    const float *const *rows, int64_t off, int64_t n)
+							    const void *const *rows, int64_t off, int64_t n)
 {
 	int64_t i = 0;
 	if (R4)
 		for (; i + 4 <= n; i += 4) {
-			const float *k = rows[i] + off, *k1 = rows[i + 1] + off;
-			const float *k2 = rows[i + 2] + off, *k3 = rows[i + 3] + off;
+			const void *k = rows[i], *k1 = rows[i + 1], *k2 = rows[i + 2], *k3 = rows[i + 3];
 			VF s0[DEC_GMAX], s1[DEC_GMAX], s2[DEC_GMAX], s3[DEC_GMAX];
 #pragma GCC unroll 8
 			for (int g = 0; g < G; g++)
 				s0[g] = s1[g] = s2[g] = s3[g] = VZERO();
 			for (int64_t d = 0; d < hd; d += VW) {
 				if (R4 == 2) {
-					SFX(qk_lean)(G, s0, q, hd, k, d);
-					SFX(qk_lean)(G, s1, q, hd, k1, d);
-					SFX(qk_lean)(G, s2, q, hd, k2, d);
-					SFX(qk_lean)(G, s3, q, hd, k3, d);
+					SFX(qk_lean)(G, H, s0, q, hd, k, off, d);
+					SFX(qk_lean)(G, H, s1, q, hd, k1, off, d);
+					SFX(qk_lean)(G, H, s2, q, hd, k2, off, d);
+					SFX(qk_lean)(G, H, s3, q, hd, k3, off, d);
 					continue;
 				}
-				VF x0 = VLOAD(k + d), x1 = VLOAD(k1 + d);
-				VF x2 = VLOAD(k2 + d), x3 = VLOAD(k3 + d);
+				VF x0 = SFX(kv_load)(H, k, off + d), x1 = SFX(kv_load)(H, k1, off + d);
+				VF x2 = SFX(kv_load)(H, k2, off + d), x3 = SFX(kv_load)(H, k3, off + d);
 #pragma GCC unroll 8
 				for (int g = 0; g < G; g++) {
 					VF qv = VLOAD(q + g * hd + d);
@@ -118,13 +124,12 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const
 				VHSUM4(s0[g], s1[g], s2[g], s3[g], sc + g * sstride + i);
 		}
 	for (; i < n; i++) {
-		const float *k = rows[i] + off;
 		VF s[DEC_GMAX];
 #pragma GCC unroll 8
 		for (int g = 0; g < G; g++)
 			s[g] = VZERO();
 		for (int64_t d = 0; d < hd; d += VW) {
-			VF x = VLOAD(k + d);
+			VF x = SFX(kv_load)(H, rows[i], off + d);
 #pragma GCC unroll 8
 			for (int g = 0; g < G; g++)
 				s[g] = VFMA(VLOAD(q + g * hd + d), x, s[g]);
@@ -137,10 +142,10 @@ __attribute__((always_inline)) static inline void SFX(dec_qk)(const int G, const
 
 /* One block of n keys (their rows) for G heads of KV head kh:
  * q [G][hd] scaled, the stretch's acc [G][hd], m [G], l [G] updated. */
-__attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int G, const kb_paged_attn_args *a,
-								     int64_t kh, const float *q,
-								     const float *const *rows, int64_t n,
-								     float *acc, float *m, float *l)
+__attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int G, const int H,
+								     const kb_paged_attn_args *a, int64_t kh,
+								     const float *q, const void *const *rows,
+								     int64_t n, float *acc, float *m, float *l)
 {
 	const int64_t hd = a->head_dim;
 	_Alignas(64) float sc[DEC_GMAX][BLK + VW];
@@ -150,7 +155,7 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 	 * in bench_kernels --attn, docs/benchmarks.md). */
 	const int fit4 = 4 * G + 5 <= VNREG;
 	const int r4 = fit4 ? 1 : VNREG == 16 && 4 * G + 1 <= VNREG ? 2 : 0;
-	SFX(dec_qk)(G, r4, &sc[0][0], BLK + VW, q, hd, rows, a->k_off + kh * hd, n);
+	SFX(dec_qk)(G, r4, H, &sc[0][0], BLK + VW, q, hd, rows, a->k_off + kh * hd, n);
 	for (int g = 0; g < G; g++) {
 		float *s = sc[g];
 		VF vm = VSET1(-INFINITY);
@@ -182,30 +187,37 @@ __attribute__((always_inline)) static inline void SFX(dec_block_fixed)(const int
 	const int64_t v0 = a->v_off + kh * hd;
 	/* CB = 4 only when it fits (fit4; on AVX2 G = 3 would need 17, and spilled) */
 	if (hd % (4 * VW) == 0 && G <= 4 && fit4)
-		SFX(dec_pv)(G, 4, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
+		SFX(dec_pv)(G, 4, H, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 	else if (hd % (2 * VW) == 0)
-		SFX(dec_pv)(G, 2, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
+		SFX(dec_pv)(G, 2, H, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 	else
-		SFX(dec_pv)(G, 1, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
+		SFX(dec_pv)(G, 1, H, acc, hd, &sc[0][0], BLK + VW, rows, v0, n);
 }
 
-static void SFX(dec_block)(int g, const kb_paged_attn_args *a, int64_t kh, const float *q, const float *const *rows,
-			   int64_t n, float *acc, float *m, float *l)
+/* h16: the rows are halves (a->cache_type == KB_F16) */
+static void SFX(dec_block)(int g, int h16, const kb_paged_attn_args *a, int64_t kh, const float *q,
+			   const void *const *rows, int64_t n, float *acc, float *m, float *l)
 {
-	switch (g) {
-	case 1: SFX(dec_block_fixed)(1, a, kh, q, rows, n, acc, m, l); break;
-	case 2: SFX(dec_block_fixed)(2, a, kh, q, rows, n, acc, m, l); break;
-	case 3: SFX(dec_block_fixed)(3, a, kh, q, rows, n, acc, m, l); break;
-	case 4: SFX(dec_block_fixed)(4, a, kh, q, rows, n, acc, m, l); break;
-	case 5: SFX(dec_block_fixed)(5, a, kh, q, rows, n, acc, m, l); break;
-	case 6: SFX(dec_block_fixed)(6, a, kh, q, rows, n, acc, m, l); break;
-	case 7: SFX(dec_block_fixed)(7, a, kh, q, rows, n, acc, m, l); break;
-	default: SFX(dec_block_fixed)(8, a, kh, q, rows, n, acc, m, l); break;
+#define DEC_CASES(H)                                                                              \
+	switch (g) {                                                                              \
+	case 1: SFX(dec_block_fixed)(1, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	case 2: SFX(dec_block_fixed)(2, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	case 3: SFX(dec_block_fixed)(3, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	case 4: SFX(dec_block_fixed)(4, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	case 5: SFX(dec_block_fixed)(5, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	case 6: SFX(dec_block_fixed)(6, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	case 7: SFX(dec_block_fixed)(7, H, a, kh, q, rows, n, acc, m, l); break;                  \
+	default: SFX(dec_block_fixed)(8, H, a, kh, q, rows, n, acc, m, l); break;                 \
 	}
+	if (h16)
+		DEC_CASES(1)
+	else
+		DEC_CASES(0)
+#undef DEC_CASES
 }
 
-/* F16 cache: elements [k0, k0 + w) and [v0, v0 + w) of the n rows src[i]
- * as f32, row i at cv + 2 w i (K, then V); w % VW == 0. */
+/* F16 cache, prefill tiles: elements [k0, k0 + w) and [v0, v0 + w) of the
+ * n rows src[i] as f32, row i at cv + 2 w i (K, then V); w % VW == 0. */
 static void SFX(cvt_rows)(float *cv, const void *const *src, int64_t n, int64_t k0, int64_t v0, int64_t w)
 {
 	for (int64_t i = 0; i < n; i++) {
