@@ -808,18 +808,13 @@ int kc_attn(const kb_attn_args *a)
 	return DS_OK;
 }
 
-/* A chunk's row i of an F16 cache: K and V of the head's KV head as f32 at
- * cvt + 2 hd i (K, then V). */
-static void paged_cvt(float *cvt, const kb_paged_attn_args *a, const int32_t *bt, int64_t j0, int64_t n, int64_t kh)
+/* An F16 cache row's K and V of KV head kh as f32: K at cvt, V at cvt + hd. */
+static void paged_cvt(float *cvt, const kb_paged_attn_args *a, const uint16_t *r, int64_t kh)
 {
 	const int64_t hd = a->head_dim;
-	for (int64_t i = 0; i < n; i++) {
-		const int64_t j = j0 + i, slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
-		const uint16_t *r = (const uint16_t *)a->cache + slot * a->row_stride;
-		for (int64_t d = 0; d < hd; d++) {
-			cvt[i * 2 * hd + d] = kc_f16_to_f32(r[a->k_off + kh * hd + d]);
-			cvt[i * 2 * hd + hd + d] = kc_f16_to_f32(r[a->v_off + kh * hd + d]);
-		}
+	for (int64_t d = 0; d < hd; d++) {
+		cvt[d] = kc_f16_to_f32(r[a->k_off + kh * hd + d]);
+		cvt[hd + d] = kc_f16_to_f32(r[a->v_off + kh * hd + d]);
 	}
 }
 
@@ -847,12 +842,15 @@ static void paged_range(void *ctx, int64_t begin, int64_t end)
 		for (int64_t j0 = 0; j0 <= a->tok_pos[t]; j0 += ATT_CHUNK) {
 			int64_t n = a->tok_pos[t] + 1 - j0 < ATT_CHUNK ? a->tok_pos[t] + 1 - j0 : ATT_CHUNK;
 			float cmax = -INFINITY;
-			if (f16)
-				paged_cvt(cvt, a, bt, j0, n, kh);
 			for (int64_t i = 0; i < n; i++) {
 				int64_t j = j0 + i;
 				int64_t slot = (int64_t)bt[j / a->page_size] * a->page_size + j % a->page_size;
-				rows[i] = f16 ? cvt + i * 2 * hd : (const float *)a->cache + slot * a->row_stride;
+				if (f16) { /* the chunk's rows converted, row i at cvt + 2 hd i */
+					paged_cvt(cvt + i * 2 * hd, a, (const uint16_t *)a->cache + slot * a->row_stride, kh);
+					rows[i] = cvt + i * 2 * hd;
+				} else {
+					rows[i] = (const float *)a->cache + slot * a->row_stride;
+				}
 			}
 			v.scores(sc, q, rows, koff, n, hd, a->scale, 0);
 			for (int64_t i = 0; i < n; i++)

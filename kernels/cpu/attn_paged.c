@@ -254,9 +254,9 @@ static void dec_item(const paged_ctx *x, const pitem *p)
 	const int64_t klo = a->k_off + p->kh0 * hd, khi = a->k_off + p->kh1 * hd;
 	const int64_t vlo = a->v_off + p->kh0 * hd, vhi = a->v_off + p->kh1 * hd;
 	const int64_t lo = klo < vlo ? klo : vlo, hi = khi > vhi ? khi : vhi;
-	/* element bytes: an F16 cache's rows are read as halves by the kernels */
+	/* an F16 cache's rows are read as halves by the kernels */
 	const int f16 = a->cache_type == KB_F16;
-	const int64_t es = f16 ? 2 : 4;
+	const int64_t es = cache_esize(a);
 	fold_start(O, M, L, nh, hd);
 	for (int64_t s = p->s0; s < p->s1; s++) {
 		const int64_t j0 = s * SPLIT, j1 = (s + 1) * SPLIT < keys ? (s + 1) * SPLIT : keys;

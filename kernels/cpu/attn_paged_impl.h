@@ -348,20 +348,17 @@ static void SFX(tile)(const paged_ctx *x, int64_t t0, int nq, int64_t h0, int nh
 		 * points, hence the rounding, follow positions only) */
 		int64_t n = plast + 1 - jb;
 		n = n < BLK ? n : BLK;
+		const void *src[BLK];
 		const float *rows[BLK];
 		int64_t koff = a->k_off + kh * hd, voff = a->v_off + kh * hd;
+		for (int64_t i = 0; i < n; i++)
+			src[i] = key_row(a, bt, jb + i);
 		if (f16) {
-			const void *src[BLK];
-			for (int64_t i = 0; i < n; i++)
-				src[i] = key_row(a, bt, jb + i);
 			SFX(cvt_rows)(cv, src, n, koff, voff, hd);
-			for (int64_t i = 0; i < n; i++)
-				rows[i] = cv + i * 2 * hd;
 			koff = 0, voff = hd;
-		} else {
-			for (int64_t i = 0; i < n; i++)
-				rows[i] = key_row(a, bt, jb + i);
 		}
+		for (int64_t i = 0; i < n; i++)
+			rows[i] = f16 ? cv + i * 2 * hd : (const float *)src[i];
 		const int masked = jb + n - 1 > p0; /* some key of the block lies past a lane's token */
 		for (int g = 0; g < nh; g++)
 			SFX(tile_block)(qt + g * hd * VW, acc + g * hd * VW, &m[g], &l[g], sc, rows, koff, voff,
