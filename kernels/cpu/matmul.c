@@ -15,7 +15,7 @@
  *   M = 1 with whole contiguous BF16 or FP8 rows (kc_mm_rows): the rows
  *             cut into ROWS_SHARES shares per thread, which the threads
  *             claim in turn; each share is read row by row in memory
- *             order, one sequential stream with a software prefetch 8 KiB
+ *             order, one sequential stream with a software prefetch 12 KiB
  *             ahead; no tiles, no panels.  A batch of such products whose
  *             W matrices lie back to back streams as one
  *             (kc_matmul_batch_isa), and so do several products of any
@@ -130,6 +130,13 @@ static void prefetch_rows(const kb_matmul_args *a, int64_t r0, int64_t r1, int64
 }
 
 #define PF_BYTES 8192 /* decode prefetch distance, at least (see mm_block_decode) */
+/* The row kernels' L2 request distance (kc_mm_rows.pf_bytes).  On the Zen 4
+ * host of 2026-12-07 (2 vCPUs, 29-40 GB/s) a synthetic step of the V3
+ * benchmark model's products (one process, the forms alternating step by
+ * step, medians of 60 steps) took 4-6% less time natively and 4-9% less on
+ * AVX2 with 12 KiB than with 8 (10 and 14 KiB in between); the Zen 5 host of
+ * 2026-12-04 (84 GB/s) had it at 0.96-1.02 of 8 KiB (docs/benchmarks.md). */
+#define ROWS_PF_BYTES 12288
 
 /* Decode order (decode_order: up to DECODE_TILES tiles of x rows): each
  * panel of W rows is streamed once, K chunk by K chunk, the accumulators
@@ -281,7 +288,7 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
  * less for the others to wait on.  With one share per thread the caller
  * waited for the other thread 5-16% of the time it worked in these jobs on
  * a V3-shaped decode; with 8, 2.5-4.3% (a pool instrumented per job,
- * DS_CPU_ISA=avx2, 2 threads).  A share's first 8 KiB start cold, which 8
+ * DS_CPU_ISA=avx2, 2 threads).  A share's first 12 KiB start cold, which 8
  * shares per thread did not show. */
 #define ROWS_SHARES 8
 
@@ -322,7 +329,7 @@ static void rows_run(const kb_matmul_args *a, const kc_mm_kernels *kn, const flo
 	j.proto = (kc_mm_rows){
 		.dt = a->wtype, .x = xp, .w = a->w, .K = a->K, .y = a->y, .store = !a->accumulate,
 		.scale = a->w_scale, .scale_stride = a->scale_stride, .block = a->block,
-		.per_item = a->N, .y_bstride = a->y_bstride, .s_bstride = a->s_bstride, .pf_bytes = PF_BYTES,
+		.per_item = a->N, .y_bstride = a->y_bstride, .s_bstride = a->s_bstride, .pf_bytes = ROWS_PF_BYTES,
 	};
 	j.per = (j.N + threads * ROWS_SHARES - 1) / (threads * ROWS_SHARES);
 	j.per = (j.per + 15) / 16 * 16;
@@ -525,7 +532,7 @@ int kc_matmul_multi_isa(enum kc_isa isa, const kb_matmul_args *a, int n)
 			j.proto[i] = (kc_mm_rows){
 				.dt = a[i].wtype, .x = px[i], .w = a[i].w, .K = a[i].K, .y = a[i].y,
 				.store = !a[i].accumulate, .scale = a[i].w_scale, .scale_stride = a[i].scale_stride,
-				.block = a[i].block, .per_item = a[i].N, .pf_bytes = PF_BYTES,
+				.block = a[i].block, .per_item = a[i].N, .pf_bytes = ROWS_PF_BYTES,
 			};
 		}
 		j.N[i] = a[i].N;
