@@ -15,8 +15,8 @@
  *   M = 1 with whole contiguous BF16 or FP8 rows (kc_mm_rows): the rows
  *             cut into ROWS_SHARES shares per thread, which the threads
  *             claim in turn; each share is read row by row in memory
- *             order, one sequential stream with a software prefetch 12 KiB
- *             ahead; no tiles, no panels.  A batch of such products whose
+ *             order, one sequential stream with a software prefetch
+ *             ROWS_PF_BYTES ahead; no tiles, no panels.  A batch of such products whose
  *             W matrices lie back to back streams as one
  *             (kc_matmul_batch_isa), and so do several products of any
  *             placement (kc_matmul_multi_isa).
@@ -288,8 +288,8 @@ static void mm_item(void *ctx, int64_t b, int64_t e)
  * less for the others to wait on.  With one share per thread the caller
  * waited for the other thread 5-16% of the time it worked in these jobs on
  * a V3-shaped decode; with 8, 2.5-4.3% (a pool instrumented per job,
- * DS_CPU_ISA=avx2, 2 threads).  A share's first 12 KiB start cold, which 8
- * shares per thread did not show. */
+ * DS_CPU_ISA=avx2, 2 threads).  A share's first ROWS_PF_BYTES start cold,
+ * which 8 shares per thread did not show. */
 #define ROWS_SHARES 8
 
 typedef struct rows_job {
