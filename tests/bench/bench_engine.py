@@ -57,6 +57,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 
@@ -182,15 +183,17 @@ def probe_cols(label, r, per_tok, kv_tok, by_dtype):
     last the hot-product probe's FP8 and BF16 GB/s (one-row products in
     cache) and the fraction of the roofline they make with the read probe:
     each dtype's bytes at the lower of the read rate and its hot rate, the
-    rest at the read rate."""
+    rest at the read rate.  Records the stretch's "of bound" and ceiling
+    under label in OF_BOUND."""
     m = r["membw"]
     tok = m["decode_tok_s"]
     rd = m["read_bytes_s"]
     hot = {"F8_E4M3": m["fp8_hot_bytes_s"], "BF16": m["bf16_hot_bytes_s"]}
     roof_s = sum(b / min(rd, hot.get(dt, rd)) for dt, b in by_dtype.items())
-    OF_BOUND.setdefault(label, []).append((tok / (rd / per_tok), per_tok / rd / roof_s))
+    of_bound = tok * per_tok / rd
+    OF_BOUND.setdefault(label, []).append((of_bound, per_tok / rd / roof_s))
     return (f" |{'':15}{tok:>11.2f}{rd / 1e9:>11.1f}"
-            f"{tok / (rd / per_tok):>9.2f}"
+            f"{of_bound:>9.2f}"
             f"{tok / (rd / (per_tok + kv_tok)):>8.2f}"
             f"{m['triad_bytes_s'] / 1e9:>12.1f}"
             f"{tok / (m['triad_bytes_s'] / per_tok):>9.2f}"
@@ -229,7 +232,7 @@ def bound_summary(target=0.8):
     on "of bound" in that stretch."""
     parts = []
     for label, v in OF_BOUND.items():
-        med = sorted(x for x, _ in v)[len(v) // 2]
+        med = statistics.median(x for x, _ in v)
         each = ", ".join(f"{x:.2f}" + (f" (ceiling {c:.2f})" if c < 0.995 else "") for x, c in v)
         parts.append(f"{label} {med:.2f} {'met' if med >= target else 'MISSED'} [{each}]")
     print(f"\nbatch-1 decode / bandwidth bound, median of the stretches (target {target}): "
